@@ -1,0 +1,1 @@
+"""omni-mesh configs."""

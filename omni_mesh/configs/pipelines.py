@@ -1,0 +1,93 @@
+"""The built-in pipelines: the reference models (tiny-omni, tiny-tts, tiny-image) and the
+synthetic pipeline used by benchmarks and scale tests."""
+
+from __future__ import annotations
+
+from omni_mesh.configs.pipeline import OutputKind, PipelineSpec, StageSpec, register_pipeline
+
+_REF = "omni_mesh.engines.reference"
+
+TINY_OMNI = register_pipeline(
+    PipelineSpec(
+        name="tiny-omni",
+        description="Omni speech model: thinker (text + hidden states) -> talker -> code2wav.",
+        prompt_fields=("seed", "voice", "max_tokens"),
+        stages=(
+            StageSpec(
+                stage_id=0,
+                name="thinker",
+                engine=f"{_REF}.thinker:ThinkerEngine",
+                final_output=OutputKind.TEXT,
+            ),
+            StageSpec(
+                stage_id=1,
+                name="talker",
+                engine=f"{_REF}.talker:TalkerEngine",
+                sources=(0,),
+                processor=f"{_REF}.processors:thinker_to_talker",
+            ),
+            StageSpec(
+                stage_id=2,
+                name="code2wav",
+                engine=f"{_REF}.code2wav:Code2WavEngine",
+                sources=(1,),
+                processor=f"{_REF}.processors:talker_to_code2wav",
+                final_output=OutputKind.AUDIO,
+            ),
+        ),
+    )
+)
+
+TINY_TTS = register_pipeline(
+    PipelineSpec(
+        name="tiny-tts",
+        description="Text to speech: talker -> code2wav.",
+        prompt_fields=("seed", "voice", "max_tokens"),
+        stages=(
+            StageSpec(stage_id=0, name="talker", engine=f"{_REF}.talker:TalkerEngine"),
+            StageSpec(
+                stage_id=1,
+                name="code2wav",
+                engine=f"{_REF}.code2wav:Code2WavEngine",
+                sources=(0,),
+                processor=f"{_REF}.processors:talker_to_code2wav",
+                final_output=OutputKind.AUDIO,
+            ),
+        ),
+    )
+)
+
+TINY_IMAGE = register_pipeline(
+    PipelineSpec(
+        name="tiny-image",
+        description="Image generation: ar (image tokens) -> dit (diffusion denoising) -> PNG.",
+        prompt_fields=("seed", "size", "steps"),
+        stages=(
+            StageSpec(stage_id=0, name="ar", engine=f"{_REF}.ar:ImageArEngine"),
+            StageSpec(
+                stage_id=1,
+                name="dit",
+                engine=f"{_REF}.dit:DitEngine",
+                sources=(0,),
+                processor=f"{_REF}.processors:ar_to_dit",
+                final_output=OutputKind.IMAGE,
+            ),
+        ),
+    )
+)
+
+_SYN = "omni_mesh.engines.synthetic:SyntheticEngine"
+SYNTHETIC = register_pipeline(
+    PipelineSpec(
+        name="synthetic",
+        description="Three synthetic stages (latency model a + b*batch ms, sized output).",
+        prompt_fields=("seed",),
+        stages=(
+            StageSpec(stage_id=0, name="s0", engine=_SYN),
+            StageSpec(stage_id=1, name="s1", engine=_SYN, sources=(0,)),
+            StageSpec(
+                stage_id=2, name="s2", engine=_SYN, sources=(1,), final_output=OutputKind.DATA
+            ),
+        ),
+    )
+)
