@@ -1,0 +1,121 @@
+"""The omni-cp aiohttp application: middlewares, routes and resources in ``cleanup_ctx``.
+
+Resources come up in order (Redis client -> store -> change hub -> sweeper) and go down in
+reverse. Several apps may live in one process (tests): each has its own metrics registry.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+from redis.asyncio import Redis
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import RedisError
+from redis.retry import Retry
+
+from omni_mesh.configs.settings import ControlPlaneSettings
+from omni_mesh.control_plane import api, appkeys
+from omni_mesh.control_plane.hub import ChangeHub
+from omni_mesh.control_plane.keys import KeySchema
+from omni_mesh.control_plane.middleware import (
+    auth_middleware,
+    error_middleware,
+    metrics_middleware,
+)
+from omni_mesh.control_plane.schema import MAX_BODY_BYTES
+from omni_mesh.control_plane.store import InstanceStore
+from omni_mesh.control_plane.sweeper import Sweeper
+from omni_mesh.observability.metrics import ControlPlaneMetrics
+
+logger = logging.getLogger(__name__)
+
+
+def connect_redis(url: str) -> Redis:
+    """A Redis client that fails fast (one quick retry), so the API answers 503 promptly."""
+    return Redis.from_url(
+        url,
+        decode_responses=True,
+        socket_connect_timeout=1.0,
+        socket_timeout=2.0,
+        retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), retries=1),
+        health_check_interval=10,
+    )
+
+
+async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
+    redis = connect_redis(app[appkeys.REDIS_URL])
+    settings = app[appkeys.SETTINGS]
+    app[appkeys.STORE] = InstanceStore(
+        redis,
+        app[appkeys.KEYS],
+        lease_ttl_ms=settings.lease_ttl_ms,
+        evict_after_ms=settings.evict_after_ms,
+    )
+    try:
+        await redis.ping()
+    except RedisError as exc:
+        logger.warning("redis not reachable at start-up (serving 503 until it is): %s", exc)
+    try:
+        yield
+    finally:
+        await redis.aclose()
+
+
+async def _hub_ctx(app: web.Application) -> AsyncIterator[None]:
+    hub = ChangeHub(app[appkeys.STORE].redis, app[appkeys.KEYS])
+    app[appkeys.HUB] = hub
+    hub.start()
+    try:
+        yield
+    finally:
+        await hub.stop()
+
+
+async def _sweeper_ctx(app: web.Application) -> AsyncIterator[None]:
+    settings = app[appkeys.SETTINGS]
+    sweeper = Sweeper(
+        app[appkeys.STORE],
+        app[appkeys.METRICS],
+        interval_ms=settings.sweep_interval_ms,
+        lock_ttl_ms=settings.sweeper_lock_ttl_ms,
+    )
+    app[appkeys.SWEEPER] = sweeper
+    sweeper.start()
+    try:
+        yield
+    finally:
+        await sweeper.stop()
+
+
+async def _wake_watchers(app: web.Application) -> None:
+    app[appkeys.HUB].begin_shutdown()
+
+
+def create_app(
+    settings: ControlPlaneSettings,
+    redis_url: str,
+    *,
+    keys: KeySchema | None = None,
+    registry: CollectorRegistry | None = None,
+) -> web.Application:
+    """Build the app; ``redis_url`` overrides ``settings.redis_url`` (embedded Redis)."""
+    metrics = ControlPlaneMetrics(registry or CollectorRegistry())
+    app = web.Application(
+        middlewares=[
+            metrics_middleware(metrics),
+            error_middleware,
+            auth_middleware(settings.token),
+        ],
+        client_max_size=MAX_BODY_BYTES,
+    )
+    app[appkeys.SETTINGS] = settings
+    app[appkeys.REDIS_URL] = redis_url
+    app[appkeys.KEYS] = keys or KeySchema()
+    app[appkeys.METRICS] = metrics
+    app.cleanup_ctx.extend([_redis_ctx, _hub_ctx, _sweeper_ctx])
+    app.on_shutdown.append(_wake_watchers)
+    api.add_routes(app)
+    return app

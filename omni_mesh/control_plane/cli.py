@@ -1,0 +1,130 @@
+"""``omni-cp``: ``serve`` the control plane, or show its ``status``. Parses, configures, delegates.
+
+Every ``serve`` flag may also come from the environment (``OMNI_CP_<FLAG>``, e.g.
+``OMNI_CP_LEASE_TTL_MS``); a flag given on the command line wins. Bad flags exit with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from pydantic import ValidationError
+
+from omni_mesh.configs.settings import ControlPlaneClientSettings, ControlPlaneSettings, LogLevel
+from omni_mesh.control_plane.client import ControlPlaneClient
+from omni_mesh.control_plane.embedded_redis import EmbeddedRedisError
+from omni_mesh.control_plane.errors import ControlPlaneError, ControlPlaneUnavailableError
+from omni_mesh.control_plane.server import ServeError, ServingInfo, serve_forever
+from omni_mesh.control_plane.status import render_status
+
+_SERVE_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("--host", str, "interface to listen on (default 127.0.0.1)"),
+    ("--port", int, "port to listen on (default 7700)"),
+    ("--redis-url", str, "Redis URL; without it an embedded redis-server is started"),
+    ("--auth-token", str, "bearer token required on every route but /healthz, /metrics"),
+    ("--heartbeat-interval-ms", int, "heartbeat period asked of instances (default 1000)"),
+    ("--lease-ttl-ms", int, "lease: heartbeat age that isolates an instance (default 3000)"),
+    ("--sweep-interval-ms", int, "liveness sweeper period (default 250)"),
+    ("--sweeper-lock-ttl-ms", int, "sweeper lock expiry, i.e. takeover time (default 2000)"),
+    ("--evict-after-ms", int, "delete records of dead instances after this (default 60000)"),
+    ("--log-level", str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="omni-cp", description="omni-mesh control plane: registry, leases, discovery."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{serve,status}")
+    serve = sub.add_parser("serve", help="run the control plane HTTP API")
+    for flag, kind, help_text in _SERVE_FLAGS:
+        serve.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text)
+    status = sub.add_parser("status", help="show every registered instance")
+    status.add_argument("--cp", default=argparse.SUPPRESS, help="omni-cp URL(s), comma-separated")
+    status.add_argument("--auth-token", default=argparse.SUPPRESS, help="bearer token")
+    status.add_argument("--timeout-s", type=float, default=argparse.SUPPRESS, help="per request")
+    status.add_argument("--pipeline", default=None, help="only this pipeline")
+    return parser
+
+
+def _settings_error(parser: argparse.ArgumentParser, exc: ValidationError, prefix: str) -> NoReturn:
+    problems = []
+    for err in exc.errors(include_url=False, include_input=False):
+        field = ".".join(str(p) for p in err["loc"])
+        where = f"--{field.replace('_', '-')} / {prefix}{field.upper()}: " if field else ""
+        problems.append(f"{where}{err['msg']}")
+    parser.error("; ".join(problems))
+
+
+def _configure_logging(level: LogLevel) -> None:
+    logging.basicConfig(
+        level=level.as_int,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _announce(info: ServingInfo) -> None:
+    kind = "embedded" if info.embedded_redis else "external"
+    print(f"omni-cp serving on {info.url} (redis {info.redis_url} {kind})", flush=True)
+
+
+def cmd_serve(parser: argparse.ArgumentParser, args: dict[str, Any]) -> int:
+    try:
+        settings = ControlPlaneSettings(**args)
+    except ValidationError as exc:
+        _settings_error(parser, exc, "OMNI_CP_")
+    _configure_logging(settings.log_level)
+    try:
+        serve_forever(settings, on_ready=_announce)
+    except (ServeError, EmbeddedRedisError) as exc:
+        print(f"omni-cp: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _fetch_status(settings: ControlPlaneClientSettings, pipeline: str | None) -> str:
+    async with ControlPlaneClient(
+        settings.urls, auth_token=settings.token, timeout_s=settings.timeout_s
+    ) as client:
+        return render_status(await client.pipelines(), pipeline=pipeline)
+
+
+def cmd_status(parser: argparse.ArgumentParser, args: dict[str, Any]) -> int:
+    pipeline = args.pop("pipeline", None)
+    if "cp" in args:
+        args["url"] = args.pop("cp")
+    try:
+        settings = ControlPlaneClientSettings(**args)
+    except ValidationError as exc:
+        _settings_error(parser, exc, "OMNI_CP_")
+    if not settings.urls:
+        parser.error("--cp: no control-plane URL given")
+    _configure_logging(LogLevel.WARNING)
+    try:
+        table = asyncio.run(_fetch_status(settings, pipeline))
+    except ControlPlaneUnavailableError as exc:
+        print(f"omni-cp status: control plane unreachable: {exc}", file=sys.stderr)
+        return 1
+    except ControlPlaneError as exc:
+        print(f"omni-cp status: {exc}", file=sys.stderr)
+        return 1
+    print(table)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+    command = args.pop("command", None)
+    if command == "serve":
+        return cmd_serve(parser, args)
+    if command == "status":
+        return cmd_status(parser, args)
+    parser.print_help(sys.stderr)
+    return 2

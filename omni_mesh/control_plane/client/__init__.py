@@ -1,0 +1,55 @@
+"""The typed async client of the control plane, for sidecars and tools.
+
+- :class:`ControlPlaneClient` - one method per API route, fails over between omni-cp URLs.
+- :class:`InstanceLease` - registration + heartbeats of one instance, re-registers on 404.
+- :class:`PoolWatcher` - a local cache of a pipeline's healthy pools fed by the watch API.
+
+Request/response models and errors are re-exported from ``schema`` and ``errors``.
+"""
+
+from omni_mesh.control_plane.client.backoff import Backoff
+from omni_mesh.control_plane.client.http import ControlPlaneClient
+from omni_mesh.control_plane.client.lease import InstanceLease
+from omni_mesh.control_plane.client.watcher import ChangeListener, PoolWatcher
+from omni_mesh.control_plane.errors import (
+    ControlPlaneAuthError,
+    ControlPlaneError,
+    ControlPlaneRequestError,
+    ControlPlaneUnavailableError,
+    InstanceUnknownError,
+)
+from omni_mesh.control_plane.schema import (
+    HeartbeatAck,
+    InstanceInfo,
+    InstanceState,
+    LoadReport,
+    PipelineList,
+    PipelineSnapshot,
+    PipelineStatus,
+    PoolSnapshot,
+    RegisterRequest,
+    Registration,
+)
+
+__all__ = [
+    "Backoff",
+    "ChangeListener",
+    "ControlPlaneAuthError",
+    "ControlPlaneClient",
+    "ControlPlaneError",
+    "ControlPlaneRequestError",
+    "ControlPlaneUnavailableError",
+    "HeartbeatAck",
+    "InstanceInfo",
+    "InstanceLease",
+    "InstanceState",
+    "InstanceUnknownError",
+    "LoadReport",
+    "PipelineList",
+    "PipelineSnapshot",
+    "PipelineStatus",
+    "PoolSnapshot",
+    "PoolWatcher",
+    "RegisterRequest",
+    "Registration",
+]

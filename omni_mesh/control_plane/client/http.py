@@ -1,0 +1,225 @@
+"""``ControlPlaneClient``: the typed async HTTP client of the control plane API.
+
+Several omni-cp URLs may be given (they share one Redis): a request goes to the URL that last
+answered and moves on to the next on a connection error, a timeout or a 5xx. 4xx answers raise
+:class:`ControlPlaneRequestError` (``InstanceUnknownError`` for 404 on an instance route,
+``ControlPlaneAuthError`` for 401) with the field the server named.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import TypeVar
+
+import aiohttp
+from pydantic import BaseModel, ValidationError
+
+from omni_mesh.control_plane.errors import (
+    ControlPlaneAuthError,
+    ControlPlaneError,
+    ControlPlaneRequestError,
+    ControlPlaneUnavailableError,
+    InstanceUnknownError,
+)
+from omni_mesh.control_plane.schema import (
+    DrainRequest,
+    ErrorBody,
+    HealthStatus,
+    HeartbeatAck,
+    HeartbeatRequest,
+    InstanceInfo,
+    IsolateRequest,
+    LoadReport,
+    PipelineList,
+    PipelineSnapshot,
+    PoolSnapshot,
+    RegisterRequest,
+    Registration,
+)
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+
+_RETRY_SAME_URL = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+
+
+class ControlPlaneClient:
+    """Async client of one control plane (one or more omni-cp URLs). Close it when done."""
+
+    def __init__(
+        self,
+        urls: Sequence[str] | str,
+        *,
+        auth_token: str | None = None,
+        timeout_s: float = 2.0,
+    ) -> None:
+        url_list = [urls] if isinstance(urls, str) else list(urls)
+        self.urls: tuple[str, ...] = tuple(u.rstrip("/") for u in url_list if u.strip())
+        if not self.urls:
+            raise ValueError("ControlPlaneClient needs at least one URL")
+        if timeout_s <= 0:
+            raise ValueError("timeout_s must be positive")
+        self.timeout_s = timeout_s
+        self._headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
+        self._preferred = 0
+        self._session: aiohttp.ClientSession | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(headers=self._headers)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> ControlPlaneClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    # ---- API -----------------------------------------------------------------------------
+
+    async def register(self, request: RegisterRequest) -> Registration:
+        body = await self._call("POST", "/v1/instances", body=request)
+        return _parse(Registration, body)
+
+    async def heartbeat(self, instance_id: str, load: LoadReport) -> HeartbeatAck:
+        """Renew the lease; raises :class:`InstanceUnknownError` when the id is unknown."""
+        path = f"/v1/instances/{instance_id}/heartbeat"
+        body = await self._call("PUT", path, body=HeartbeatRequest(load=load), instance=True)
+        return _parse(HeartbeatAck, body)
+
+    async def deregister(self, instance_id: str) -> None:
+        await self._call("DELETE", f"/v1/instances/{instance_id}", instance=True)
+
+    async def isolate(self, instance_id: str, reason: str | None = None) -> InstanceInfo:
+        req = IsolateRequest() if reason is None else IsolateRequest(reason=reason)
+        path = f"/v1/instances/{instance_id}/isolate"
+        return _parse(InstanceInfo, await self._call("POST", path, body=req, instance=True))
+
+    async def drain(self, instance_id: str, reason: str | None = None) -> InstanceInfo:
+        req = DrainRequest() if reason is None else DrainRequest(reason=reason)
+        path = f"/v1/instances/{instance_id}/drain"
+        return _parse(InstanceInfo, await self._call("POST", path, body=req, instance=True))
+
+    async def readmit(self, instance_id: str) -> InstanceInfo:
+        path = f"/v1/instances/{instance_id}/readmit"
+        return _parse(InstanceInfo, await self._call("POST", path, instance=True))
+
+    async def instances(self, pipeline: str, stage_id: int, all: bool = False) -> PoolSnapshot:
+        """Healthy instances of one stage pool (``all=True``: any state)."""
+        path = f"/v1/pipelines/{pipeline}/stages/{stage_id}/instances"
+        body = await self._call("GET", path, params={"all": "1" if all else "0"})
+        return _parse(PoolSnapshot, body)
+
+    async def pipelines(self) -> PipelineList:
+        return _parse(PipelineList, await self._call("GET", "/v1/pipelines"))
+
+    async def watch(
+        self, pipeline: str, since: int | None = None, timeout_s: float = 30.0
+    ) -> PipelineSnapshot:
+        """Long-poll: the snapshot after version ``since`` (at once if it is not current)."""
+        params = {"pipeline": pipeline, "timeout_s": f"{timeout_s:g}"}
+        if since is not None:
+            params["since"] = str(since)
+        body = await self._call(
+            "GET", "/v1/watch", params=params, timeout_s=timeout_s + self.timeout_s
+        )
+        return _parse(PipelineSnapshot, body)
+
+    async def health(self) -> HealthStatus:
+        return _parse(HealthStatus, await self._call("GET", "/healthz"))
+
+    # ---- transport -----------------------------------------------------------------------
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: BaseModel | None = None,
+        params: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+        instance: bool = False,
+    ) -> bytes:
+        data = None if body is None else body.model_dump_json(exclude_none=True).encode()
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
+        failures: list[str] = []
+        n = len(self.urls)
+        for offset in range(n):
+            index = (self._preferred + offset) % n
+            url = self.urls[index] + path
+            for attempt in range(2):
+                try:
+                    status, payload = await self._send(method, url, data, params, timeout)
+                except _RETRY_SAME_URL as exc:
+                    if attempt == 0:  # a stale keep-alive connection: retry once on this URL
+                        continue
+                    failures.append(f"{self.urls[index]}: {exc!r}")
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    failures.append(f"{self.urls[index]}: {exc!r}")
+                else:
+                    if status < 500:
+                        self._preferred = index
+                        return _check(status, payload, instance=instance)
+                    failures.append(f"{self.urls[index]}: HTTP {status} {_message(payload)}")
+                break
+        raise ControlPlaneUnavailableError(
+            f"{method} {path}: no control plane answered ({'; '.join(failures)})"
+        )
+
+    async def _send(
+        self,
+        method: str,
+        url: str,
+        data: bytes | None,
+        params: Mapping[str, str] | None,
+        client_timeout: aiohttp.ClientTimeout,
+    ) -> tuple[int, bytes]:
+        headers = {"Content-Type": "application/json"} if data is not None else None
+        async with self._get_session().request(
+            method, url, data=data, params=params, headers=headers, timeout=client_timeout
+        ) as response:
+            return response.status, await response.read()
+
+
+def _message(payload: bytes) -> str:
+    try:
+        return ErrorBody.model_validate_json(payload).error.message
+    except ValidationError:
+        return payload[:200].decode(errors="replace")
+
+
+def _check(status: int, payload: bytes, *, instance: bool) -> bytes:
+    if status < 400:
+        return payload
+    try:
+        err = ErrorBody.model_validate_json(payload).error
+        message, field, stage = err.message, err.field, err.stage
+    except ValidationError:
+        message, field, stage = payload[:200].decode(errors="replace"), None, None
+    if status == 401:
+        raise ControlPlaneAuthError(status, message, field=field)
+    if status == 404 and instance:
+        raise InstanceUnknownError(status, message, field=field)
+    raise ControlPlaneRequestError(status, message, field=field, stage=stage)
+
+
+def _parse(model: type[M], payload: bytes) -> M:
+    try:
+        return model.model_validate_json(payload)
+    except ValidationError as exc:
+        raise ControlPlaneError(f"unexpected answer from the control plane: {exc}") from exc

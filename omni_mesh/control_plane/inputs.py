@@ -1,0 +1,131 @@
+"""Parsing of untrusted request input: bodies, path and query parameters, pipeline lookups.
+
+Everything here raises an :class:`~omni_mesh.control_plane.errors.ApiError` that names the field
+at fault (and the stage where there is one), never anything that becomes a 500.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from omni_mesh.configs.pipeline import (
+    PipelineSpec,
+    UnknownPipelineError,
+    UnknownStageError,
+    get_pipeline,
+)
+from omni_mesh.control_plane.errors import BadRequestError, NotFoundError, PayloadTooLargeError
+from omni_mesh.control_plane.schema import MAX_BODY_BYTES
+
+M = TypeVar("M", bound=BaseModel)
+
+_INSTANCE_ID = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off", ""})
+
+
+def describe_validation_error(exc: ValidationError) -> tuple[str, str]:
+    """(message, field) for the first error of ``exc``; the field is a dotted path or "body"."""
+    errors = exc.errors(include_url=False, include_input=False)
+    first = errors[0]
+    field = ".".join(str(part) for part in first["loc"]) or "body"
+    kind = first["type"]
+    if kind == "json_invalid":
+        message = f"body is not valid JSON ({first['msg']})"
+    elif kind in ("model_type", "model_attributes_type"):
+        message = "body must be a JSON object"
+    elif kind == "extra_forbidden":
+        message = f"{field}: unknown field"
+    elif kind == "missing":
+        message = f"{field}: field required"
+    elif kind == "value_error" and "error" in first.get("ctx", {}):
+        message = f"{field}: {first['ctx']['error']}"
+    else:
+        message = f"{field}: {first['msg']}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error(s))"
+    return message, field
+
+
+async def read_model(request: web.Request, model: type[M], *, allow_empty: bool = False) -> M:
+    """Read a bounded JSON-object body and validate it into ``model``."""
+    length = request.content_length
+    if length is not None and length > MAX_BODY_BYTES:
+        raise PayloadTooLargeError(
+            f"request body is {length} bytes; the limit is {MAX_BODY_BYTES}", field="body"
+        )
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise PayloadTooLargeError(
+            f"request body exceeds the limit of {MAX_BODY_BYTES} bytes", field="body"
+        ) from None
+    if not raw.strip():
+        if not allow_empty:
+            raise BadRequestError("request body is empty; expected a JSON object", field="body")
+        raw = b"{}"
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        message, field = describe_validation_error(exc)
+        raise BadRequestError(message, field=field) from None
+
+
+def instance_id_param(request: web.Request) -> str:
+    instance_id = request.match_info["id"]
+    if not _INSTANCE_ID.fullmatch(instance_id):
+        raise NotFoundError(f"unknown instance {instance_id[:80]!r}", field="instance_id")
+    return instance_id
+
+
+def lookup_pipeline(name: str, *, field: str = "pipeline") -> PipelineSpec:
+    try:
+        return get_pipeline(name)
+    except UnknownPipelineError as exc:
+        raise BadRequestError(f"{field}: {exc}", field=field) from None
+
+
+def lookup_stage(spec: PipelineSpec, stage_id: int, *, field: str = "stage_id") -> int:
+    try:
+        return spec.stage(stage_id).stage_id
+    except UnknownStageError as exc:
+        raise BadRequestError(f"{field}: {exc}", field=field, stage=stage_id) from None
+
+
+def int_param(raw: str, field: str, *, low: int, high: int) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise BadRequestError(
+            f"{field}: expected an integer, got {raw[:40]!r}", field=field
+        ) from None
+    if not low <= value <= high:
+        raise BadRequestError(f"{field}: must be in [{low}, {high}], got {value}", field=field)
+    return value
+
+
+def float_param(raw: str, field: str, *, low: float, high: float) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise BadRequestError(
+            f"{field}: expected a number, got {raw[:40]!r}", field=field
+        ) from None
+    if not low <= value <= high:  # also rejects nan
+        raise BadRequestError(
+            f"{field}: must be in [{low:g}, {high:g}], got {raw[:40]}", field=field
+        )
+    return value
+
+
+def bool_param(raw: str, field: str) -> bool:
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise BadRequestError(f"{field}: expected 1/0/true/false, got {raw[:40]!r}", field=field)

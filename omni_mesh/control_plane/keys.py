@@ -1,0 +1,114 @@
+"""The whole Redis key schema of the control plane. Nothing else builds a key or channel name.
+
+    omni:inst:{instance_id}          hash    one instance record (fields: see INSTANCE_FIELDS)
+    omni:pool:{pipeline}:{stage_id}  set     ids of every instance of one stage pool, any state
+    omni:pipelines                   set     pipeline names that have (or had) instances
+    omni:leases                      zset    instance_id -> lease deadline (Redis server ms)
+    omni:evict                       zset    instance_id -> eviction deadline (ms) of dead records
+    omni:version:{pipeline}          string  pool version, INCR'd on every membership/state change
+    omni:epoch                       string  registration epoch counter (global)
+    omni:sweeper:lock                string  owner token of the liveness sweeper (SET NX PX)
+    omni:changes:{pipeline}          channel pub/sub hint: the pipeline's new version
+
+The Lua scripts compute instance, pool and version keys from ids they read inside the script
+(a heartbeat knows only the instance id). They receive the prefixes below as arguments
+(:meth:`KeySchema.lua_prefixes`), so the formats still live only here. This targets a single
+Redis (or a primary with replicas), not Redis Cluster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_PREFIX = "omni:"
+
+# Version of the instance record layout stored in the hash's "schema" field.
+RECORD_SCHEMA_VERSION = 1
+
+INSTANCE_FIELDS: tuple[str, ...] = (
+    "schema",
+    "pipeline",
+    "stage_id",
+    "address",
+    "host_id",
+    "capacity",
+    "labels",  # JSON object
+    "state",
+    "reason",
+    "epoch",
+    "registered_at_ms",
+    "last_heartbeat_ms",
+    "load",  # JSON object (LoadReport), "" until the first heartbeat
+)
+
+
+@dataclass(frozen=True, slots=True)
+class KeySchema:
+    """Key and channel names under one prefix (``omni:`` unless a test isolates itself)."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    # ---- per-instance / per-pool ---------------------------------------------------------
+
+    @property
+    def instance_prefix(self) -> str:
+        return f"{self.prefix}inst:"
+
+    def instance(self, instance_id: str) -> str:
+        return f"{self.instance_prefix}{instance_id}"
+
+    @property
+    def pool_prefix(self) -> str:
+        return f"{self.prefix}pool:"
+
+    def pool(self, pipeline: str, stage_id: int) -> str:
+        return f"{self.pool_prefix}{pipeline}:{stage_id}"
+
+    @property
+    def version_prefix(self) -> str:
+        return f"{self.prefix}version:"
+
+    def version(self, pipeline: str) -> str:
+        return f"{self.version_prefix}{pipeline}"
+
+    @property
+    def channel_prefix(self) -> str:
+        return f"{self.prefix}changes:"
+
+    def channel(self, pipeline: str) -> str:
+        return f"{self.channel_prefix}{pipeline}"
+
+    @property
+    def channel_pattern(self) -> str:
+        return f"{self.channel_prefix}*"
+
+    def pipeline_of_channel(self, channel: str) -> str | None:
+        if channel.startswith(self.channel_prefix):
+            return channel[len(self.channel_prefix) :]
+        return None
+
+    # ---- global --------------------------------------------------------------------------
+
+    @property
+    def pipelines(self) -> str:
+        return f"{self.prefix}pipelines"
+
+    @property
+    def leases(self) -> str:
+        return f"{self.prefix}leases"
+
+    @property
+    def evict(self) -> str:
+        return f"{self.prefix}evict"
+
+    @property
+    def epoch(self) -> str:
+        return f"{self.prefix}epoch"
+
+    @property
+    def sweeper_lock(self) -> str:
+        return f"{self.prefix}sweeper:lock"
+
+    def lua_prefixes(self) -> tuple[str, str, str, str]:
+        """(instance, pool, version, channel) prefixes, in the order the scripts expect."""
+        return (self.instance_prefix, self.pool_prefix, self.version_prefix, self.channel_prefix)

@@ -1,0 +1,109 @@
+"""aiohttp middlewares of omni-cp: request metrics, error mapping and bearer-token auth.
+
+Order (outermost first): metrics -> errors -> auth. Every failure leaves as
+``{"error": {"message", "field"?, "stage"?}}``; Redis being unreachable is a 503, never a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from omni_mesh.control_plane.errors import ApiError, ServiceUnavailableError, UnauthorizedError
+from omni_mesh.control_plane.schema import ErrorBody, ErrorDetail
+from omni_mesh.observability.metrics import ControlPlaneMetrics
+
+logger = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset({"/healthz", "/metrics"})
+
+
+def error_response(status: int, detail: ErrorDetail, **headers: str) -> web.Response:
+    return web.json_response(
+        text=ErrorBody(error=detail).model_dump_json(exclude_none=True),
+        status=status,
+        headers=headers or None,
+    )
+
+
+def route_label(request: web.Request) -> str:
+    """The route template ("/v1/instances/{id}/heartbeat"), bounded cardinality."""
+    resource = request.match_info.route.resource
+    return "unmatched" if resource is None else resource.canonical
+
+
+def metrics_middleware(metrics: ControlPlaneMetrics) -> Middleware:
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        started = time.perf_counter()
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        finally:
+            metrics.request_duration.labels(
+                route_label(request), request.method, str(status)
+            ).observe(time.perf_counter() - started)
+
+    return middleware
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
+        return error_response(exc.status, exc.body().error, **headers)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {k: v for k, v in exc.headers.items() if k in ("Allow", "Retry-After")}
+        return error_response(
+            exc.status, ErrorDetail(message=_http_message(request, exc)), **headers
+        )
+    except (RedisConnectionError, RedisTimeoutError) as exc:
+        logger.warning("redis unavailable: %s %s: %s", request.method, request.path, exc)
+        err = ServiceUnavailableError(f"control plane storage (redis) unavailable: {exc}")
+        return error_response(err.status, err.body().error, **{"Retry-After": "1"})
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        logger.exception("unhandled error: %s %s", request.method, request.path)
+        return error_response(500, ErrorDetail(message="internal error (see omni-cp logs)"))
+
+
+def _http_message(request: web.Request, exc: web.HTTPException) -> str:
+    if isinstance(exc, web.HTTPNotFound):
+        return f"no route for {request.method} {request.path}"
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        return f"method {request.method} not allowed on {request.path}"
+    return (exc.text or exc.reason).strip()
+
+
+def auth_middleware(token: str | None) -> Middleware:
+    """With a token configured, every route but /healthz and /metrics needs ``Bearer <token>``."""
+    expected = None if token is None else f"Bearer {token}".encode()
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if expected is not None and request.path not in OPEN_PATHS:
+            given = request.headers.get("Authorization", "").encode()
+            if not given:
+                raise UnauthorizedError("missing bearer token", field="Authorization")
+            if not hmac.compare_digest(given, expected):
+                raise UnauthorizedError("invalid bearer token", field="Authorization")
+        return await handler(request)
+
+    return middleware

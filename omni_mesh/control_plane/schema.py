@@ -1,0 +1,242 @@
+"""Every message of the control-plane HTTP API: one typed model per body, shared by the server
+(``api.py``, ``watch.py``) and the client that sidecars use (``client/``).
+
+Requests are strict (no type coercion, unknown fields rejected) and bounded; responses ignore
+fields they do not know, so an older client keeps working against a newer server. The API is
+versioned by its path (``/v1``); instance records in Redis carry ``keys.RECORD_SCHEMA_VERSION``.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+
+MAX_BODY_BYTES = 64 * 1024
+MAX_LABELS = 32
+MAX_ENGINE_METRICS = 64
+MAX_CAPACITY = 65536
+MAX_STAGE_ID = 63
+
+REASON_LEASE_EXPIRED = "lease_expired"
+REASON_OPERATOR = "operator"
+REASON_DRAIN = "drain"
+
+PipelineNameStr = Annotated[str, StringConstraints(min_length=1, max_length=48)]
+HostId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")]
+LabelKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/\-]{0,62}$")]
+LabelValue = Annotated[str, StringConstraints(max_length=256)]
+MetricName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_.:\-]{0,63}$")]
+Reason = Annotated[str, StringConstraints(pattern=r"^[\x20-\x7e]{1,128}$")]
+MetricValue = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class InstanceState(StrEnum):
+    """Routing state of an instance. Only ``healthy`` instances are handed to routers."""
+
+    HEALTHY = "healthy"
+    ISOLATED = "isolated"  # lease lapsed (reason lease_expired) or an operator isolated it
+    DRAINING = "draining"  # finishing its work; receives no new requests
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+# ---- requests ----------------------------------------------------------------------------------
+
+
+def validate_address(value: str) -> str:
+    """An ``http(s)://host:port[/path]`` base URL, without credentials, query or fragment."""
+    if len(value) > 512:
+        raise ValueError("must be at most 512 characters")
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"is not a valid URL ({exc})") from None
+    if parts.scheme not in ("http", "https"):
+        raise ValueError("must be an http:// or https:// URL")
+    if not parts.hostname:
+        raise ValueError("must name a host")
+    if port is None or port == 0:
+        raise ValueError("must name a port (http://host:port)")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError("must not carry credentials")
+    if parts.query or parts.fragment:
+        raise ValueError("must not have a query or fragment")
+    return value.rstrip("/")
+
+
+class LoadReport(_Request):
+    """Load of one instance, carried by each heartbeat. Updating it does not bump the version."""
+
+    in_flight: int = Field(default=0, ge=0, le=10_000_000, description="Requests executing.")
+    queued: int = Field(default=0, ge=0, le=10_000_000, description="Requests waiting.")
+    capacity: int = Field(
+        default=0, ge=0, le=MAX_CAPACITY, description="Requests it can run concurrently now."
+    )
+    engine: dict[MetricName, MetricValue] = Field(
+        default_factory=dict,
+        max_length=MAX_ENGINE_METRICS,
+        description="Engine figures (kv_cache_usage, step_ms, ...).",
+    )
+
+
+class RegisterRequest(_Request):
+    """``POST /v1/instances``: an instance of one stage of a pipeline joins its pool."""
+
+    pipeline: PipelineNameStr = Field(description="Registered pipeline name.")
+    stage_id: int = Field(ge=0, le=MAX_STAGE_ID, description="Stage of the pipeline it serves.")
+    address: str = Field(description="Base URL other stages reach it on (http://host:port).")
+    capacity: int = Field(ge=1, le=MAX_CAPACITY, description="Concurrent requests it accepts.")
+    host_id: HostId | None = Field(
+        default=None, description="Physical host (same-host peers use shm); default: URL host."
+    )
+    labels: dict[LabelKey, LabelValue] = Field(
+        default_factory=dict, max_length=MAX_LABELS, description="Free-form tags."
+    )
+
+    @field_validator("address")
+    @classmethod
+    def _check_address(cls, value: str) -> str:
+        return validate_address(value)
+
+    @property
+    def effective_host_id(self) -> str:
+        return self.host_id or (urlsplit(self.address).hostname or "")
+
+
+class HeartbeatRequest(_Request):
+    """``PUT /v1/instances/{id}/heartbeat``: renew the lease and report load."""
+
+    load: LoadReport = Field(default_factory=LoadReport, description="Current load.")
+
+
+class IsolateRequest(_Request):
+    """``POST /v1/instances/{id}/isolate``: an operator takes an instance out of its pool."""
+
+    reason: Reason = Field(default=REASON_OPERATOR, description="Why (shown by status).")
+
+    @field_validator("reason")
+    @classmethod
+    def _not_reserved(cls, value: str) -> str:
+        if value == REASON_LEASE_EXPIRED:
+            raise ValueError(f"{REASON_LEASE_EXPIRED!r} is reserved for the liveness sweeper")
+        return value
+
+
+class DrainRequest(_Request):
+    """``POST /v1/instances/{id}/drain``: the instance finishes its work, gets nothing new."""
+
+    reason: Reason = Field(default=REASON_DRAIN, description="Why (shown by status).")
+
+    @field_validator("reason")
+    @classmethod
+    def _not_reserved(cls, value: str) -> str:
+        if value == REASON_LEASE_EXPIRED:
+            raise ValueError(f"{REASON_LEASE_EXPIRED!r} is reserved for the liveness sweeper")
+        return value
+
+
+class ReadmitRequest(_Request):
+    """``POST /v1/instances/{id}/readmit``: back into the pool (no fields; body optional)."""
+
+
+# ---- responses ---------------------------------------------------------------------------------
+
+
+class Registration(_Response):
+    """201 answer to a registration."""
+
+    instance_id: str
+    epoch: int
+    lease_ttl_ms: int
+    heartbeat_interval_ms: int
+
+
+class HeartbeatAck(_Response):
+    """200 answer to a heartbeat: what the control plane thinks of the instance now."""
+
+    instance_id: str
+    epoch: int
+    state: InstanceState
+    reason: str = ""
+
+
+class InstanceInfo(_Response):
+    """One instance as discovery shows it."""
+
+    instance_id: str
+    pipeline: str
+    stage_id: int
+    address: str
+    host_id: str
+    capacity: int
+    labels: dict[str, str] = Field(default_factory=dict)
+    state: InstanceState
+    reason: str = ""
+    epoch: int
+    registered_at_ms: int
+    last_heartbeat_ms: int
+    heartbeat_age_ms: int
+    load: LoadReport = Field(default_factory=LoadReport)
+
+
+class PoolSnapshot(_Response):
+    """``GET /v1/pipelines/{p}/stages/{s}/instances``."""
+
+    pipeline: str
+    stage_id: int
+    version: int
+    instances: tuple[InstanceInfo, ...] = ()
+
+
+class PipelineSnapshot(_Response):
+    """One versioned snapshot of a pipeline's healthy pools (watch responses, SSE events)."""
+
+    pipeline: str
+    version: int
+    stages: dict[int, tuple[InstanceInfo, ...]] = Field(default_factory=dict)
+
+    def healthy(self, stage_id: int) -> tuple[InstanceInfo, ...]:
+        return self.stages.get(stage_id, ())
+
+
+class PipelineStatus(_Response):
+    """A pipeline with every instance it has, whatever its state."""
+
+    pipeline: str
+    version: int
+    instances: tuple[InstanceInfo, ...] = ()
+
+
+class PipelineList(_Response):
+    """``GET /v1/pipelines``: pipelines that have instances."""
+
+    pipelines: tuple[PipelineStatus, ...] = ()
+
+
+class HealthStatus(_Response):
+    """``GET /healthz``."""
+
+    status: str
+    redis: bool
+
+
+class ErrorDetail(_Response):
+    message: str
+    field: str | None = None
+    stage: int | None = None
+
+
+class ErrorBody(_Response):
+    """Body of every 4xx/5xx answer: ``{"error": {"message", "field"?, "stage"?}}``."""
+
+    error: ErrorDetail

@@ -1,0 +1,231 @@
+"""Lua scripts: every multi-key change of the control plane, each one atomic.
+
+Time comes from ``redis.call('TIME')`` so that several omni-cp hosts agree on leases whatever
+their clocks say. Every membership or state change of a pipeline INCRs its version and
+PUBLISHes the new version on its channel, inside the same script. A missing version (or epoch)
+counter starts at the server time in ms, so versions keep growing across a Redis that lost its
+data and a watcher's old version can never be mistaken for the current one.
+
+Key prefixes come in as ARGV (see ``keys.KeySchema.lua_prefixes``); scripts only append ids.
+"""
+
+from __future__ import annotations
+
+_PRELUDE = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function ms(n)
+  return string.format('%d', n)
+end
+local function bump(version_key, channel, now)
+  if redis.call('EXISTS', version_key) == 0 then
+    redis.call('SET', version_key, ms(now))
+  end
+  local v = redis.call('INCR', version_key)
+  redis.call('PUBLISH', channel, v)
+  return v
+end
+"""
+
+# KEYS: inst, pool, leases, version, epoch, pipelines, evict
+# ARGV: id, pipeline, stage_id, address, host_id, capacity, labels_json, load_json,
+#       lease_ttl_ms, channel, instance_prefix, record_schema
+# Returns {epoch, version, now_ms, {superseded ids}}. An instance already registered in the
+# same pool with the same address is replaced (a restarted replica must not be listed twice).
+REGISTER = (
+    _PRELUDE
+    + """
+local now = now_ms()
+local superseded = {}
+for _, other in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+  local okey = ARGV[11] .. other
+  if redis.call('HGET', okey, 'address') == ARGV[4] then
+    redis.call('DEL', okey)
+    redis.call('SREM', KEYS[2], other)
+    redis.call('ZREM', KEYS[3], other)
+    redis.call('ZREM', KEYS[7], other)
+    table.insert(superseded, other)
+  end
+end
+if redis.call('EXISTS', KEYS[5]) == 0 then
+  redis.call('SET', KEYS[5], ms(now))
+end
+local epoch = redis.call('INCR', KEYS[5])
+redis.call('HSET', KEYS[1],
+  'schema', ARGV[12], 'pipeline', ARGV[2], 'stage_id', ARGV[3], 'address', ARGV[4],
+  'host_id', ARGV[5], 'capacity', ARGV[6], 'labels', ARGV[7], 'state', 'healthy',
+  'reason', '', 'epoch', epoch, 'registered_at_ms', ms(now),
+  'last_heartbeat_ms', ms(now), 'load', ARGV[8])
+redis.call('SADD', KEYS[2], ARGV[1])
+redis.call('SADD', KEYS[6], ARGV[2])
+redis.call('ZADD', KEYS[3], ms(now + tonumber(ARGV[9])), ARGV[1])
+local version = bump(KEYS[4], ARGV[10], now)
+return {epoch, version, now, superseded}
+"""
+)
+
+# KEYS: inst, leases, evict
+# ARGV: id, load_json, lease_ttl_ms, version_prefix, channel_prefix
+# Returns {0} when unknown, else {1, epoch, state, reason, revived}. An instance isolated only
+# because its lease lapsed is healthy again; operator isolation and draining are kept.
+HEARTBEAT = (
+    _PRELUDE
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return {0}
+end
+local now = now_ms()
+redis.call('HSET', KEYS[1], 'last_heartbeat_ms', ms(now), 'load', ARGV[2])
+redis.call('ZADD', KEYS[2], ms(now + tonumber(ARGV[3])), ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
+local f = redis.call('HMGET', KEYS[1], 'state', 'reason', 'epoch', 'pipeline')
+local state, reason, revived = f[1], f[2], 0
+if state == 'isolated' and reason == 'lease_expired' then
+  redis.call('HSET', KEYS[1], 'state', 'healthy', 'reason', '')
+  bump(ARGV[4] .. f[4], ARGV[5] .. f[4], now)
+  state, reason, revived = 'healthy', '', 1
+end
+return {1, tonumber(f[3]), state, reason, revived}
+"""
+)
+
+# KEYS: inst, leases, evict
+# ARGV: id, pool_prefix, version_prefix, channel_prefix
+# Returns {0} when unknown, else {1, pipeline, stage_id, version}.
+DEREGISTER = (
+    _PRELUDE
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return {0}
+end
+local now = now_ms()
+local f = redis.call('HMGET', KEYS[1], 'pipeline', 'stage_id')
+redis.call('DEL', KEYS[1])
+redis.call('SREM', ARGV[2] .. f[1] .. ':' .. f[2], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
+local version = bump(ARGV[3] .. f[1], ARGV[4] .. f[1], now)
+return {1, f[1], f[2], version}
+"""
+)
+
+# KEYS: inst, leases
+# ARGV: id, action (isolate | readmit | drain), reason, version_prefix, channel_prefix
+# Returns {0} when unknown, else {1, state, reason, changed}. Readmitting an instance whose
+# lease has lapsed leaves it isolated with reason lease_expired: its next heartbeat readmits it.
+SET_STATE = (
+    _PRELUDE
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return {0}
+end
+local now = now_ms()
+local f = redis.call('HMGET', KEYS[1], 'state', 'reason', 'pipeline')
+local action = ARGV[2]
+local state, reason
+if action == 'isolate' then
+  state, reason = 'isolated', ARGV[3]
+elseif action == 'drain' then
+  state, reason = 'draining', ARGV[3]
+else
+  local lease = redis.call('ZSCORE', KEYS[2], ARGV[1])
+  if lease and tonumber(lease) > now then
+    state, reason = 'healthy', ''
+  else
+    state, reason = 'isolated', 'lease_expired'
+  end
+end
+local changed = 0
+if state ~= f[1] or reason ~= f[2] then
+  redis.call('HSET', KEYS[1], 'state', state, 'reason', reason)
+  bump(ARGV[4] .. f[3], ARGV[5] .. f[3], now)
+  changed = 1
+end
+return {1, state, reason, changed}
+"""
+)
+
+# KEYS: sweeper_lock, leases, evict
+# ARGV: token, lock_ttl_ms, evict_after_ms, limit, instance_prefix, pool_prefix,
+#       version_prefix, channel_prefix
+# Returns {0} when the caller does not hold the lock (nothing done), else
+# {1, {{kind, id, pipeline, stage_id, previous_state}, ...}} with kind "expired" or "evicted".
+# Renews the lock. Every instance whose lease lapsed is scheduled for eviction; healthy and
+# draining ones become isolated (lease_expired); operator-isolated ones keep their reason.
+SWEEP = (
+    _PRELUDE
+    + """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return {0}
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+local now = now_ms()
+local limit = tonumber(ARGV[4])
+local events, touched = {}, {}
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ms(now), 'LIMIT', 0, limit)) do
+  redis.call('ZREM', KEYS[2], id)
+  local key = ARGV[5] .. id
+  if redis.call('EXISTS', key) == 1 then
+    local f = redis.call('HMGET', key, 'state', 'pipeline', 'stage_id')
+    redis.call('ZADD', KEYS[3], ms(now + tonumber(ARGV[3])), id)
+    if f[1] ~= 'isolated' then
+      redis.call('HSET', key, 'state', 'isolated', 'reason', 'lease_expired')
+      touched[f[2]] = true
+      table.insert(events, {'expired', id, f[2], f[3], f[1]})
+    end
+  end
+end
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', ms(now), 'LIMIT', 0, limit)) do
+  redis.call('ZREM', KEYS[3], id)
+  local key = ARGV[5] .. id
+  if redis.call('EXISTS', key) == 1 then
+    local f = redis.call('HMGET', key, 'state', 'pipeline', 'stage_id')
+    redis.call('DEL', key)
+    redis.call('SREM', ARGV[6] .. f[2] .. ':' .. f[3], id)
+    redis.call('ZREM', KEYS[2], id)
+    touched[f[2]] = true
+    table.insert(events, {'evicted', id, f[2], f[3], f[1]})
+  end
+end
+for pipeline, _ in pairs(touched) do
+  bump(ARGV[7] .. pipeline, ARGV[8] .. pipeline, now)
+end
+return {1, events}
+"""
+)
+
+# KEYS: lock.  ARGV: token.  Deletes the lock only if the caller holds it.
+RELEASE_LOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+# KEYS: version, pool_1 .. pool_n
+# ARGV: instance_prefix, healthy_only ("1" or "0")
+# Returns {version, now_ms, {pool_1 records}, ..., {pool_n records}}; a record is
+# {id, field, value, field, value, ...}. One consistent read of version and pools.
+SNAPSHOT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local version = tonumber(redis.call('GET', KEYS[1]) or '0')
+local out = {version, now}
+for i = 2, #KEYS do
+  local records = {}
+  for _, id in ipairs(redis.call('SMEMBERS', KEYS[i])) do
+    local key = ARGV[1] .. id
+    if ARGV[2] == '0' or redis.call('HGET', key, 'state') == 'healthy' then
+      local h = redis.call('HGETALL', key)
+      if #h > 0 then
+        table.insert(h, 1, id)
+        table.insert(records, h)
+      end
+    end
+  end
+  table.insert(out, records)
+end
+return out
+"""

@@ -1,0 +1,70 @@
+"""``omni-cp status``: a ``kubectl get``-like table of every instance the control plane knows."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from omni_mesh.control_plane.schema import InstanceInfo, PipelineList
+
+COLUMNS = (
+    "PIPELINE",
+    "STAGE",
+    "INSTANCE",
+    "STATE",
+    "ADDRESS",
+    "HOST",
+    "LOAD",
+    "HEARTBEAT-AGE",
+    "REASON",
+)
+
+
+def format_age(ms: int) -> str:
+    if ms < 10_000:
+        return f"{ms / 1000:.1f}s"
+    seconds = ms // 1000
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 7200:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{(seconds % 3600) // 60:02d}m"
+
+
+def _row(info: InstanceInfo) -> tuple[str, ...]:
+    capacity = info.load.capacity or info.capacity
+    return (
+        info.pipeline,
+        str(info.stage_id),
+        info.instance_id,
+        info.state.value,
+        info.address,
+        info.host_id or "-",
+        f"{info.load.in_flight}/{capacity}",
+        format_age(info.heartbeat_age_ms),
+        info.reason or "-",
+    )
+
+
+def render_table(rows: Sequence[Sequence[str]], header: Sequence[str] = COLUMNS) -> str:
+    widths = [len(h) for h in header]
+    for row in rows:
+        widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
+    lines = [
+        "   ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+        for r in [header, *rows]
+    ]
+    return "\n".join(lines)
+
+
+def render_status(listing: PipelineList, *, pipeline: str | None = None) -> str:
+    """The status table, sorted by pipeline, stage and registration time."""
+    infos = [
+        i
+        for p in listing.pipelines
+        if pipeline is None or p.pipeline == pipeline
+        for i in p.instances
+    ]
+    if not infos:
+        return "no instances registered" + (f" for pipeline {pipeline!r}" if pipeline else "")
+    infos.sort(key=lambda i: (i.pipeline, i.stage_id, i.registered_at_ms, i.instance_id))
+    return render_table([_row(i) for i in infos])

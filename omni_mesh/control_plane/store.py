@@ -1,0 +1,320 @@
+"""Store operations on Redis: the control plane's only state. Every write is one Lua script.
+
+The store knows keys and scripts, not HTTP: it takes validated schema objects, returns plain
+results, and lets ``redis.exceptions.ConnectionError``/``TimeoutError`` through (the API maps
+them to 503).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from pydantic import ValidationError
+from redis.asyncio import Redis
+
+from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.control_plane import scripts
+from omni_mesh.control_plane.keys import RECORD_SCHEMA_VERSION, KeySchema
+from omni_mesh.control_plane.schema import (
+    InstanceInfo,
+    InstanceState,
+    LoadReport,
+    PipelineSnapshot,
+    PipelineStatus,
+    PoolSnapshot,
+    RegisterRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class StateAction(StrEnum):
+    """Operator actions on an instance."""
+
+    ISOLATE = "isolate"
+    READMIT = "readmit"
+    DRAIN = "drain"
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterResult:
+    instance_id: str
+    epoch: int
+    version: int
+    superseded: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatResult:
+    epoch: int
+    state: InstanceState
+    reason: str
+    revived: bool  # was isolated by lease expiry, healthy again
+
+
+@dataclass(frozen=True, slots=True)
+class DeregisterResult:
+    pipeline: str
+    stage_id: int
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class StateChangeResult:
+    state: InstanceState
+    reason: str
+    changed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SweepEvent:
+    kind: str  # "expired" | "evicted"
+    instance_id: str
+    pipeline: str
+    stage_id: int
+    previous_state: str
+
+
+@dataclass(frozen=True, slots=True)
+class SweepResult:
+    held_lock: bool
+    events: tuple[SweepEvent, ...] = ()
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _record_to_info(record: Sequence[Any], now_ms: int) -> InstanceInfo | None:
+    """``{id, field, value, ...}`` from the SNAPSHOT script -> InstanceInfo (None if corrupt)."""
+    instance_id = _text(record[0])
+    fields = {_text(record[i]): _text(record[i + 1]) for i in range(1, len(record) - 1, 2)}
+    try:
+        last = int(fields["last_heartbeat_ms"])
+        return InstanceInfo(
+            instance_id=instance_id,
+            pipeline=fields["pipeline"],
+            stage_id=int(fields["stage_id"]),
+            address=fields["address"],
+            host_id=fields["host_id"],
+            capacity=int(fields["capacity"]),
+            labels=json.loads(fields["labels"] or "{}"),
+            state=InstanceState(fields["state"]),
+            reason=fields.get("reason", ""),
+            epoch=int(fields["epoch"]),
+            registered_at_ms=int(fields["registered_at_ms"]),
+            last_heartbeat_ms=last,
+            heartbeat_age_ms=max(0, now_ms - last),
+            load=LoadReport.model_validate_json(fields["load"] or "{}"),
+        )
+    except (KeyError, ValueError, ValidationError) as exc:
+        logger.warning("skipping corrupt instance record instance=%s: %s", instance_id, exc)
+        return None
+
+
+class InstanceStore:
+    """Atomic operations on instance records, pools, leases and versions."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        keys: KeySchema | None = None,
+        *,
+        lease_ttl_ms: int,
+        evict_after_ms: int,
+    ) -> None:
+        self.redis = redis
+        self.keys = keys or KeySchema()
+        self.lease_ttl_ms = lease_ttl_ms
+        self.evict_after_ms = evict_after_ms
+        self._register = redis.register_script(scripts.REGISTER)
+        self._heartbeat = redis.register_script(scripts.HEARTBEAT)
+        self._deregister = redis.register_script(scripts.DEREGISTER)
+        self._set_state = redis.register_script(scripts.SET_STATE)
+        self._sweep = redis.register_script(scripts.SWEEP)
+        self._release = redis.register_script(scripts.RELEASE_LOCK)
+        self._snapshot = redis.register_script(scripts.SNAPSHOT)
+
+    async def ping(self) -> bool:
+        return bool(await self.redis.ping())
+
+    # ---- membership ------------------------------------------------------------------------
+
+    async def register(self, request: RegisterRequest) -> RegisterResult:
+        k = self.keys
+        instance_id = uuid.uuid4().hex
+        load = LoadReport(capacity=request.capacity)
+        res = await self._register(
+            keys=[
+                k.instance(instance_id),
+                k.pool(request.pipeline, request.stage_id),
+                k.leases,
+                k.version(request.pipeline),
+                k.epoch,
+                k.pipelines,
+                k.evict,
+            ],
+            args=[
+                instance_id,
+                request.pipeline,
+                request.stage_id,
+                request.address,
+                request.effective_host_id,
+                request.capacity,
+                json.dumps(request.labels, separators=(",", ":"), sort_keys=True),
+                load.model_dump_json(),
+                self.lease_ttl_ms,
+                k.channel(request.pipeline),
+                k.instance_prefix,
+                RECORD_SCHEMA_VERSION,
+            ],
+        )
+        return RegisterResult(
+            instance_id=instance_id,
+            epoch=int(res[0]),
+            version=int(res[1]),
+            superseded=tuple(_text(x) for x in res[3]),
+        )
+
+    async def heartbeat(self, instance_id: str, load: LoadReport) -> HeartbeatResult | None:
+        k = self.keys
+        res = await self._heartbeat(
+            keys=[k.instance(instance_id), k.leases, k.evict],
+            args=[
+                instance_id,
+                load.model_dump_json(),
+                self.lease_ttl_ms,
+                k.version_prefix,
+                k.channel_prefix,
+            ],
+        )
+        if int(res[0]) == 0:
+            return None
+        return HeartbeatResult(
+            epoch=int(res[1]),
+            state=InstanceState(_text(res[2])),
+            reason=_text(res[3]),
+            revived=bool(int(res[4])),
+        )
+
+    async def deregister(self, instance_id: str) -> DeregisterResult | None:
+        k = self.keys
+        res = await self._deregister(
+            keys=[k.instance(instance_id), k.leases, k.evict],
+            args=[instance_id, k.pool_prefix, k.version_prefix, k.channel_prefix],
+        )
+        if int(res[0]) == 0:
+            return None
+        return DeregisterResult(pipeline=_text(res[1]), stage_id=int(res[2]), version=int(res[3]))
+
+    async def set_state(
+        self, instance_id: str, action: StateAction, reason: str = ""
+    ) -> StateChangeResult | None:
+        k = self.keys
+        res = await self._set_state(
+            keys=[k.instance(instance_id), k.leases],
+            args=[instance_id, action.value, reason, k.version_prefix, k.channel_prefix],
+        )
+        if int(res[0]) == 0:
+            return None
+        return StateChangeResult(
+            state=InstanceState(_text(res[1])), reason=_text(res[2]), changed=bool(int(res[3]))
+        )
+
+    # ---- reads -----------------------------------------------------------------------------
+
+    async def _read_pools(
+        self, pipeline: str, stage_ids: Sequence[int], *, healthy_only: bool
+    ) -> tuple[int, list[list[InstanceInfo]]]:
+        k = self.keys
+        res = await self._snapshot(
+            keys=[k.version(pipeline), *(k.pool(pipeline, s) for s in stage_ids)],
+            args=[k.instance_prefix, "1" if healthy_only else "0"],
+        )
+        version, now_ms = int(res[0]), int(res[1])
+        pools: list[list[InstanceInfo]] = []
+        for records in res[2:]:
+            infos = (_record_to_info(r, now_ms) for r in records)
+            pools.append(sorted((i for i in infos if i), key=lambda i: i.registered_at_ms))
+        return version, pools
+
+    async def pool(self, pipeline: str, stage_id: int, *, healthy_only: bool) -> PoolSnapshot:
+        version, pools = await self._read_pools(pipeline, [stage_id], healthy_only=healthy_only)
+        return PoolSnapshot(
+            pipeline=pipeline, stage_id=stage_id, version=version, instances=tuple(pools[0])
+        )
+
+    async def snapshot(self, spec: PipelineSpec) -> PipelineSnapshot:
+        """The pipeline's version and healthy pools, read atomically."""
+        stage_ids = sorted(spec.stage_ids)
+        version, pools = await self._read_pools(spec.name, stage_ids, healthy_only=True)
+        return PipelineSnapshot(
+            pipeline=spec.name,
+            version=version,
+            stages={s: tuple(p) for s, p in zip(stage_ids, pools, strict=True)},
+        )
+
+    async def pipeline_status(self, spec: PipelineSpec) -> PipelineStatus:
+        """Every instance of the pipeline, whatever its state."""
+        stage_ids = sorted(spec.stage_ids)
+        version, pools = await self._read_pools(spec.name, stage_ids, healthy_only=False)
+        return PipelineStatus(
+            pipeline=spec.name,
+            version=version,
+            instances=tuple(i for pool in pools for i in pool),
+        )
+
+    async def pipeline_names(self) -> list[str]:
+        return sorted(_text(n) for n in await self.redis.smembers(self.keys.pipelines))
+
+    async def instance(self, instance_id: str) -> InstanceInfo | None:
+        """One instance record, any state (None when unknown)."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hgetall(self.keys.instance(instance_id))
+            pipe.time()
+            fields, (seconds, micros) = await pipe.execute()
+        if not fields:
+            return None
+        flat: list[Any] = [instance_id]
+        for name, value in fields.items():
+            flat.extend((name, value))
+        return _record_to_info(flat, int(seconds) * 1000 + int(micros) // 1000)
+
+    async def instance_pipeline(self, instance_id: str) -> str | None:
+        value = await self.redis.hget(self.keys.instance(instance_id), "pipeline")
+        return None if value is None else _text(value)
+
+    # ---- liveness sweeper ------------------------------------------------------------------
+
+    async def try_acquire_sweeper_lock(self, token: str, ttl_ms: int) -> bool:
+        return bool(await self.redis.set(self.keys.sweeper_lock, token, nx=True, px=ttl_ms))
+
+    async def release_sweeper_lock(self, token: str) -> bool:
+        return bool(await self._release(keys=[self.keys.sweeper_lock], args=[token]))
+
+    async def sweep(self, token: str, lock_ttl_ms: int, limit: int = 512) -> SweepResult:
+        """Expire lapsed leases and evict long-dead records, if ``token`` holds the lock."""
+        k = self.keys
+        res = await self._sweep(
+            keys=[k.sweeper_lock, k.leases, k.evict],
+            args=[token, lock_ttl_ms, self.evict_after_ms, limit, *k.lua_prefixes()],
+        )
+        if int(res[0]) == 0:
+            return SweepResult(held_lock=False)
+        events = tuple(
+            SweepEvent(
+                kind=_text(e[0]),
+                instance_id=_text(e[1]),
+                pipeline=_text(e[2]),
+                stage_id=int(e[3]),
+                previous_state=_text(e[4]),
+            )
+            for e in res[1]
+        )
+        return SweepResult(held_lock=True, events=events)

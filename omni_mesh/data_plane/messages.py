@@ -1,0 +1,291 @@
+"""Every message that crosses a process boundary on the data path.
+
+Three boundaries use these types:
+
+* sidecar ⇄ engine (same pod, a Unix socket for headers, shared memory for tensors):
+  :class:`EngineMessage` variants;
+* sidecar ⇄ sidecar (a hop between stages, HTTP with msgpack bodies): :class:`StageInput`
+  going out, :class:`HopResult` coming back;
+* client ⇄ sidecar (``POST /v1/run``): :class:`RunRequest` / :class:`RunResponse`, where the
+  opaque ``stage_input`` string is a sealed :class:`StageInput` (see ``envelope.py``).
+
+Tensors never travel as Python lists: a :class:`Tensor` carries either its raw bytes (a
+zero-copy ``memoryview`` once decoded) or a :class:`ShmRef` naming a pooled shared-memory slot
+on this host. Everything is a ``msgspec.Struct``; no pickle, no dicts-of-anything.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+#: Version of every persisted or client-visible structure (StageInput envelopes).
+SCHEMA_VERSION = 1
+
+MAX_PROMPT_CHARS = 32_768
+MAX_REQUEST_ID = 128
+
+Scalar = str | int | float | bool | None
+StageId = Annotated[int, Meta(ge=0, lt=64)]
+RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID, pattern=r"^[\w\-.:]+$")]
+
+
+# ---- tensors ---------------------------------------------------------------------------------
+
+
+class ShmRef(Struct, frozen=True):
+    """A slot of a pooled shared-memory segment on this host."""
+
+    segment: str  # name under /dev/shm, e.g. "omni-1234-ab12cd-7"
+    offset: int
+    nbytes: int
+
+
+class Tensor(Struct):
+    """An n-dimensional array: raw little-endian bytes inline, or a shared-memory slot."""
+
+    dtype: str  # numpy dtype string: "float32", "int64", "uint8", …
+    shape: tuple[int, ...]
+    data: memoryview | None = None
+    shm: ShmRef | None = None
+
+
+class Payload(Struct):
+    """What one stage hands another (or contributes to the final answer): named scalars and
+    named tensors. The names are the pipeline's business; the fabric never looks inside."""
+
+    fields: dict[str, Scalar] = {}
+    tensors: dict[str, Tensor] = {}
+
+
+# ---- client-facing inputs --------------------------------------------------------------------
+
+
+class SamplingParams(Struct, forbid_unknown_fields=True):
+    """Optional sampling knobs for AR stages."""
+
+    temperature: Annotated[float, Meta(ge=0.0, le=10.0)] = 0.8
+    top_k: Annotated[int, Meta(ge=0, le=1_000_000)] = 0
+    max_tokens: Annotated[int, Meta(ge=1, le=8192)] | None = None
+
+
+class Prompt(Struct, forbid_unknown_fields=True):
+    """The entry stage's input as a client writes it (``/v1/run`` stage 0, ``/v1/generate``).
+
+    Which optional fields a pipeline accepts is listed in its ``prompt_fields``."""
+
+    prompt: Annotated[str, Meta(min_length=1, max_length=MAX_PROMPT_CHARS)]
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    voice: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
+    max_tokens: Annotated[int, Meta(ge=1, le=8192)] | None = None
+    size: Annotated[int, Meta(ge=16, le=512)] | None = None
+    steps: Annotated[int, Meta(ge=1, le=200)] | None = None
+    request_id: RequestId | None = None
+
+
+# ---- the hop ---------------------------------------------------------------------------------
+
+
+class StageInput(Struct, kw_only=True):
+    """Everything stage ``stage_id`` needs to run one request: self-contained (invariant 1).
+
+    A transfer is named by (request_id, from_stage, stage_id, chunk, attempt) — never by
+    the id of the HTTP call that carried it (invariant 2)."""
+
+    version: int = SCHEMA_VERSION
+    pipeline: str
+    request_id: RequestId
+    stage_id: StageId  # the receiver
+    from_stage: int = -1  # -1: built from the client's prompt
+    chunk: int = 0
+    attempt: int = 0
+    deadline_ms: int  # absolute, Unix epoch milliseconds
+    seed: int
+    traceparent: str = ""  # W3C trace context of the request
+    sampling: SamplingParams | None = None
+    payload: Payload = msgspec.field(default_factory=Payload)
+
+
+class StageTiming(Struct):
+    """How long one stage took for one request (reported back along the chain)."""
+
+    stage_id: int
+    instance_id: str
+    engine_ms: float
+    queue_ms: float
+    total_ms: float
+    output_bytes: int = 0
+
+
+class StageError(Struct):
+    """A request-level failure, travelling as data (the process itself is fine)."""
+
+    code: Literal["bad_input", "engine_error", "aborted", "deadline", "unavailable"]
+    message: str
+    stage_id: int = -1
+
+
+class StageOutput(Struct, kw_only=True):
+    """What one stage execution yields for one request: its contribution to the final
+    answer (if it is a final stage) and the inputs of the next stage(s)."""
+
+    request_id: str
+    stage_id: int
+    final: Payload | None = None
+    next: list[StageInput] = []
+    error: StageError | None = None
+    engine_ms: float = 0.0
+    queue_ms: float = 0.0
+
+
+class HopResult(Struct, kw_only=True):
+    """The answer to a hop: the merged final outputs of every stage at or after the receiver,
+    so the client's connection travels along one chain (DESIGN §4)."""
+
+    request_id: str
+    outputs: dict[int, Payload] = {}
+    timings: list[StageTiming] = []
+    error: StageError | None = None
+
+
+# ---- sidecar ⇄ engine ------------------------------------------------------------------------
+
+
+class Hello(Struct, tag="hello"):
+    """Engine → sidecar, first message: the engine process is up and loading."""
+
+    pid: int
+    shm_prefix: str  # prefix of the segments this engine owns
+
+
+class Ready(Struct, tag="ready"):
+    """Engine → sidecar: the model is loaded; work may be submitted."""
+
+    engine: str
+    max_num_seqs: int
+    load_seconds: float
+
+
+class Submit(Struct, tag="submit"):
+    """Sidecar → engine: run one request. Tensors reference the sidecar's shm slots."""
+
+    stage_input: StageInput
+
+
+class Abort(Struct, tag="abort"):
+    """Sidecar → engine: drop a request (client gone, deadline passed)."""
+
+    request_id: str
+
+
+class Release(Struct, tag="release"):
+    """Sidecar → engine: the engine's output slots for this request are no longer needed."""
+
+    request_id: str
+
+
+class Result(Struct, tag="result"):
+    """Engine → sidecar: the outcome of one request. Output tensors reference engine slots,
+    owned by the engine until the sidecar sends :class:`Release`."""
+
+    output: StageOutput
+
+
+class Stats(Struct, tag="stats"):
+    """Engine → sidecar, periodically: load and step statistics."""
+
+    queued: int
+    running: int
+    batch_size: int
+    step_ms: float
+    steps: int
+
+
+class Shutdown(Struct, tag="shutdown"):
+    """Sidecar → engine: finish in-flight work and exit."""
+
+    drain: bool = True
+
+
+class Fatal(Struct, tag="fatal"):
+    """Engine → sidecar: the engine cannot go on (load failure, unrecoverable error)."""
+
+    message: str
+
+
+EngineMessage = Hello | Ready | Submit | Abort | Release | Result | Stats | Shutdown | Fatal
+
+
+# ---- /v1/run (client ⇄ sidecar) --------------------------------------------------------------
+# JSON bodies carry the opaque stage input as a base64 string; ``application/msgpack`` bodies
+# carry it as raw bytes. msgspec cannot decode ``str | bytes`` unions, hence the *Bin twins.
+
+
+class RunRequest(Struct, forbid_unknown_fields=True):
+    """``POST /v1/run`` JSON body: a prompt object for the entry stage, the opaque string
+    returned by the previous call otherwise."""
+
+    stage_id: StageId
+    stage_input: str | Prompt
+    sampling_params: SamplingParams | None = None
+
+
+class RunRequestBin(Struct, forbid_unknown_fields=True):
+    """``POST /v1/run`` msgpack body (``stage_input`` as raw envelope bytes)."""
+
+    stage_id: StageId
+    stage_input: bytes | Prompt
+    sampling_params: SamplingParams | None = None
+
+
+class RunOutput(Struct, omit_defaults=True):
+    """A final output as a client sees it: text, or media (base64 in JSON, bytes in msgpack)."""
+
+    kind: str  # "text" | "audio" | "image" | "data"
+    text: str | None = None
+    data: str | None = None
+    mime_type: str | None = None
+    fields: dict[str, Scalar] = {}
+
+
+class RunOutputBin(Struct, omit_defaults=True):
+    kind: str
+    text: str | None = None
+    data: bytes | None = None
+    mime_type: str | None = None
+    fields: dict[str, Scalar] = {}
+
+
+class NextInput(Struct):
+    stage_id: int
+    stage_input: str
+
+
+class NextInputBin(Struct):
+    stage_id: int
+    stage_input: bytes
+
+
+class RunResponse(Struct, omit_defaults=True):
+    """``POST /v1/run`` JSON answer: the next stage's opaque input while stages remain
+    (``next`` when several stages follow), ``outputs`` from stages whose output is final."""
+
+    stage_id: int
+    request_id: str
+    next_stage_id: int | None = None
+    stage_input: str | None = None
+    next: list[NextInput] | None = None
+    output: RunOutput | None = None
+    outputs: dict[int, RunOutput] | None = None
+
+
+class RunResponseBin(Struct, omit_defaults=True):
+    stage_id: int
+    request_id: str
+    next_stage_id: int | None = None
+    stage_input: bytes | None = None
+    next: list[NextInputBin] | None = None
+    output: RunOutputBin | None = None
+    outputs: dict[int, RunOutputBin] | None = None

@@ -1,0 +1,53 @@
+"""Entry point of an engine process: ``python -m omni_mesh.engines …``.
+
+Started by the stage sidecar, never by hand: it inherits one end of a Unix socket pair
+(``--channel-fd``) and receives its stage configuration as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+
+from omni_mesh.configs.deploy import StageDeployConfig
+from omni_mesh.configs.pipeline import get_pipeline
+from omni_mesh.data_plane.channel import BlockingChannel
+from omni_mesh.engines.base import EngineContext
+from omni_mesh.engines.process import EngineProc
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="omni-engine", description=__doc__)
+    p.add_argument("--pipeline", required=True)
+    p.add_argument("--stage-id", type=int, required=True)
+    p.add_argument("--channel-fd", type=int, required=True)
+    p.add_argument("--config-json", required=True, help="StageDeployConfig as JSON")
+    p.add_argument("--peer-shm-prefix", default=None)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s engine[{args.stage_id}] %(name)s: %(message)s",
+    )
+    import torch  # imported here so that --help stays fast
+
+    torch.set_num_threads(max(1, args.threads))
+    pipeline = get_pipeline(args.pipeline)
+    ctx = EngineContext(
+        pipeline=pipeline,
+        stage=pipeline.stage(args.stage_id),
+        config=StageDeployConfig.model_validate_json(args.config_json),
+    )
+    sock = socket.socket(fileno=args.channel_fd)
+    return EngineProc(ctx, BlockingChannel(sock), peer_shm_prefix=args.peer_shm_prefix).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""The synthetic engine: a stage with a latency model and a sized output, for benchmarks.
+
+Each ``execute`` call sleeps ``step_latency_ms + per_item_latency_ms * len(batch)`` milliseconds
+once (simulating accelerator time without burning CPU) and gives every request an array ``data``
+of ``output_bytes`` uint8 bytes, deterministic for the request's seed and stage (a seeded 4 KiB
+block, tiled). Incoming fields pass through to ``output``; as a final stage
+(``stage.final_output`` set) the same array is the final output, ``final.arrays["data"]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from omni_mesh.engines.base import EngineRequest, EngineResult, StageData, StageEngine
+
+logger = logging.getLogger(__name__)
+
+BLOCK_BYTES = 4096
+
+
+def synthetic_bytes(seed: int, salt: str, nbytes: int) -> np.ndarray:
+    """``nbytes`` uint8 bytes: a 4 KiB block drawn from ``(seed, salt)``, tiled."""
+    if nbytes <= 0:
+        return np.empty(0, dtype=np.uint8)
+    key = hashlib.sha256(f"{salt}\x1f{seed}".encode()).digest()
+    block = np.random.default_rng(np.frombuffer(key, dtype=np.uint32)).integers(
+        0, 256, size=min(nbytes, BLOCK_BYTES), dtype=np.uint8
+    )
+    return np.resize(block, nbytes)
+
+
+class SyntheticEngine(StageEngine):
+    """Sleeps per the latency model ``a + b*batch`` ms; outputs ``output_bytes`` bytes."""
+
+    def load(self) -> None:
+        config = self.ctx.config
+        self.salt = f"{self.ctx.pipeline.name}/{self.ctx.stage.stage_id}"
+        logger.info(
+            "synthetic engine ready pipeline=%s stage=%s step_latency_ms=%.3f "
+            "per_item_latency_ms=%.3f output_bytes=%d",
+            self.ctx.pipeline.name,
+            self.ctx.stage.name,
+            config.step_latency_ms,
+            config.per_item_latency_ms,
+            config.output_bytes,
+        )
+
+    def step_seconds(self, batch_size: int) -> float:
+        config = self.ctx.config
+        return (config.step_latency_ms + config.per_item_latency_ms * batch_size) / 1e3
+
+    def execute(self, batch: Sequence[EngineRequest]) -> list[EngineResult]:
+        if not batch:
+            return []
+        started = time.perf_counter()
+        results = [self._result(request) for request in batch]
+        # Sleep what is left of the modelled step time (output generation counts towards it).
+        remaining = self.step_seconds(len(batch)) - (time.perf_counter() - started)
+        if remaining > 0:
+            time.sleep(remaining)
+        return results
+
+    def _result(self, request: EngineRequest) -> EngineResult:
+        data = synthetic_bytes(request.seed, self.salt, self.ctx.config.output_bytes)
+        output = StageData(fields=dict(request.data.fields), arrays={"data": data})
+        final = StageData(arrays={"data": data}) if self.ctx.stage.final_output else None
+        return EngineResult(request.request_id, output=output, final=final)

@@ -1,0 +1,35 @@
+"""Admission of work into this pod: draining → 503, full → 429, duplicate → 409."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from omni_mesh.sidecar.errors import ApiError
+from omni_mesh.sidecar.pod import Pod
+
+
+@contextlib.contextmanager
+def admitted(pod: Pod, request_id: str, route: str) -> Iterator[None]:
+    labels = (pod.pipeline.name, str(pod.stage_id))
+    if pod.draining:
+        pod.metrics.rejected.labels(*labels, "draining").inc()
+        raise ApiError(503, "instance is draining", type_="unavailable", headers={"Retry-After": "1"})
+    if pod.in_flight >= pod.stage_config.max_inflight:
+        pod.metrics.rejected.labels(*labels, "full").inc()
+        raise ApiError(
+            429,
+            f"stage {pod.stage_id} instance is at capacity ({pod.stage_config.max_inflight})",
+            type_="rate_limit",
+            headers={"Retry-After": "0"},
+        )
+    if pod.engine is not None and pod.engine.is_running(request_id):
+        pod.metrics.rejected.labels(*labels, "duplicate").inc()
+        raise ApiError(409, f"request {request_id} is already running here", type_="conflict")
+    pod.in_flight += 1
+    pod.metrics.in_flight.labels(*labels).set(pod.in_flight)
+    try:
+        yield
+    finally:
+        pod.in_flight -= 1
+        pod.metrics.in_flight.labels(*labels).set(pod.in_flight)

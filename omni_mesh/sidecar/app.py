@@ -1,0 +1,233 @@
+"""The sidecar's aiohttp application and its lifecycle.
+
+Start-up, each step a ``cleanup_ctx`` (torn down in reverse): HTTP client session → engine
+process (HELLO/READY) → control-plane client and pool watcher → registration and heartbeats
+(only after READY). On SIGTERM the pod drains: it leaves the pool first, finishes what is in
+flight, then stops the engine. When the engine dies the pod leaves the pool and exits non-zero
+so that its supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator, Iterable
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from omni_mesh.configs.deploy import DeployConfig
+from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.configs.stage_settings import StageSettings
+from omni_mesh.control_plane.client import (
+    ControlPlaneClient,
+    InstanceLease,
+    LoadReport,
+    PoolWatcher,
+    RegisterRequest,
+)
+from omni_mesh.data_plane.messages import StageInput
+from omni_mesh.data_plane.shm import ShmReader, sweep_orphans
+from omni_mesh.observability.metrics import SidecarMetrics
+from omni_mesh.sidecar import routes_api, routes_hop, routes_run
+from omni_mesh.sidecar.chain import StageRunner
+from omni_mesh.sidecar.engine_client import EngineClient
+from omni_mesh.sidecar.errors import error_middleware
+from omni_mesh.sidecar.handoff import HopClient, HopStats
+from omni_mesh.sidecar.keys import POD
+from omni_mesh.sidecar.pod import Pod, connector_for, resolve_secret
+from omni_mesh.sidecar.router import Replica, Router
+
+logger = logging.getLogger(__name__)
+
+
+class WatchedPools:
+    """Adapts the control plane's watch cache to the router's :class:`PoolView`."""
+
+    def __init__(self, watcher: PoolWatcher | None) -> None:
+        self.watcher = watcher
+
+    def replicas(self, stage_id: int) -> Iterable[Replica]:
+        if self.watcher is None:
+            return ()
+        return tuple(
+            Replica(
+                instance_id=i.instance_id,
+                stage_id=i.stage_id,
+                address=i.address,
+                host_id=i.host_id or "",
+                capacity=i.capacity,
+                reported_in_flight=i.load.in_flight if i.load is not None else 0,
+            )
+            for i in self.watcher.healthy(stage_id)
+        )
+
+
+async def build_pod(settings: StageSettings, pipeline: PipelineSpec, deploy: DeployConfig) -> Pod:
+    """Everything the pod holds that needs no child process (call inside the event loop)."""
+    metrics = SidecarMetrics(CollectorRegistry())
+    router = Router(WatchedPools(None), host_id=settings.host_id)
+    reader = ShmReader()
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+    session = aiohttp.ClientSession(connector=connector)
+    hop = HopClient(
+        session,
+        router,
+        lambda a, b: connector_for(deploy, a, b),
+        reader,
+        retries=deploy.hop_retries,
+        on_hop=lambda si, stats: _record_hop(metrics, pipeline.name, si, stats),
+    )
+    return Pod(
+        settings=settings,
+        pipeline=pipeline,
+        deploy=deploy,
+        metrics=metrics,
+        secret=resolve_secret(settings),
+        router=router,
+        hop=hop,
+        session=session,
+        reader=reader,
+    )
+
+
+def _record_hop(metrics: SidecarMetrics, pipeline: str, si: StageInput, stats: HopStats) -> None:
+    labels = (pipeline, str(si.from_stage), str(si.stage_id))
+    metrics.handoff_bytes.labels(*labels).inc(stats.bytes_sent)
+    metrics.handoff_duration.labels(*labels).observe(stats.seconds)
+    if stats.retries:
+        metrics.hop_retries.labels(*labels).inc(stats.retries)
+
+
+async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
+    pod = app[POD]
+    yield
+    await pod.session.close()
+    pod.reader.close()
+
+
+async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
+    pod = app[POD]
+    if pod.settings.api_only:
+        yield
+        return
+    removed = sweep_orphans()
+    if removed:
+        logger.info("removed %d orphaned shared-memory segments", removed)
+    engine = EngineClient(
+        pod.pipeline.name,
+        pod.stage_id,
+        pod.stage_config,
+        threads=pod.settings.engine_threads,
+        log_level=pod.settings.log_level,
+        on_death=lambda reason: pod.stop(1),
+    )
+    await engine.start(timeout_s=pod.settings.engine_start_timeout_s)
+    pod.engine = engine
+    pod.hop.reader = engine.reader
+    pod.runner = StageRunner(pod.pipeline, pod.stage_id, engine, pod.hop, lambda: pod.instance_id)
+    yield
+    await engine.stop(timeout_s=max(5.0, pod.settings.drain_timeout_s))
+
+
+async def _control_plane_ctx(app: web.Application) -> AsyncIterator[None]:
+    pod = app[POD]
+    if not pod.settings.control_plane:
+        logger.warning("no --control-plane: this pod neither registers nor discovers other stages")
+        yield
+        return
+    token = pod.settings.cp_auth_token.get_secret_value() if pod.settings.cp_auth_token else None
+    client = ControlPlaneClient(list(pod.settings.control_plane), auth_token=token)
+    watcher = PoolWatcher(client, pod.pipeline.name)
+    await watcher.start()
+    assert isinstance(pod.router.pools, WatchedPools)
+    pod.router.pools.watcher = watcher
+    lease: InstanceLease | None = None
+    if pod.engine is not None:
+        request = RegisterRequest(
+            pipeline=pod.pipeline.name,
+            stage_id=pod.stage_id,
+            address=pod.settings.address,
+            capacity=pod.stage_config.max_inflight,
+            host_id=pod.settings.host_id,
+            labels={"role": "api" if pod.serves_api else "headless"},
+        )
+        lease = InstanceLease(client, request, lambda: _load(pod))
+        await lease.start()
+        pod.instance_id = lease.instance_id or ""
+        app[LEASE] = lease
+    yield
+    if lease is not None:
+        await lease.stop()
+    await watcher.stop()
+    await client.close()
+
+
+LEASE: web.AppKey[InstanceLease] = web.AppKey("lease", InstanceLease)
+
+
+def _load(pod: Pod) -> LoadReport:
+    stats = pod.engine.stats if pod.engine is not None else None
+    engine: dict[str, float] = {}
+    if stats is not None:
+        engine = {"step_ms": stats.step_ms, "batch_size": float(stats.batch_size)}
+    return LoadReport(
+        in_flight=pod.in_flight,
+        queued=stats.queued if stats is not None else 0,
+        capacity=pod.stage_config.max_inflight,
+        engine=engine,
+    )
+
+
+def make_app(pod: Pod) -> web.Application:
+    app = web.Application(middlewares=[error_middleware], client_max_size=pod.settings.max_body_bytes)
+    app[POD] = pod
+    app.cleanup_ctx.extend([_session_ctx, _engine_ctx, _control_plane_ctx])
+    routes_api.add_routes(app, client_api=pod.serves_api)
+    routes_run.add_routes(app)
+    routes_hop.add_routes(app)
+    return app
+
+
+async def serve(pod: Pod) -> int:
+    """Run the pod until SIGTERM/SIGINT or engine death; drain; return the exit code."""
+    app = make_app(pod)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, pod.stop, 0)
+    await runner.setup()
+    site = web.TCPSite(runner, pod.settings.host, pod.settings.port, reuse_address=True)
+    await site.start()
+    logger.info(
+        "serving pipeline=%s stage=%d instance=%s on %s (%s)",
+        pod.pipeline.name,
+        pod.stage_id,
+        pod.instance_id or "-",
+        pod.settings.address,
+        "api-only" if pod.settings.api_only else ("headless" if pod.settings.headless else "api"),
+    )
+    try:
+        await pod.stop_event.wait()
+        await _drain(app, pod)
+    finally:
+        await runner.cleanup()
+    return pod.exit_code
+
+
+async def _drain(app: web.Application, pod: Pod) -> None:
+    """Leave the pool first, then finish in-flight work (bounded), then stop."""
+    pod.draining = True
+    lease = app.get(LEASE)
+    if lease is not None:
+        await lease.stop()
+    deadline = time.monotonic() + pod.settings.drain_timeout_s
+    while pod.in_flight > 0 and time.monotonic() < deadline:
+        if pod.engine is not None and pod.engine.dead.is_set():
+            break
+        await asyncio.sleep(0.05)
+    if pod.in_flight:
+        logger.warning("drain timed out with %d requests in flight", pod.in_flight)

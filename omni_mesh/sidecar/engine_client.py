@@ -1,0 +1,282 @@
+"""The sidecar's side of its co-located engine process.
+
+Spawns ``python -m omni_mesh.engines``, runs the HELLO/READY handshake, submits requests with
+their tensors in the sidecar's shared-memory arena, and turns a dead engine into one typed
+:class:`EngineDeadError` for every waiter. Engine death is noticed at once (the child's exit and
+the socket's EOF are both watched), its segments are unlinked, and ``on_death`` is called.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import signal
+import sys
+from collections.abc import Callable
+
+import msgspec
+
+from omni_mesh.configs.deploy import StageDeployConfig
+from omni_mesh.data_plane.channel import AsyncChannel, ChannelError, make_socketpair
+from omni_mesh.data_plane.messages import (
+    Abort,
+    Fatal,
+    Hello,
+    Ready,
+    Release,
+    Result,
+    Shutdown,
+    StageInput,
+    StageOutput,
+    Stats,
+    Submit,
+)
+from omni_mesh.data_plane.shm import ShmArena, ShmReader, externalize, unlink_prefix
+
+logger = logging.getLogger(__name__)
+
+INLINE_MAX = 4096
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process is gone; the pod must leave the pool and exit."""
+
+
+class EngineStartError(RuntimeError):
+    """The engine failed to start (load error or handshake timeout)."""
+
+
+def _pdeathsig() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class EngineClient:
+    """Owns one engine process and the shared memory between it and the sidecar."""
+
+    def __init__(
+        self,
+        pipeline: str,
+        stage_id: int,
+        config: StageDeployConfig,
+        *,
+        threads: int = 1,
+        log_level: str = "INFO",
+        on_death: Callable[[str], None] | None = None,
+    ) -> None:
+        self.pipeline = pipeline
+        self.stage_id = stage_id
+        self.config = config
+        self.threads = threads
+        self.log_level = log_level
+        self.on_death = on_death
+        self.arena = ShmArena()  # input tensors we write for the engine
+        self.reader = ShmReader()  # engine output slots we read for inlining
+        self.ready: Ready | None = None
+        self.stats = Stats(queued=0, running=0, batch_size=0, step_ms=0.0, steps=0)
+        self.engine_pid: int | None = None
+        self.engine_prefix: str | None = None
+        self._proc: asyncio.subprocess.Process | None = None
+        self._chan: AsyncChannel | None = None
+        self._pending: dict[str, asyncio.Future[StageOutput]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
+        self.dead = asyncio.Event()
+        self.death_reason = ""
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    async def start(self, timeout_s: float = 120.0) -> Ready:
+        parent_sock, child_sock = make_socketpair()
+        argv = [
+            sys.executable,
+            "-m",
+            "omni_mesh.engines",
+            "--pipeline",
+            self.pipeline,
+            "--stage-id",
+            str(self.stage_id),
+            "--channel-fd",
+            str(child_sock.fileno()),
+            "--config-json",
+            self.config.model_dump_json(),
+            "--peer-shm-prefix",
+            self.arena.prefix,
+            "--threads",
+            str(self.threads),
+            "--log-level",
+            self.log_level,
+        ]
+        self._proc = await asyncio.create_subprocess_exec(
+            *argv, pass_fds=(child_sock.fileno(),), preexec_fn=_pdeathsig
+        )
+        child_sock.close()
+        self.engine_pid = self._proc.pid
+        self._chan = await AsyncChannel.open(parent_sock)
+        try:
+            self.ready = await asyncio.wait_for(self._handshake(), timeout_s)
+        except TimeoutError:
+            await self._kill()
+            raise EngineStartError(
+                f"stage {self.stage_id}: engine not READY after {timeout_s:.0f}s "
+                "(raise --engine-start-timeout)"
+            ) from None
+        except EngineStartError:
+            await self._kill()
+            raise
+        self._tasks = [
+            asyncio.create_task(self._receive_loop(), name="engine-rx"),
+            asyncio.create_task(self._watch_process(), name="engine-wait"),
+        ]
+        logger.info(
+            "engine ready stage=%d pid=%d engine=%s load=%.2fs",
+            self.stage_id,
+            self.engine_pid,
+            self.ready.engine,
+            self.ready.load_seconds,
+        )
+        return self.ready
+
+    async def _handshake(self) -> Ready:
+        assert self._chan is not None
+        while True:
+            msg = await self._chan.recv()
+            if msg is None:
+                raise EngineStartError(f"stage {self.stage_id}: engine exited during start-up")
+            if isinstance(msg, Hello):
+                self.engine_prefix = msg.shm_prefix
+            elif isinstance(msg, Ready):
+                return msg
+            elif isinstance(msg, Fatal):
+                raise EngineStartError(f"stage {self.stage_id}: engine failed: {msg.message}")
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask the engine to drain and exit; kill it if it does not."""
+        self._stopping = True
+        if self._proc is not None and self._proc.returncode is None and self._chan is not None:
+            with contextlib.suppress(OSError, ConnectionError, ChannelError):
+                await self._chan.send(Shutdown(drain=True))
+            try:
+                await asyncio.wait_for(self._proc.wait(), timeout_s)
+            except TimeoutError:
+                logger.warning("engine did not exit in %.0fs stage=%d: killing", timeout_s, self.stage_id)
+                await self._kill()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._fail_all("engine stopped")
+        self._release_shm()
+        if self._chan is not None:
+            await self._chan.close()
+
+    async def _kill(self) -> None:
+        if self._proc is not None and self._proc.returncode is None:
+            self._proc.kill()
+            await self._proc.wait()
+        self._release_shm()
+
+    def _release_shm(self) -> None:
+        self.arena.close()
+        self.reader.close()
+        if self.engine_prefix:
+            unlink_prefix(self.engine_prefix)
+
+    # ---- background ----------------------------------------------------------------------
+
+    async def _watch_process(self) -> None:
+        assert self._proc is not None
+        code = await self._proc.wait()
+        if not self._stopping:
+            self._died(f"engine process exited with code {code}")
+
+    async def _receive_loop(self) -> None:
+        assert self._chan is not None
+        while True:
+            msg = await self._chan.recv()
+            if msg is None:
+                if not self._stopping:
+                    self._died("engine closed its channel")
+                return
+            if isinstance(msg, Result):
+                self._on_result(msg.output)
+            elif isinstance(msg, Stats):
+                self.stats = msg
+            elif isinstance(msg, Fatal):
+                self._died(f"engine fatal error: {msg.message}")
+                return
+
+    def _on_result(self, out: StageOutput) -> None:
+        self.arena.free_owner(out.request_id)  # the engine has read our input slots
+        fut = self._pending.pop(out.request_id, None)
+        if fut is None or fut.done():
+            self.release(out.request_id)  # nobody waits (aborted): free its slots
+            return
+        fut.set_result(out)
+
+    def _died(self, reason: str) -> None:
+        if self.dead.is_set():
+            return
+        self.death_reason = reason
+        logger.error("engine died stage=%d pid=%s: %s", self.stage_id, self.engine_pid, reason)
+        self.dead.set()
+        self._fail_all(reason)
+        self._release_shm()
+        if self.on_death is not None:
+            self.on_death(reason)
+
+    def _fail_all(self, reason: str) -> None:
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(f"stage {self.stage_id}: {reason}"))
+
+    # ---- requests ------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def is_running(self, request_id: str) -> bool:
+        return request_id in self._pending
+
+    async def execute(self, si: StageInput) -> StageOutput:
+        """Run one request on the engine. The caller must :meth:`release` the request once
+        it no longer needs the output tensors (they live in the engine's slots)."""
+        if self.dead.is_set() or self._chan is None:
+            raise EngineDeadError(f"stage {self.stage_id}: {self.death_reason or 'not started'}")
+        rid = si.request_id
+        payload = externalize(si.payload, self.arena, rid, threshold=INLINE_MAX)
+        si = msgspec.structs.replace(si, payload=payload)
+        fut: asyncio.Future[StageOutput] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        try:
+            await self._chan.send(Submit(stage_input=si))
+            return await fut
+        except asyncio.CancelledError:
+            # Client gone or deadline: tell the engine, free our input slots.
+            self._pending.pop(rid, None)
+            self.arena.free_owner(rid)
+            if not self.dead.is_set():
+                with contextlib.suppress(OSError, ConnectionError, ChannelError):
+                    await self._chan.send(Abort(request_id=rid))
+            raise
+        except BaseException:
+            self._pending.pop(rid, None)
+            self.arena.free_owner(rid)
+            raise
+
+    def release(self, request_id: str) -> None:
+        """The engine's output slots for ``request_id`` may be reused."""
+        if self._chan is None or self.dead.is_set():
+            return
+        task = asyncio.get_running_loop().create_task(self._send_quiet(Release(request_id=request_id)))
+        task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+
+    async def _send_quiet(self, msg: Release) -> None:
+        assert self._chan is not None
+        with contextlib.suppress(OSError, ConnectionError, ChannelError):
+            await self._chan.send(msg)

@@ -1,0 +1,93 @@
+"""One middleware maps every error to a JSON response (OpenAI's error shape).
+
+Bad input of any kind is a 4xx naming the field; a request-level failure from an engine travels
+as data (:class:`StageError`) and is mapped here; only a bug gives a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from aiohttp import web
+
+from omni_mesh.data_plane.messages import StageError
+from omni_mesh.sidecar.engine_client import EngineDeadError
+from omni_mesh.sidecar.handoff import HopUnavailable
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class ApiError(Exception):
+    """An error with an HTTP status, a message naming what is wrong, and an OpenAI type."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        type_: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_
+        self.headers = headers or {}
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+_STAGE_ERROR_STATUS = {
+    "bad_input": 400,
+    "aborted": 499,
+    "deadline": 504,
+    "unavailable": 503,
+    "engine_error": 500,
+}
+
+
+def from_stage_error(err: StageError) -> ApiError:
+    status = _STAGE_ERROR_STATUS.get(err.code, 500)
+    where = f"stage {err.stage_id}: " if err.stage_id >= 0 else ""
+    headers = {"Retry-After": "1"} if status == 503 else None
+    return ApiError(status, f"{where}{err.message}", type_=err.code, headers=headers)
+
+
+def error_response(err: ApiError) -> web.Response:
+    body = {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.status}}
+    return web.json_response(body, status=err.status, headers=err.headers)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as err:
+        return error_response(err)
+    except msgspec.ValidationError as exc:
+        return error_response(ApiError(400, f"invalid body: {exc}"))
+    except msgspec.DecodeError as exc:
+        return error_response(ApiError(400, f"undecodable body: {exc}"))
+    except HopUnavailable as exc:
+        return error_response(
+            ApiError(
+                503,
+                str(exc),
+                type_="unavailable",
+                headers={"Retry-After": str(max(1, round(exc.retry_after_s)))},
+            )
+        )
+    except EngineDeadError as exc:
+        return error_response(ApiError(503, str(exc), type_="unavailable"))
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            return error_response(ApiError(exc.status, exc.text or exc.reason))
+        raise

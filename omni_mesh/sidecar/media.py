@@ -1,0 +1,126 @@
+"""Media encoders for the client API (stdlib + numpy only): WAV and raw PCM audio, PNG images.
+
+Float waveforms are clipped to [-1, 1] and written as 16-bit signed little-endian PCM. The PNG
+encoder writes 8-bit RGB/RGBA/grey, filter type 0, zlib-compressed — enough for model outputs
+without Pillow. ``read_wav``, ``read_png`` and ``read_png_size`` read back what these write.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import wave
+import zlib
+
+import numpy as np
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_PNG_COLOR_TYPES = {1: 0, 3: 2, 4: 6}  # channels → PNG colour type (grey, RGB, RGBA)
+_PNG_CHANNELS = {v: k for k, v in _PNG_COLOR_TYPES.items()}
+MAX_SAMPLE_RATE = 384_000
+
+
+def _to_int16(waveform: np.ndarray) -> np.ndarray:
+    arr = np.asarray(waveform)
+    if arr.ndim != 1:
+        raise ValueError(f"waveform must be 1-D (mono), got shape {arr.shape}")
+    if arr.dtype == np.int16:
+        return arr.astype("<i2", copy=False)
+    if arr.dtype.kind != "f":
+        raise ValueError(f"waveform must be float (or int16), got {arr.dtype}")
+    clipped = np.clip(np.nan_to_num(arr.astype(np.float32), nan=0.0), -1.0, 1.0)
+    return np.round(clipped * 32767.0).astype("<i2")
+
+
+def pcm_bytes(waveform: np.ndarray, sample_rate: int | None = None) -> bytes:
+    """Raw 16-bit signed little-endian mono PCM (``audio/pcm``, no header). ``sample_rate`` is
+    accepted for symmetry with :func:`wav_bytes` and only checked: raw PCM does not carry it."""
+    if sample_rate is not None:
+        _check_rate(sample_rate)
+    return _to_int16(waveform).tobytes()
+
+
+def _check_rate(sample_rate: int) -> None:
+    if not 1 <= sample_rate <= MAX_SAMPLE_RATE:
+        raise ValueError(f"sample_rate must be in [1, {MAX_SAMPLE_RATE}], got {sample_rate}")
+
+
+def wav_bytes(waveform: np.ndarray, sample_rate: int) -> bytes:
+    """A 16-bit PCM mono WAV file of ``waveform`` (float in [-1, 1], or int16)."""
+    _check_rate(sample_rate)
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as writer:
+        writer.setnchannels(1)
+        writer.setsampwidth(2)
+        writer.setframerate(sample_rate)
+        writer.writeframes(pcm_bytes(waveform))
+    return buffer.getvalue()
+
+
+def read_wav(data: bytes) -> tuple[np.ndarray, int]:
+    """(float32 waveform in [-1, 1), sample rate) of a 16-bit PCM mono WAV file."""
+    with wave.open(io.BytesIO(data), "rb") as reader:
+        if reader.getnchannels() != 1 or reader.getsampwidth() != 2:
+            raise ValueError("only 16-bit mono WAV is supported")
+        frames = reader.readframes(reader.getnframes())
+        rate = reader.getframerate()
+    return np.frombuffer(frames, dtype="<i2").astype(np.float32) / 32768.0, rate
+
+
+def _chunk(kind: bytes, body: bytes) -> bytes:
+    crc = zlib.crc32(body, zlib.crc32(kind))
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", crc)
+
+
+def png_bytes(image: np.ndarray, compression: int = 6) -> bytes:
+    """A PNG file of ``image``: uint8 [H, W, 3] (RGB), [H, W, 4] (RGBA) or [H, W] (grey)."""
+    arr = np.asarray(image)
+    if arr.dtype != np.uint8:
+        raise ValueError(f"image must be uint8, got {arr.dtype}")
+    if arr.ndim == 2:
+        arr = arr[:, :, None]
+    if arr.ndim != 3 or arr.shape[2] not in _PNG_COLOR_TYPES or 0 in arr.shape[:2]:
+        raise ValueError(f"image must be [H, W], [H, W, 3] or [H, W, 4], got {image.shape}")
+    height, width, channels = arr.shape
+    rows = np.zeros((height, 1 + width * channels), dtype=np.uint8)  # column 0: filter type 0
+    rows[:, 1:] = arr.reshape(height, width * channels)
+    header = struct.pack(">IIBBBBB", width, height, 8, _PNG_COLOR_TYPES[channels], 0, 0, 0)
+    return b"".join(
+        (
+            PNG_SIGNATURE,
+            _chunk(b"IHDR", header),
+            _chunk(b"IDAT", zlib.compress(rows.tobytes(), compression)),
+            _chunk(b"IEND", b""),
+        )
+    )
+
+
+def read_png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) from a PNG's IHDR chunk."""
+    if len(data) < 24 or not data.startswith(PNG_SIGNATURE) or data[12:16] != b"IHDR":
+        raise ValueError("not a PNG file")
+    width, height = struct.unpack(">II", data[16:24])
+    return int(width), int(height)
+
+
+def read_png(data: bytes) -> np.ndarray:
+    """Decode a PNG written by :func:`png_bytes` (8-bit, non-interlaced, filter type 0 only)."""
+    width, height = read_png_size(data)
+    pos, idat, channels = len(PNG_SIGNATURE), b"", 0
+    while pos + 8 <= len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        if kind == b"IHDR":
+            depth, color, _, _, interlace = body[8:13]
+            if depth != 8 or color not in _PNG_CHANNELS or interlace:
+                raise ValueError("unsupported PNG format")
+            channels = _PNG_CHANNELS[color]
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + length
+    rows = np.frombuffer(zlib.decompress(idat), dtype=np.uint8)
+    rows = rows.reshape(height, 1 + width * channels)
+    if rows[:, 0].any():
+        raise ValueError("only PNG filter type 0 is supported")
+    pixels = rows[:, 1:].reshape(height, width, channels)
+    return pixels[:, :, 0] if channels == 1 else pixels

@@ -1,0 +1,89 @@
+"""The pod: everything one sidecar holds at run time, built in start-up order and torn down in
+reverse (engine → READY → register → heartbeat → watch → serve; drain on SIGTERM)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from omni_mesh.configs.deploy import DeployConfig, StageDeployConfig
+from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.configs.stage_settings import StageSettings
+from omni_mesh.data_plane.connectors import Connector, make_connector
+from omni_mesh.data_plane.shm import ShmReader
+from omni_mesh.sidecar.chain import StageRunner
+from omni_mesh.sidecar.engine_client import EngineClient
+from omni_mesh.sidecar.handoff import HopClient
+from omni_mesh.observability.metrics import SidecarMetrics
+from omni_mesh.sidecar.router import Router
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Pod:
+    settings: StageSettings
+    pipeline: PipelineSpec
+    deploy: DeployConfig
+    metrics: SidecarMetrics
+    secret: bytes
+    router: Router
+    hop: HopClient
+    session: aiohttp.ClientSession
+    reader: ShmReader
+    engine: EngineClient | None = None
+    runner: StageRunner | None = None
+    instance_id: str = ""
+    draining: bool = False
+    in_flight: int = 0
+    exit_code: int = 0
+    stop_event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def stage_id(self) -> int:
+        return self.settings.stage_id
+
+    @property
+    def stage_config(self) -> StageDeployConfig:
+        return self.deploy.stage(self.settings.stage_id)
+
+    @property
+    def has_engine(self) -> bool:
+        return self.engine is not None
+
+    @property
+    def serves_api(self) -> bool:
+        return not self.settings.headless
+
+    def request_timeout_s(self) -> float:
+        return float(self.deploy.request_timeout_s)
+
+    def connector_for(self, from_stage: int, to_stage: int) -> Connector:
+        return connector_for(self.deploy, from_stage, to_stage)
+
+    def stop(self, code: int) -> None:
+        """Ask the pod to shut down (drain first) and exit with ``code``."""
+        self.exit_code = max(self.exit_code, code)
+        self.stop_event.set()
+
+
+def connector_for(deploy: DeployConfig, from_stage: int, to_stage: int) -> Connector:
+    """The connector of an edge; a client's entry request carries no tensors: plain HTTP."""
+    if from_stage < 0:
+        return make_connector("HttpConnector", {})
+    spec = deploy.connector_for_edge(from_stage, to_stage)
+    return make_connector(spec.name, spec.extra)
+
+
+def resolve_secret(settings: StageSettings) -> bytes:
+    if settings.secret is not None:
+        return settings.secret_bytes
+    logger.warning(
+        "no deployment secret (--secret / OMNI_SECRET): using a random one; stage inputs "
+        "returned by /v1/run will be accepted by this instance only"
+    )
+    return secrets.token_bytes(32)

@@ -1,0 +1,102 @@
+"""Replica choice: power of two choices on in-flight load, same-host preference on ``shm``
+edges, and immediate ejection of a replica whose connection failed.
+
+The router reads pools from the control plane's watch cache (which keeps serving the last known
+pools while the control plane is unreachable — invariant 5) and keeps its own view of what it
+has in flight to each replica, which is fresher than any heartbeat.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Replica:
+    instance_id: str
+    stage_id: int
+    address: str
+    host_id: str
+    capacity: int
+    reported_in_flight: int = 0
+
+
+class PoolView(Protocol):
+    """What the router needs of the discovery cache."""
+
+    def replicas(self, stage_id: int) -> Iterable[Replica]: ...
+
+
+class Router:
+    """Picks a replica of a stage for a hop."""
+
+    def __init__(
+        self,
+        pools: PoolView,
+        *,
+        host_id: str,
+        eject_s: float = 5.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.pools = pools
+        self.host_id = host_id
+        self.eject_s = eject_s
+        self._rng = rng or random.Random()
+        self._in_flight: dict[str, int] = {}
+        self._ejected: dict[str, float] = {}
+
+    def candidates(self, stage_id: int, exclude: set[str]) -> list[Replica]:
+        now = time.monotonic()
+        out = []
+        for r in self.pools.replicas(stage_id):
+            if r.instance_id in exclude:
+                continue
+            until = self._ejected.get(r.instance_id)
+            if until is not None:
+                if until > now:
+                    continue
+                del self._ejected[r.instance_id]
+            out.append(r)
+        return out
+
+    def pick(self, stage_id: int, *, exclude: set[str], prefer_same_host: bool) -> Replica | None:
+        pool = self.candidates(stage_id, exclude)
+        if prefer_same_host:
+            local = [r for r in pool if r.host_id == self.host_id]
+            pool = local or pool
+        if not pool:
+            return None
+        if len(pool) == 1:
+            return pool[0]
+        a, b = self._rng.sample(pool, 2)
+        return a if self._load(a) <= self._load(b) else b
+
+    def _load(self, r: Replica) -> float:
+        mine = self._in_flight.get(r.instance_id, 0)
+        return (mine + r.reported_in_flight / 2) / max(1, r.capacity)
+
+    def begin(self, instance_id: str) -> None:
+        self._in_flight[instance_id] = self._in_flight.get(instance_id, 0) + 1
+
+    def end(self, instance_id: str) -> None:
+        n = self._in_flight.get(instance_id, 0) - 1
+        if n > 0:
+            self._in_flight[instance_id] = n
+        else:
+            self._in_flight.pop(instance_id, None)
+
+    def eject(self, instance_id: str, reason: str) -> None:
+        """Take a replica out of this router's pools at once (a failed connection says more,
+        sooner, than a missed lease); it comes back after ``eject_s`` if still discovered."""
+        logger.warning("ejecting instance=%s for %.1fs: %s", instance_id, self.eject_s, reason)
+        self._ejected[instance_id] = time.monotonic() + self.eject_s
+
+    def in_flight(self, instance_id: str) -> int:
+        return self._in_flight.get(instance_id, 0)

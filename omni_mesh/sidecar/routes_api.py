@@ -1,0 +1,249 @@
+"""The client API of non-headless instances (DESIGN §10).
+
+``/v1/generate`` runs the whole pipeline on a prompt object and returns the final outputs; the
+OpenAI-compatible routes adapt it. ``/health`` and ``/metrics`` are served by every instance.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from omni_mesh.configs.pipeline import OutputKind
+from omni_mesh.data_plane import wire
+from omni_mesh.data_plane.messages import HopResult, Prompt, SamplingParams
+from omni_mesh.sidecar.admission import admitted
+from omni_mesh.sidecar.errors import ApiError, bad_request, from_stage_error
+from omni_mesh.sidecar.inputs import BadPrompt, entry_input
+from omni_mesh.sidecar.keys import POD
+from omni_mesh.sidecar.openai_types import ChatRequest, ImageRequest, SpeechRequest
+from omni_mesh.sidecar.outputs import FinalOutput, final_outputs
+from omni_mesh.sidecar.pod import Pod
+
+MAX_API_BODY = 1 << 20
+
+
+async def _body(request: web.Request, type_: type[Any]) -> Any:
+    raw = await wire.read_body(request, max_bytes=MAX_API_BODY)
+    try:
+        return msgspec.json.decode(raw, type=type_)
+    except msgspec.ValidationError as exc:
+        raise bad_request(f"invalid request body: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+
+
+def _check_model(pod: Pod, model: str | None) -> None:
+    if model is not None and model != pod.pipeline.name:
+        raise ApiError(
+            404,
+            f"model {model!r} not found (this server serves {pod.pipeline.name!r})",
+            param="model",
+            type_="model_not_found",
+        )
+
+
+async def generate_outputs(
+    pod: Pod, request: web.Request, prompt: Prompt, sampling: SamplingParams | None = None
+) -> list[FinalOutput]:
+    """The orchestrated path: the stage-0 input, run locally or handed to the stage-0 pool."""
+    try:
+        si = entry_input(
+            pod.pipeline,
+            prompt,
+            timeout_s=_timeout(pod, request),
+            sampling=sampling,
+            traceparent=request.headers.get("traceparent", ""),
+        )
+    except BadPrompt as exc:
+        raise bad_request(str(exc)) from None
+    result: HopResult
+    if pod.runner is not None and pod.stage_id == pod.pipeline.entry_stage_id:
+        with admitted(pod, si.request_id, "api"):
+            result = await pod.runner.run_chain(si)
+    else:
+        result = await pod.hop.send(si)
+    if result.error is not None:
+        raise from_stage_error(result.error)
+    return final_outputs(pod.pipeline, result.outputs)
+
+
+def _timeout(pod: Pod, request: web.Request) -> float:
+    raw = request.headers.get("X-Omni-Timeout-S")
+    if raw is None:
+        return pod.request_timeout_s()
+    try:
+        value = float(raw)
+    except ValueError:
+        raise bad_request("X-Omni-Timeout-S: not a number", "X-Omni-Timeout-S") from None
+    if not 0.05 <= value <= 3600:
+        raise bad_request("X-Omni-Timeout-S: must be within [0.05, 3600]", "X-Omni-Timeout-S")
+    return value
+
+
+def _pick(outputs: list[FinalOutput], kind: OutputKind) -> FinalOutput | None:
+    return next((o for o in outputs if o.kind is kind), None)
+
+
+# ---- routes ----------------------------------------------------------------------------------
+
+
+async def generate(request: web.Request) -> web.Response:
+    pod = request.app[POD]
+    prompt = await _body(request, Prompt)
+    outputs = await generate_outputs(pod, request, prompt)
+    body = {
+        "pipeline": pod.pipeline.name,
+        "outputs": {str(o.stage_id): msgspec.to_builtins(o.to_run_output()) for o in outputs},
+    }
+    return web.json_response(body)
+
+
+async def models(request: web.Request) -> web.Response:
+    pod = request.app[POD]
+    return web.json_response(
+        {
+            "object": "list",
+            "data": [
+                {"id": pod.pipeline.name, "object": "model", "created": 0, "owned_by": "omni-mesh"}
+            ],
+        }
+    )
+
+
+async def speech(request: web.Request) -> web.Response:
+    pod = request.app[POD]
+    req: SpeechRequest = await _body(request, SpeechRequest)
+    _check_model(pod, req.model)
+    if OutputKind.AUDIO not in {s.final_output for s in pod.pipeline.stages}:
+        raise bad_request(f"pipeline {pod.pipeline.name!r} produces no audio", "model")
+    fields = _voice_field(pod, req.voice)
+    prompt = Prompt(prompt=req.input, seed=req.seed, **fields)
+    audio = _pick(await generate_outputs(pod, request, prompt), OutputKind.AUDIO)
+    assert audio is not None and audio.data is not None and audio.array is not None
+    if req.response_format == "pcm":
+        from omni_mesh.sidecar import media
+
+        rate = int(audio.fields.get("sample_rate") or 24000) if audio.fields else 24000
+        return web.Response(body=media.pcm_bytes(audio.array, rate), content_type="audio/pcm")
+    return web.Response(body=audio.data, content_type="audio/wav")
+
+
+def _voice_field(pod: Pod, voice: str | None) -> dict[str, Any]:
+    if voice is None or "voice" not in pod.pipeline.prompt_fields:
+        return {}
+    return {"voice": voice}
+
+
+def _chat_prompt(req: ChatRequest) -> str:
+    for message in reversed(req.messages):
+        if message.role != "user" or message.content is None:
+            continue
+        if isinstance(message.content, str):
+            return message.content
+        text = " ".join(p.text for p in message.content if p.type == "text" and p.text)
+        if text:
+            return text
+    raise bad_request("messages: no user message with text content", "messages")
+
+
+async def chat(request: web.Request) -> web.Response:
+    pod = request.app[POD]
+    req: ChatRequest = await _body(request, ChatRequest)
+    _check_model(pod, req.model)
+    if req.stream:
+        raise bad_request("stream: streaming is not supported yet", "stream")
+    want_audio = "audio" in (req.modalities or ())
+    fields: dict[str, Any] = {}
+    if want_audio:
+        fields.update(_voice_field(pod, req.audio.voice if req.audio else None))
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    if max_tokens is not None and "max_tokens" in pod.pipeline.prompt_fields:
+        fields["max_tokens"] = max_tokens
+    prompt = Prompt(prompt=_chat_prompt(req), seed=req.seed, **fields)
+    sampling = SamplingParams(temperature=req.temperature) if req.temperature is not None else None
+    outputs = await generate_outputs(pod, request, prompt, sampling)
+    text = _pick(outputs, OutputKind.TEXT)
+    message: dict[str, Any] = {"role": "assistant", "content": text.text if text else None}
+    audio = _pick(outputs, OutputKind.AUDIO)
+    if want_audio and audio is not None and audio.data is not None:
+        message["audio"] = {
+            "id": f"audio_{uuid.uuid4().hex}",
+            "data": base64.b64encode(audio.data).decode(),
+            "expires_at": int(time.time()) + 3600,
+            "transcript": text.text if text and text.text else "",
+        }
+    completion = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": pod.pipeline.name,
+        "choices": [{"index": 0, "message": message, "finish_reason": "stop", "logprobs": None}],
+        "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+    }
+    return web.json_response(completion)
+
+
+def _parse_size(size: str) -> int:
+    try:
+        w, h = (int(x) for x in size.lower().split("x"))
+    except ValueError:
+        raise bad_request(f"size: {size!r} is not WIDTHxHEIGHT", "size") from None
+    if w != h or not 16 <= w <= 512:
+        raise bad_request(f"size: {size!r} must be square, 16x16 .. 512x512", "size")
+    return w
+
+
+async def images(request: web.Request) -> web.Response:
+    pod = request.app[POD]
+    req: ImageRequest = await _body(request, ImageRequest)
+    _check_model(pod, req.model)
+    if OutputKind.IMAGE not in {s.final_output for s in pod.pipeline.stages}:
+        raise bad_request(f"pipeline {pod.pipeline.name!r} produces no images", "model")
+    size = _parse_size(req.size)
+    data = []
+    for i in range(req.n):
+        seed = None if req.seed is None else req.seed + i
+        prompt = Prompt(prompt=req.prompt, seed=seed, size=size)
+        image = _pick(await generate_outputs(pod, request, prompt), OutputKind.IMAGE)
+        assert image is not None and image.data is not None
+        data.append({"b64_json": base64.b64encode(image.data).decode()})
+    return web.json_response({"created": int(time.time()), "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    pod = request.app[POD]
+    if pod.draining:
+        return web.json_response({"status": "draining"}, status=503)
+    if pod.engine is not None and pod.engine.dead.is_set():
+        return web.json_response({"status": "engine dead"}, status=503)
+    return web.json_response(
+        {"status": "ok", "stage_id": pod.stage_id, "instance_id": pod.instance_id}
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    pod = request.app[POD]
+    if pod.engine is not None:
+        labels = (pod.pipeline.name, str(pod.stage_id))
+        pod.metrics.engine_queued.labels(*labels).set(pod.engine.stats.queued)
+        pod.metrics.engine_step.labels(*labels).set(pod.engine.stats.step_ms / 1000.0)
+    body = generate_latest(pod.metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def add_routes(app: web.Application, *, client_api: bool) -> None:
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    if client_api:
+        app.router.add_post("/v1/generate", generate)
+        app.router.add_get("/v1/models", models)
+        app.router.add_post("/v1/audio/speech", speech)
+        app.router.add_post("/v1/chat/completions", chat)
+        app.router.add_post("/v1/images/generations", images)

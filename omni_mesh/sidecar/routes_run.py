@@ -1,0 +1,223 @@
+"""``POST /v1/run``: run only stage k of a request (DESIGN §5).
+
+A headless instance of stage k accepts calls for stage k; an API server accepts calls for any
+stage of its pipeline and forwards them to a replica of that stage, so one URL serves a
+client's whole loop. The opaque ``stage_input`` is a sealed, HMAC-tagged envelope.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import time
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from omni_mesh.data_plane import wire
+from omni_mesh.data_plane.envelope import EnvelopeError, open_envelope, seal
+from omni_mesh.data_plane.messages import (
+    NextInput,
+    NextInputBin,
+    Prompt,
+    RunRequest,
+    RunRequestBin,
+    RunResponse,
+    RunResponseBin,
+    StageInput,
+    StageOutput,
+)
+from omni_mesh.data_plane.shm import inline
+from omni_mesh.sidecar.admission import admitted
+from omni_mesh.sidecar.errors import ApiError, bad_request, from_stage_error
+from omni_mesh.sidecar.inputs import BadPrompt, entry_input
+from omni_mesh.sidecar.keys import POD
+from omni_mesh.sidecar.outputs import final_output
+from omni_mesh.sidecar.pod import Pod
+
+logger = logging.getLogger(__name__)
+
+RUN_PATH = "/v1/run"
+_JSON = msgspec.json.Encoder()
+
+
+async def run(request: web.Request) -> web.StreamResponse:
+    pod = request.app[POD]
+    binary = request.content_type == wire.MSGPACK
+    body = await wire.read_body(request, max_bytes=pod.settings.max_body_bytes)
+    req = _decode(body, binary)
+    if req.stage_id not in pod.pipeline.stage_ids:
+        raise bad_request(
+            f"stage_id: pipeline {pod.pipeline.name!r} has no stage {req.stage_id} "
+            f"(stages: {sorted(pod.pipeline.stage_ids)})",
+            "stage_id",
+        )
+    if pod.runner is not None and req.stage_id == pod.stage_id:
+        return await _run_local(pod, req, binary, request)
+    if pod.settings.headless or pod.runner is not None and pod.settings.api_only:
+        raise bad_request(
+            f"stage_id: this instance runs stage {pod.stage_id} only; send stage "
+            f"{req.stage_id} to an API server or a replica of that stage",
+            "stage_id",
+        )
+    return await _forward(pod, req.stage_id, body, request.content_type)
+
+
+def _decode(body: bytearray, binary: bool) -> RunRequest | RunRequestBin:
+    try:
+        if binary:
+            return msgspec.msgpack.decode(body, type=RunRequestBin)
+        return msgspec.json.decode(body, type=RunRequest)
+    except msgspec.ValidationError as exc:
+        raise bad_request(f"invalid /v1/run body: {exc}") from None
+    except msgspec.DecodeError as exc:
+        kind = "msgpack" if binary else "JSON"
+        raise bad_request(f"/v1/run body is not valid {kind}: {exc}") from None
+
+
+def _stage_input(pod: Pod, req: RunRequest | RunRequestBin, traceparent: str) -> StageInput:
+    entry = pod.pipeline.entry_stage_id
+    raw = req.stage_input
+    if req.stage_id == entry:
+        if not isinstance(raw, Prompt):
+            raise bad_request(
+                f"stage_input: stage {entry} is the entry stage and takes a prompt object "
+                '({"prompt": "…"}), not an opaque string',
+                "stage_input",
+            )
+        try:
+            si = entry_input(
+                pod.pipeline,
+                raw,
+                timeout_s=pod.request_timeout_s(),
+                sampling=req.sampling_params,
+                traceparent=traceparent,
+            )
+        except BadPrompt as exc:
+            raise bad_request(str(exc), "stage_input") from None
+        return si
+    if isinstance(raw, Prompt):
+        raise bad_request(
+            f"stage_input: stage {req.stage_id} takes the opaque stage_input returned by the "
+            "previous /v1/run call, not a prompt object",
+            "stage_input",
+        )
+    try:
+        si = open_envelope(
+            raw,
+            pod.secret,
+            expected_stage=req.stage_id,
+            pipeline=pod.pipeline,
+            max_bytes=pod.settings.max_body_bytes,
+        )
+    except EnvelopeError as exc:
+        raise bad_request(f"stage_input: {exc}", "stage_input") from None
+    # A fresh deadline for this call: the client drives the loop at its own pace.
+    deadline_ms = int((time.time() + pod.request_timeout_s()) * 1000)
+    si = msgspec.structs.replace(si, deadline_ms=deadline_ms)
+    if req.sampling_params is not None:
+        si = msgspec.structs.replace(si, sampling=req.sampling_params)
+    return si
+
+
+async def _run_local(
+    pod: Pod, req: RunRequest | RunRequestBin, binary: bool, request: web.Request
+) -> web.Response:
+    assert pod.runner is not None
+    si = _stage_input(pod, req, request.headers.get("traceparent", ""))
+    labels = (pod.pipeline.name, str(pod.stage_id))
+    t0 = time.monotonic()
+    with admitted(pod, si.request_id, "run"):
+        async with pod.runner.executed(si) as out:
+            if out.error is not None:
+                pod.metrics.requests.labels(*labels, "run", out.error.code).inc()
+                raise from_stage_error(out.error)
+            body = _response(pod, si, out, binary)
+    pod.metrics.requests.labels(*labels, "run", "ok").inc()
+    pod.metrics.request_duration.labels(*labels, "run").observe(time.monotonic() - t0)
+    content_type = wire.MSGPACK if binary else "application/json"
+    return web.Response(body=body, content_type=content_type)
+
+
+def _response(pod: Pod, si: StageInput, out: StageOutput, binary: bool) -> bytes:
+    assert pod.engine is not None
+    reader = pod.engine.reader
+    sealed = [
+        (n.stage_id, seal(msgspec.structs.replace(n, payload=inline(n.payload, reader)), pod.secret))
+        for n in out.next
+    ]
+    final = final_output(pod.pipeline, pod.stage_id, inline(out.final, reader)) if out.final else None
+    if binary:
+        rb = RunResponseBin(stage_id=pod.stage_id, request_id=si.request_id)
+        if final is not None:
+            rb.output = final.to_run_output_bin()
+        if len(sealed) == 1:
+            rb.next_stage_id, rb.stage_input = sealed[0]
+        elif sealed:
+            rb.next = [NextInputBin(stage_id=j, stage_input=b) for j, b in sealed]
+        return msgspec.msgpack.encode(rb)
+    rj = RunResponse(stage_id=pod.stage_id, request_id=si.request_id)
+    if final is not None:
+        rj.output = final.to_run_output()
+    b64 = [(j, base64.urlsafe_b64encode(b).decode()) for j, b in sealed]
+    if len(b64) == 1:
+        rj.next_stage_id, rj.stage_input = b64[0]
+    elif b64:
+        rj.next = [NextInput(stage_id=j, stage_input=s) for j, s in b64]
+    return _JSON.encode(rj)
+
+
+async def _forward(pod: Pod, stage_id: int, body: bytearray, content_type: str) -> web.Response:
+    """API server: pass the call to a replica of the stage; replay on connection failure."""
+    tried: set[str] = set()
+    deadline = time.monotonic() + pod.request_timeout_s()
+    failures = 0
+    while time.monotonic() < deadline:
+        replica = pod.router.pick(stage_id, exclude=tried, prefer_same_host=False)
+        if replica is None:
+            tried.clear()
+            await _sleep_until(deadline, 0.05)
+            continue
+        pod.router.begin(replica.instance_id)
+        try:
+            async with pod.session.post(
+                replica.address + RUN_PATH,
+                data=bytes(body),
+                headers={"Content-Type": content_type},
+                timeout=aiohttp.ClientTimeout(total=max(0.1, deadline - time.monotonic())),
+            ) as resp:
+                if resp.status in (429, 409) or resp.status >= 502:
+                    tried.add(replica.instance_id)
+                    if resp.status >= 502:
+                        pod.router.eject(replica.instance_id, f"status {resp.status}")
+                        failures += 1
+                    continue
+                data = await wire.read_response(resp, max_bytes=pod.settings.max_body_bytes)
+                return web.Response(
+                    body=bytes(data), status=resp.status, content_type=resp.content_type
+                )
+        except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+            pod.router.eject(replica.instance_id, f"{type(exc).__name__}: {exc}")
+            tried.add(replica.instance_id)
+            failures += 1
+        finally:
+            pod.router.end(replica.instance_id)
+        if failures > pod.deploy.hop_retries:
+            break
+    raise ApiError(
+        503,
+        f"no replica of stage {stage_id} answered /v1/run (tried {len(tried)})",
+        type_="unavailable",
+        headers={"Retry-After": "1"},
+    )
+
+
+async def _sleep_until(deadline: float, step: float) -> None:
+    import asyncio
+
+    await asyncio.sleep(max(0.0, min(step, deadline - time.monotonic())))
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post(RUN_PATH, run)

@@ -1,0 +1,188 @@
+"""``omni-cp`` as a command: embedded Redis lifecycle, signals, bad flags, ``status``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import redis
+
+from omni_mesh.control_plane.client import ControlPlaneClient, RegisterRequest
+from tests.procs import (
+    ControlPlaneProcess,
+    ManagedProcess,
+    child_pids,
+    clean_env,
+    cp_argv,
+    free_port,
+    pid_alive,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+
+def run_cp(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        cp_argv(*args), capture_output=True, text=True, timeout=30, env=clean_env(env)
+    )
+
+
+def start_bare_serve(
+    process_factory: Callable[..., ManagedProcess],
+) -> tuple[ManagedProcess, int, Path]:
+    """``omni-cp serve`` with no arguments (the port from OMNI_CP_PORT); returns the process,
+    its embedded redis-server pid and that server's directory."""
+    port = free_port()
+    proc = process_factory(cp_argv("serve"), name="omni-cp-bare", env=clean_env({"OMNI_CP_PORT": str(port)}))
+    line = proc.wait_for_output(r"omni-cp serving on (\S+) \(redis (\S+) embedded\)", 30)
+    assert line.group(1) == f"http://127.0.0.1:{port}"
+    proc.wait_http_ready(f"http://127.0.0.1:{port}/healthz")
+    [redis_pid] = child_pids(proc.pid)
+    redis_port = int(re.search(r":(\d+)/", line.group(2)).group(1))  # type: ignore[union-attr]
+    title = Path(f"/proc/{redis_pid}/cmdline").read_bytes().decode(errors="replace")
+    assert "redis-server" in title and f"127.0.0.1:{redis_port}" in title  # redis retitles argv
+    with redis.Redis(port=redis_port, decode_responses=True) as client:
+        assert client.config_get("save") == {"save": ""}
+        assert client.config_get("appendonly") == {"appendonly": "no"}
+    redis_dir = Path(os.readlink(f"/proc/{redis_pid}/cwd"))  # redis chdirs into --dir
+    assert redis_dir.name.startswith("omni-cp-redis-")
+    return proc, redis_pid, redis_dir
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+async def test_serve_without_arguments_and_a_clean_shutdown(
+    process_factory: Callable[..., ManagedProcess], signum: int
+) -> None:
+    proc, redis_pid, redis_dir = start_bare_serve(process_factory)
+    url = proc.wait_for_output(r"serving on (\S+)").group(1)
+    async with ControlPlaneClient([url]) as client:
+        registration = await client.register(
+            RegisterRequest(
+                pipeline="tiny-tts", stage_id=0, address="http://127.0.0.1:9700", capacity=1
+            )
+        )
+        assert (await client.instances("tiny-tts", 0)).instances[0].instance_id == (
+            registration.instance_id
+        )
+    proc.send_signal(signum)
+    assert await asyncio.to_thread(proc.wait, 15) == 0, proc.describe()
+    assert not pid_alive(redis_pid), "the embedded redis-server outlived omni-cp"
+    assert not redis_dir.exists(), "the embedded redis directory was not removed"
+    assert "Traceback" not in proc.stderr
+
+
+def test_embedded_redis_dies_with_a_killed_control_plane(
+    process_factory: Callable[..., ManagedProcess],
+) -> None:
+    proc, redis_pid, _ = start_bare_serve(process_factory)
+    proc.kill()
+    wait_until(lambda: not pid_alive(redis_pid), 5, message="redis-server survived kill -9")
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "needle"),
+    [
+        (["serve", "--port", "0"], None, "--port"),
+        (["serve", "--port", "http"], None, "--port"),
+        (["serve", "--no-such-flag"], None, "--no-such-flag"),
+        (["serve", "--redis-url", "http://localhost:1"], None, "--redis-url"),
+        (["serve", "--lease-ttl-ms", "500", "--heartbeat-interval-ms", "1000"], None,
+         "lease_ttl_ms"),
+        (["serve", "--log-level", "chatty"], None, "--log-level"),
+        (["serve"], {"OMNI_CP_SWEEP_INTERVAL_MS": "lots"}, "OMNI_CP_SWEEP_INTERVAL_MS"),
+        (["frobnicate"], None, "invalid choice"),
+    ],
+)  # fmt: skip
+def test_bad_flags_exit_2_with_a_clear_message(
+    args: list[str], env: dict[str, str] | None, needle: str
+) -> None:
+    result = run_cp(*args, env=env)
+    assert result.returncode == 2, result
+    assert needle in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_no_command_prints_help_and_exits_2() -> None:
+    result = run_cp()
+    assert result.returncode == 2
+    assert "serve" in result.stderr and "status" in result.stderr
+
+
+def test_console_script_is_installed() -> None:
+    script = Path(sys.executable).with_name("omni-cp")
+    if not script.exists():
+        pytest.skip("omni-cp console script not installed in this environment")
+    result = subprocess.run([str(script), "serve", "--help"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0 and "--lease-ttl-ms" in result.stdout
+
+
+def test_port_in_use_is_a_clear_error(
+    control_plane: ControlPlaneProcess, redis_url: str
+) -> None:
+    result = run_cp("serve", "--port", str(control_plane.port), "--redis-url", redis_url)
+    assert result.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{control_plane.port}" in result.stderr
+
+
+async def test_status_shows_a_table(control_plane: ControlPlaneProcess) -> None:
+    async with ControlPlaneClient([control_plane.url]) as client:
+        a = await client.register(
+            RegisterRequest(
+                pipeline="tiny-omni", stage_id=1, address="http://127.0.0.1:9801", capacity=4
+            )
+        )
+        b = await client.register(
+            RegisterRequest(
+                pipeline="tiny-omni",
+                stage_id=2,
+                address="http://127.0.0.1:9802",
+                capacity=2,
+                host_id="gpu-7",
+            )
+        )
+        await client.isolate(b.instance_id, reason="maintenance")
+    result = await asyncio.to_thread(run_cp, "status", "--cp", control_plane.url)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines[0].split() == [
+        "PIPELINE", "STAGE", "INSTANCE", "STATE", "ADDRESS", "HOST", "LOAD", "HEARTBEAT-AGE",
+        "REASON",
+    ]  # fmt: skip
+    rows = [line.split() for line in lines[1:]]
+    assert [r[:7] for r in rows] == [
+        ["tiny-omni", "1", a.instance_id, "healthy", "http://127.0.0.1:9801", "127.0.0.1", "0/4"],
+        ["tiny-omni", "2", b.instance_id, "isolated", "http://127.0.0.1:9802", "gpu-7", "0/2"],
+    ]
+    assert rows[0][8] == "-" and rows[1][8] == "maintenance"
+    assert re.fullmatch(r"\d+\.\ds", rows[0][7])
+
+    filtered = await asyncio.to_thread(
+        run_cp, "status", "--pipeline", "tiny-tts", env={"OMNI_CP_URL": control_plane.url}
+    )
+    assert filtered.returncode == 0 and "no instances registered" in filtered.stdout
+
+
+def test_status_exits_1_when_the_control_plane_is_unreachable() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    result = run_cp("status", "--cp", url, "--timeout-s", "1")
+    assert result.returncode == 1
+    assert "control plane unreachable" in result.stderr and url in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_status_with_a_wrong_token_exits_1(
+    cp_factory: Callable[..., ControlPlaneProcess],
+) -> None:
+    cp = cp_factory(auth_token="right")
+    result = run_cp("status", "--cp", cp.url, "--auth-token", "wrong")
+    assert result.returncode == 1 and "401" in result.stderr
+    ok = run_cp("status", "--cp", cp.url, env={"OMNI_CP_AUTH_TOKEN": "right"})
+    assert ok.returncode == 0, ok.stderr

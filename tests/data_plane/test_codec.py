@@ -1,0 +1,199 @@
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+
+from omni_mesh.data_plane import messages as m
+from omni_mesh.data_plane.codec import (
+    BufferPool,
+    CodecError,
+    decode,
+    decode_json,
+    encode,
+    encode_into,
+    encode_json,
+)
+from omni_mesh.data_plane.tensors import array_from_tensor, tensor_from_array
+
+from .samples import ENGINE_MESSAGES, OTHER_MESSAGES, sample_stage_input
+
+pytestmark = pytest.mark.unit
+
+ALL = ENGINE_MESSAGES + OTHER_MESSAGES
+
+
+def _id(msg: object) -> str:
+    return type(msg).__name__
+
+
+@pytest.mark.parametrize("msg", ALL, ids=_id)
+def test_round_trip_every_message(msg: Any) -> None:
+    assert decode(encode(msg), type(msg)) == msg
+
+
+@pytest.mark.parametrize("msg", ENGINE_MESSAGES, ids=_id)
+def test_engine_messages_decode_through_the_tagged_union(msg: m.EngineMessage) -> None:
+    out = decode(encode(msg), m.EngineMessage)
+    assert type(out) is type(msg)
+    assert out == msg
+
+
+@pytest.mark.parametrize(
+    "msg", [x for x in OTHER_MESSAGES if type(x).__name__.startswith("Run")], ids=_id
+)
+def test_client_messages_round_trip_as_json(msg: Any) -> None:
+    assert decode_json(encode_json(msg), type(msg)) == msg
+
+
+def test_decode_is_zero_copy_for_tensor_bytes() -> None:
+    si = sample_stage_input()
+    for buf in (encode(si), bytearray(encode(si))):
+        out = decode(buf, m.StageInput)
+        data = out.payload.tensors["hidden"].data
+        assert data is not None
+        assert data.obj is buf
+        expected = array_from_tensor(si.payload.tensors["hidden"])
+        np.testing.assert_array_equal(array_from_tensor(out.payload.tensors["hidden"]), expected)
+
+
+def test_decode_from_a_memoryview_views_the_underlying_buffer() -> None:
+    buf = bytearray(encode(sample_stage_input()))
+    out = decode(memoryview(buf), m.StageInput)
+    data = out.payload.tensors["codes"].data
+    assert data is not None and data.obj is buf
+
+
+def test_tensor_bytes_are_raw_not_lists() -> None:
+    a = np.arange(100_000, dtype=np.float32)
+    encoded = encode(tensor_from_array(a))
+    assert len(encoded) < a.nbytes + 64
+    assert a.tobytes() in encoded
+
+
+def test_encode_into_reuses_the_buffer_and_honours_the_offset() -> None:
+    buf = bytearray(b"HEAD")
+    n = encode_into(m.Abort(request_id="r1"), buf, 4)
+    assert n == len(buf) and buf[:4] == b"HEAD"
+    assert decode(memoryview(buf)[4:], m.Abort) == m.Abort(request_id="r1")
+    first = id(buf)
+    encode_into(m.Abort(request_id="r2"), buf)
+    assert id(buf) == first
+    assert decode(buf, m.Abort).request_id == "r2"
+
+
+def test_validation_error_names_the_path() -> None:
+    bad = msgspec.msgpack.encode(
+        {"fields": {}, "tensors": {"x": {"dtype": 5, "shape": [1], "data": b"abcd"}}}
+    )
+    with pytest.raises(CodecError) as info:
+        decode(bad, m.Payload)
+    assert info.value.path == "$.tensors[...].dtype"
+    assert "`$.tensors[...].dtype`" in str(info.value)
+    assert "Payload" in str(info.value)
+
+
+def test_validation_error_deep_path() -> None:
+    raw = msgspec.msgpack.decode(encode(sample_stage_input()))
+    raw["payload"]["tensors"]["hidden"]["dtype"] = ["float32"]
+    with pytest.raises(CodecError) as info:
+        decode(msgspec.msgpack.encode(raw), m.StageInput)
+    assert info.value.path == "$.payload.tensors[...].dtype"
+
+
+def test_constraints_are_checked() -> None:
+    raw = msgspec.msgpack.decode(encode(sample_stage_input()))
+    raw["request_id"] = "bad id/with slash"
+    with pytest.raises(CodecError, match=r"\$\.request_id"):
+        decode(msgspec.msgpack.encode(raw), m.StageInput)
+
+
+@pytest.mark.parametrize("data", [b"", b"\xc1", encode(m.Abort(request_id="r")) + b"\x00"])
+def test_malformed_input_is_a_codec_error(data: bytes) -> None:
+    with pytest.raises(CodecError, match="malformed Abort") as info:
+        decode(data, m.Abort)
+    assert info.value.path is None
+
+
+def test_malformed_json_is_a_codec_error() -> None:
+    with pytest.raises(CodecError, match=r"\$\.stage_id"):
+        decode_json(b'{"stage_id": "one", "stage_input": "x"}', m.RunRequest)
+    with pytest.raises(CodecError, match="malformed"):
+        decode_json(b"{", m.RunRequest)
+
+
+def test_unsupported_objects_are_refused_not_pickled() -> None:
+    class Opaque:
+        pass
+
+    with pytest.raises(CodecError, match="cannot encode"):
+        encode(m.Payload(fields={"x": Opaque()}))  # type: ignore[dict-item]
+    with pytest.raises(CodecError, match="cannot encode"):
+        encode_into({"x": Opaque()}, bytearray())
+
+
+# ---- BufferPool ------------------------------------------------------------------------------
+
+
+def test_pool_hands_back_released_buffers() -> None:
+    pool = BufferPool(max_buffers=2, max_total_bytes=1 << 20)
+    with pool.buffer() as buf:
+        encode_into(sample_stage_input(), buf)
+        first = buf
+    assert len(pool) == 1
+    with pool.buffer() as again:
+        assert again is first
+    assert pool.pooled_bytes == len(first)
+
+
+def test_pool_is_bounded_in_count_and_bytes() -> None:
+    pool = BufferPool(max_buffers=2, max_total_bytes=1000)
+    for size in (100, 200, 300):
+        pool.release(bytearray(size))
+    assert len(pool) == 2
+    pool = BufferPool(max_buffers=8, max_total_bytes=1000)
+    pool.release(bytearray(800))
+    pool.release(bytearray(300))
+    assert pool.pooled_bytes == 800
+
+
+def test_pool_drops_a_buffer_that_is_still_viewed() -> None:
+    pool = BufferPool()
+    buf = bytearray(64)
+    view = memoryview(buf)
+    pool.release(buf)
+    assert len(pool) == 0
+    view.release()
+    pool.release(buf)
+    assert len(pool) == 1
+
+
+def test_pool_is_thread_safe() -> None:
+    pool = BufferPool(max_buffers=4, max_total_bytes=1 << 24)
+    msg = sample_stage_input()
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for _ in range(200):
+                with pool.buffer() as buf:
+                    encode_into(msg, buf)
+                    assert decode(bytes(buf), m.StageInput) == msg
+        except BaseException as exc:  # surfaced by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(pool) <= 4
+
+
+def test_pool_rejects_negative_limits() -> None:
+    with pytest.raises(ValueError):
+        BufferPool(max_buffers=-1)

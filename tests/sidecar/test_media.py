@@ -1,0 +1,94 @@
+"""WAV/PCM/PNG encoders of the client API."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+from omni_mesh.sidecar.media import (
+    PNG_SIGNATURE,
+    pcm_bytes,
+    png_bytes,
+    read_png,
+    read_png_size,
+    read_wav,
+    wav_bytes,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def test_wav_round_trip() -> None:
+    t = np.arange(24_000, dtype=np.float32) / 24_000
+    wave = (0.5 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+    data = wav_bytes(wave, 24_000)
+    assert data[:4] == b"RIFF" and data[8:12] == b"WAVE"
+    assert len(data) == 44 + 2 * wave.size
+    back, rate = read_wav(data)
+    assert rate == 24_000 and back.dtype == np.float32 and back.shape == wave.shape
+    np.testing.assert_allclose(back, wave, atol=1.0 / 16_000)
+
+
+def test_pcm_is_clipped_s16le() -> None:
+    wave = np.array([0.0, 1.0, -1.0, 2.0, -3.0, np.nan, 0.5], dtype=np.float32)
+    pcm = pcm_bytes(wave)
+    assert len(pcm) == 2 * wave.size
+    assert struct.unpack("<7h", pcm) == (0, 32767, -32767, 32767, -32767, 0, 16384)
+
+
+def test_pcm_accepts_and_checks_a_sample_rate() -> None:
+    assert pcm_bytes(np.zeros(3, np.float32), 24_000) == bytes(6)
+    with pytest.raises(ValueError, match="sample_rate"):
+        pcm_bytes(np.zeros(3, np.float32), -1)
+
+
+def test_int16_waveforms_pass_unchanged() -> None:
+    wave = np.array([1, -2, 300], dtype=np.int16)
+    assert pcm_bytes(wave) == struct.pack("<3h", 1, -2, 300)
+
+
+@pytest.mark.parametrize(
+    ("bad", "rate"), [(np.zeros((2, 10), np.float32), 24_000), (np.zeros(3, np.float32), 0)]
+)
+def test_wav_rejects_bad_input(bad: np.ndarray, rate: int) -> None:
+    with pytest.raises(ValueError):
+        wav_bytes(bad, rate)
+
+
+@pytest.mark.parametrize("shape", [(17, 23, 3), (5, 4, 4), (9, 2)])
+def test_png_round_trip(shape: tuple[int, ...]) -> None:
+    image = np.random.default_rng(0).integers(0, 256, size=shape, dtype=np.uint8)
+    data = png_bytes(image)
+    assert data.startswith(PNG_SIGNATURE)
+    assert read_png_size(data) == (shape[1], shape[0])
+    assert np.array_equal(read_png(data), image)
+
+
+def test_png_chunks_carry_valid_crcs() -> None:
+    data = png_bytes(np.zeros((4, 4, 3), np.uint8))
+    pos, kinds = len(PNG_SIGNATURE), []
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
+        assert crc == zlib.crc32(kind + body)
+        kinds.append(kind)
+        pos += 12 + length
+    assert kinds == [b"IHDR", b"IDAT", b"IEND"]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [np.zeros((4, 4, 3), np.float32), np.zeros((4, 4, 2), np.uint8), np.zeros((0, 4, 3), np.uint8)],
+)
+def test_png_rejects_bad_images(bad: np.ndarray) -> None:
+    with pytest.raises(ValueError):
+        png_bytes(bad)
+
+
+def test_read_png_size_rejects_other_bytes() -> None:
+    with pytest.raises(ValueError, match="not a PNG"):
+        read_png_size(b"GIF89a" + bytes(30))
