@@ -1,1 +1,17 @@
-"""omni-mesh data plane."""
+"""omni-mesh data plane: everything that moves request data between processes.
+
+=================  ==========================================================================
+``messages``       every struct that crosses a process boundary on the data path
+``codec``          the one codec (msgpack via msgspec; zero-copy tensor bytes; JSON twins)
+``tensors``        numpy arrays ⇄ wire tensors, with validation
+``shm``            the shared-memory arena, reader, janitors, payload externalize/inline
+``signing``        HMAC-SHA256 tags
+``envelope``       the sealed, opaque ``/v1/run`` ``stage_input``
+``channel``        the sidecar ⇄ engine control channel (length-prefixed frames)
+``connectors``     how a hop's tensors travel (shared-memory handles or inline bytes)
+``wire``           bounded, fast HTTP body reading (the only module importing aiohttp)
+=================  ==========================================================================
+
+Nothing is imported here, so that engines can import the modules they need without pulling in
+aiohttp.
+"""

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import threading
@@ -351,3 +352,47 @@ def test_empty_payload() -> None:
     with ShmArena() as arena, ShmReader() as reader:
         assert externalize(Payload(), arena, "r").tensors == {}
         assert inline(Payload(), reader).tensors == {}
+
+
+# ---- a full /dev/shm -------------------------------------------------------------------------
+
+
+def _fallocate_failing(times: int) -> tuple[list[int], object]:
+    calls: list[int] = []
+    real = os.posix_fallocate
+
+    def fallocate(fd: int, offset: int, length: int) -> None:
+        calls.append(length)
+        if len(calls) <= times:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, offset, length)
+
+    return calls, fallocate
+
+
+def test_a_full_filesystem_is_an_error_at_alloc_not_a_sigbus(
+    monkeypatch: pytest.MonkeyPatch, shm_dir: str
+) -> None:
+    calls, fallocate = _fallocate_failing(times=2)
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    with ShmArena(directory=shm_dir) as arena:
+        with pytest.raises(ShmArenaFull, match="is full: cannot create a 1048576-byte segment"):
+            arena.alloc(10, "a")
+        assert len(calls) == 2  # retried once after evicting the pool
+        assert os.listdir(shm_dir) == []
+        assert arena.stats().bytes_in_use == 0
+        arena.alloc(10, "a")  # space again
+
+
+def test_a_full_filesystem_evicts_pooled_segments_and_retries(
+    monkeypatch: pytest.MonkeyPatch, shm_dir: str
+) -> None:
+    with ShmArena(directory=shm_dir) as arena:
+        pooled = arena.alloc(10, "a")
+        arena.free(pooled)
+        calls, fallocate = _fallocate_failing(times=1)
+        monkeypatch.setattr(os, "posix_fallocate", fallocate)
+        slot = arena.alloc(3 * MiB, "b")
+        assert len(calls) == 2
+        assert os.listdir(shm_dir) == [slot.ref.segment]  # the pooled segment made room
+        assert arena.stats().bytes_pooled == 0

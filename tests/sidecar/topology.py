@@ -1,0 +1,186 @@
+"""A real multi-stage topology on loopback for integration tests: omni-cp with its embedded
+Redis, every replica of every stage as an ``omni-stage`` process, and an ``--api-only`` API
+server. Everything is stopped by :meth:`Topology.close`."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import json
+import urllib.error
+import urllib.request
+
+from tests.procs import (
+    LOCALHOST,
+    ControlPlaneProcess,
+    ManagedProcess,
+    clean_env,
+    free_port,
+    start_control_plane,
+    wait_until,
+)
+
+SECRET = "integration-test-secret-0123456789"
+SHM_DIR = Path("/dev/shm")
+
+
+def shm_segments() -> set[str]:
+    return {p.name for p in SHM_DIR.glob("omni-*")}
+
+
+class Topology:
+    def __init__(
+        self,
+        pipeline: str,
+        replicas: Sequence[int],
+        log_dir: Path,
+        *,
+        extra_stage_args: Sequence[str] = (),
+        api: bool = True,
+    ) -> None:
+        self.pipeline = pipeline
+        self.replicas = list(replicas)
+        self.log_dir = log_dir
+        self.extra = list(extra_stage_args)
+        self.cp: ControlPlaneProcess | None = None
+        self.stages: dict[int, list[ManagedProcess]] = {}
+        self.urls: dict[int, list[str]] = {}
+        self.api: ManagedProcess | None = None
+        self.api_url = ""
+        self.with_api = api
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def start(self, *, stages: Sequence[int] | None = None) -> Topology:
+        self.cp = start_control_plane(None, log_dir=self.log_dir, name=f"cp-{self.pipeline}")
+        for stage_id in stages if stages is not None else range(len(self.replicas)):
+            for _ in range(self.replicas[stage_id]):
+                self.add_replica(stage_id, wait=False)
+        if self.with_api:
+            self.start_api()
+        for stage_id, procs in self.stages.items():
+            for proc, url in zip(procs, self.urls[stage_id], strict=True):
+                proc.wait_http_ready(url + "/health", timeout=90)
+        if self.api is not None:
+            self.api.wait_http_ready(self.api_url + "/health", timeout=60)
+        return self
+
+    def _stage_argv(self, stage_id: int, port: int, *flags: str) -> list[str]:
+        assert self.cp is not None
+        return [
+            sys.executable, "-m", "omni_mesh.sidecar.cli_stage",
+            "--pipeline", self.pipeline,
+            "--stage-id", str(stage_id),
+            "--control-plane", self.cp.url,
+            "--host", LOCALHOST,
+            "--port", str(port),
+            "--secret", SECRET,
+            *flags,
+            *self.extra,
+        ]  # fmt: skip
+
+    def add_replica(self, stage_id: int, *, wait: bool = True) -> tuple[ManagedProcess, str]:
+        port = free_port()
+        n = len(self.stages.get(stage_id, []))
+        proc = ManagedProcess(
+            self._stage_argv(stage_id, port, "--headless"),
+            name=f"{self.pipeline}-s{stage_id}-{n}",
+            env=clean_env(),
+            log_dir=self.log_dir,
+        ).start()
+        url = f"http://{LOCALHOST}:{port}"
+        self.stages.setdefault(stage_id, []).append(proc)
+        self.urls.setdefault(stage_id, []).append(url)
+        if wait:
+            proc.wait_http_ready(url + "/health", timeout=90)
+        return proc, url
+
+    def start_api(self) -> None:
+        port = free_port()
+        self.api = ManagedProcess(
+            self._stage_argv(0, port, "--api-only"),
+            name=f"{self.pipeline}-api",
+            env=clean_env(),
+            log_dir=self.log_dir,
+        ).start()
+        self.api_url = f"http://{LOCALHOST}:{port}"
+
+    def close(self) -> None:
+        procs = [p for ps in self.stages.values() for p in ps]
+        if self.api is not None:
+            procs.append(self.api)
+        for proc in procs:
+            if proc.alive:
+                proc.terminate(timeout=20)
+        if self.cp is not None:
+            self.cp.proc.terminate(timeout=10)
+
+    # ---- queries -------------------------------------------------------------------------
+
+    def discovered(self, stage_id: int) -> list[str]:
+        assert self.cp is not None
+        url = f"{self.cp.url}/v1/pipelines/{self.pipeline}/stages/{stage_id}/instances"
+        return [i["address"] for i in json.loads(http_get(url))["instances"]]
+
+    def wait_discovered(self, stage_id: int, count: int, timeout: float = 10.0) -> None:
+        wait_until(
+            lambda: len(self.discovered(stage_id)) == count,
+            timeout,
+            message=lambda: f"stage {stage_id} pool: {self.discovered(stage_id)}",
+        )
+
+    def metric(self, url: str, name: str, **labels: str) -> float:
+        """Sum of a metric's samples on one instance whose labels include ``labels``."""
+        text = http_get(url + "/metrics").decode()
+        total = 0.0
+        for line in text.splitlines():
+            if not line.startswith(name):
+                continue
+            head, _, value = line.rpartition(" ")
+            if all(f'{k}="{v}"' in head for k, v in labels.items()):
+                total += float(value)
+        return total
+
+
+def http_get(url: str, timeout: float = 10.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - loopback only
+        body: bytes = resp.read()
+    return body
+
+
+def post_json(url: str, body: object, timeout: float = 60.0) -> tuple[int, bytes]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def engine_pid(stage_proc: ManagedProcess) -> int:
+    """The pid of a stage pod's engine process (its only python child)."""
+    children = Path(f"/proc/{stage_proc.pid}/task/{stage_proc.pid}/children").read_text().split()
+    for pid in children:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if b"omni_mesh.engines" in cmdline:
+            return int(pid)
+    raise AssertionError(f"no engine child of {stage_proc.name}")
+
+
+def wait_gone(pid: int, timeout: float) -> float:
+    t0 = time.monotonic()
+    wait_until(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), timeout)
+    return time.monotonic() - t0
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z"
+    except (OSError, IndexError):
+        return True
