@@ -131,8 +131,7 @@ class PipelineSpec(BaseModel):
             if s.stage_id == stage_id:
                 return s
         raise UnknownStageError(
-            f"pipeline {self.name!r} has no stage {stage_id} "
-            f"(stages: {sorted(self.stage_ids)})"
+            f"pipeline {self.name!r} has no stage {stage_id} (stages: {sorted(self.stage_ids)})"
         )
 
     def downstream(self, stage_id: int) -> tuple[int, ...]:

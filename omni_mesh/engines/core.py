@@ -119,7 +119,9 @@ class EngineCore:
     def _to_request(self, si: StageInput, read: ArrayReader) -> EngineRequest:
         arrays = {name: read(t) for name, t in si.payload.tensors.items()}
         data = StageData(fields=dict(si.payload.fields), arrays=arrays)
-        return EngineRequest(request_id=si.request_id, seed=si.seed, data=data, sampling=si.sampling)
+        return EngineRequest(
+            request_id=si.request_id, seed=si.seed, data=data, sampling=si.sampling
+        )
 
     def _to_output(
         self,
@@ -149,7 +151,9 @@ class EngineCore:
             try:
                 data = processor(result.output) if processor is not None else result.output
             except (EngineInputError, ValueError, KeyError) as exc:
-                return self._error(si, "engine_error", f"processor for stage {spec.stage_id}: {exc}")
+                return self._error(
+                    si, "engine_error", f"processor for stage {spec.stage_id}: {exc}"
+                )
             nexts.append(
                 StageInput(
                     pipeline=si.pipeline,

@@ -14,7 +14,9 @@ def admitted(pod: Pod, request_id: str, route: str) -> Iterator[None]:
     labels = (pod.pipeline.name, str(pod.stage_id))
     if pod.draining:
         pod.metrics.rejected.labels(*labels, "draining").inc()
-        raise ApiError(503, "instance is draining", type_="unavailable", headers={"Retry-After": "1"})
+        raise ApiError(
+            503, "instance is draining", type_="unavailable", headers={"Retry-After": "1"}
+        )
     if pod.in_flight >= pod.stage_config.max_inflight:
         pod.metrics.rejected.labels(*labels, "full").inc()
         raise ApiError(

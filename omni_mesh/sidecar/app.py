@@ -183,7 +183,9 @@ def _load(pod: Pod) -> LoadReport:
 
 
 def make_app(pod: Pod) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=pod.settings.max_body_bytes)
+    app = web.Application(
+        middlewares=[error_middleware], client_max_size=pod.settings.max_body_bytes
+    )
     app[POD] = pod
     app.cleanup_ctx.extend([_session_ctx, _engine_ctx, _control_plane_ctx])
     routes_api.add_routes(app, client_api=pod.serves_api)

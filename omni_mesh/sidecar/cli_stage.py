@@ -7,7 +7,6 @@ errors (a bad flag, a bad deploy YAML, bad --stage-overrides) exit with code 2.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 

@@ -161,7 +161,9 @@ class EngineClient:
             try:
                 await asyncio.wait_for(self._proc.wait(), timeout_s)
             except TimeoutError:
-                logger.warning("engine did not exit in %.0fs stage=%d: killing", timeout_s, self.stage_id)
+                logger.warning(
+                    "engine did not exit in %.0fs stage=%d: killing", timeout_s, self.stage_id
+                )
                 await self._kill()
         for task in self._tasks:
             task.cancel()
@@ -273,7 +275,9 @@ class EngineClient:
         """The engine's output slots for ``request_id`` may be reused."""
         if self._chan is None or self.dead.is_set():
             return
-        task = asyncio.get_running_loop().create_task(self._send_quiet(Release(request_id=request_id)))
+        task = asyncio.get_running_loop().create_task(
+            self._send_quiet(Release(request_id=request_id))
+        )
         task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
 
     async def _send_quiet(self, msg: Release) -> None:

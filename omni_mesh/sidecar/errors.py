@@ -62,7 +62,9 @@ def from_stage_error(err: StageError) -> ApiError:
 
 
 def error_response(err: ApiError) -> web.Response:
-    body = {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.status}}
+    body = {
+        "error": {"message": err.message, "type": err.type, "param": err.param, "code": err.status}
+    }
     return web.json_response(body, status=err.status, headers=err.headers)
 
 

@@ -10,6 +10,7 @@ bounded by the deadline. The same goes for an empty pool (stages started in any 
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 HOP_PATH = "/v1/hop"
 MAX_RESULT_BYTES = 1 << 30
+DEADLINE_GRACE_S = 2.0
 _RETRYABLE_STATUS = {500, 502, 503, 504}
 
 
@@ -143,9 +145,14 @@ class HopClient:
         stats.replica = replica.instance_id
         self.router.begin(replica.instance_id)
         try:
-            timeout = aiohttp.ClientTimeout(total=remaining_s)
+            # Downstream stages enforce the same deadline and answer when it passes; the grace
+            # lets that answer travel back instead of timing out a healthy replica here.
+            timeout = aiohttp.ClientTimeout(total=remaining_s + DEADLINE_GRACE_S)
             async with self.session.post(
-                replica.address + HOP_PATH, data=body, headers=self.headers, timeout=timeout
+                replica.address + HOP_PATH,
+                data=io.BytesIO(body),
+                headers=self.headers,
+                timeout=timeout,
             ) as resp:
                 if resp.status == 200:
                     data = await wire.read_response(resp, max_bytes=MAX_RESULT_BYTES)
@@ -166,7 +173,8 @@ class HopClient:
             self.router.eject(replica.instance_id, f"{type(exc).__name__}: {exc}")
             return None, 0
         except TimeoutError:
-            self.router.eject(replica.instance_id, "timed out")
+            if now_ms() < si.deadline_ms:
+                self.router.eject(replica.instance_id, "timed out")
             return None, 0
         finally:
             self.router.end(replica.instance_id)

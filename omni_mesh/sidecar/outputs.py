@@ -65,7 +65,12 @@ def final_output(pipeline: PipelineSpec, stage_id: int, payload: Payload) -> Fin
     if kind is OutputKind.IMAGE:
         image = arrays["image"]
         return FinalOutput(
-            stage_id, kind, data=media.png_bytes(image), mime_type="image/png", fields=fields, array=image
+            stage_id,
+            kind,
+            data=media.png_bytes(image),
+            mime_type="image/png",
+            fields=fields,
+            array=image,
         )
     raw = arrays.get("data")
     blob = bytes(raw.reshape(-1).view(np.uint8)) if raw is not None else b""

@@ -15,10 +15,10 @@ from omni_mesh.configs.pipeline import PipelineSpec
 from omni_mesh.configs.stage_settings import StageSettings
 from omni_mesh.data_plane.connectors import Connector, make_connector
 from omni_mesh.data_plane.shm import ShmReader
+from omni_mesh.observability.metrics import SidecarMetrics
 from omni_mesh.sidecar.chain import StageRunner
 from omni_mesh.sidecar.engine_client import EngineClient
 from omni_mesh.sidecar.handoff import HopClient
-from omni_mesh.observability.metrics import SidecarMetrics
 from omni_mesh.sidecar.router import Router
 
 logger = logging.getLogger(__name__)

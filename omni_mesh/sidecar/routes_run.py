@@ -7,7 +7,9 @@ client's whole loop. The opaque ``stage_input`` is a sealed, HMAC-tagged envelop
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import io
 import logging
 import time
 
@@ -55,7 +57,7 @@ async def run(request: web.Request) -> web.StreamResponse:
         )
     if pod.runner is not None and req.stage_id == pod.stage_id:
         return await _run_local(pod, req, binary, request)
-    if pod.settings.headless or pod.runner is not None and pod.settings.api_only:
+    if pod.settings.headless or (pod.runner is not None and pod.settings.api_only):
         raise bad_request(
             f"stage_id: this instance runs stage {pod.stage_id} only; send stage "
             f"{req.stage_id} to an API server or a replica of that stage",
@@ -144,10 +146,15 @@ def _response(pod: Pod, si: StageInput, out: StageOutput, binary: bool) -> bytes
     assert pod.engine is not None
     reader = pod.engine.reader
     sealed = [
-        (n.stage_id, seal(msgspec.structs.replace(n, payload=inline(n.payload, reader)), pod.secret))
+        (
+            n.stage_id,
+            seal(msgspec.structs.replace(n, payload=inline(n.payload, reader)), pod.secret),
+        )
         for n in out.next
     ]
-    final = final_output(pod.pipeline, pod.stage_id, inline(out.final, reader)) if out.final else None
+    final = (
+        final_output(pod.pipeline, pod.stage_id, inline(out.final, reader)) if out.final else None
+    )
     if binary:
         rb = RunResponseBin(stage_id=pod.stage_id, request_id=si.request_id)
         if final is not None:
@@ -183,7 +190,7 @@ async def _forward(pod: Pod, stage_id: int, body: bytearray, content_type: str) 
         try:
             async with pod.session.post(
                 replica.address + RUN_PATH,
-                data=bytes(body),
+                data=io.BytesIO(bytes(body)),
                 headers={"Content-Type": content_type},
                 timeout=aiohttp.ClientTimeout(total=max(0.1, deadline - time.monotonic())),
             ) as resp:
@@ -214,8 +221,6 @@ async def _forward(pod: Pod, stage_id: int, body: bytearray, content_type: str) 
 
 
 async def _sleep_until(deadline: float, step: float) -> None:
-    import asyncio
-
     await asyncio.sleep(max(0.0, min(step, deadline - time.monotonic())))
 
 

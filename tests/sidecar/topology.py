@@ -4,15 +4,14 @@ server. Everything is stopped by :meth:`Topology.close`."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
-from collections.abc import Sequence
-from pathlib import Path
-
-import json
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
 
 from tests.procs import (
     LOCALHOST,
@@ -147,7 +146,7 @@ class Topology:
 
 
 def http_get(url: str, timeout: float = 10.0) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - loopback only
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
         body: bytes = resp.read()
     return body
 
@@ -157,7 +156,7 @@ def post_json(url: str, body: object, timeout: float = 60.0) -> tuple[int, bytes
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, resp.read()
     except urllib.error.HTTPError as err:
         return err.code, err.read()

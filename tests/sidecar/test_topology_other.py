@@ -1,0 +1,111 @@
+"""tiny-tts and tiny-image at 1:2, stages started in any order (bounded wait, then 503),
+engine death leaving the pool, SIGTERM drain — and nothing left behind."""
+
+from __future__ import annotations
+
+import base64
+import json
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from omni_mesh.sidecar import media
+from tests.procs import pid_alive
+from tests.sidecar.topology import Topology, engine_pid, post_json, shm_segments, wait_gone
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+@pytest.fixture
+def no_shm_leak() -> Iterator[None]:
+    before = shm_segments()
+    yield
+    time.sleep(0.2)
+    assert shm_segments() - before == set(), "shared-memory segments leaked"
+
+
+def test_tiny_image_1_2(tmp_path: Path, no_shm_leak: None) -> None:
+    topo = Topology("tiny-image", [1, 2], tmp_path).start()
+    try:
+        topo.wait_discovered(1, 2)
+        client = openai.OpenAI(base_url=topo.api_url + "/v1", api_key="x", max_retries=0)
+        images = [
+            client.images.generate(prompt=f"a tiny picture {i}", size="64x64").data[0]
+            for i in range(6)
+        ]
+        for image in images:
+            assert image.b64_json is not None
+            assert media.read_png_size(base64.b64decode(image.b64_json)) == (64, 64)
+        for url in topo.urls[1]:
+            assert topo.metric(url, "omni_stage_requests_total", route="hop") > 0
+    finally:
+        topo.close()
+
+
+def test_tiny_tts_started_in_any_order(tmp_path: Path, no_shm_leak: None) -> None:
+    # The API server and stage 0 come up first; stage 1 does not exist yet.
+    topo = Topology("tiny-tts", [1, 2], tmp_path).start(stages=[0])
+    try:
+        req = {"model": "tiny-tts", "input": "order", "voice": "alloy"}
+        t0 = time.monotonic()
+        status, body = _post(topo.api_url + "/v1/audio/speech", req, timeout_s=1.5)
+        waited = time.monotonic() - t0
+        assert status == 503, body
+        assert "stage 1" in body.decode()
+        assert 1.0 <= waited < 30.0
+        for _ in range(2):
+            topo.add_replica(1)
+        topo.wait_discovered(1, 2)
+        status, body = _post(topo.api_url + "/v1/audio/speech", req, timeout_s=60)
+        assert status == 200, body
+        assert media.read_wav(body)[1] == 24000
+    finally:
+        topo.close()
+
+
+def _post(url: str, body: object, *, timeout_s: float) -> tuple[int, bytes]:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "X-Omni-Timeout-S": str(timeout_s)},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s + 30) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def test_engine_death_leaves_pool_and_sigterm_drains(tmp_path: Path, no_shm_leak: None) -> None:
+    topo = Topology("tiny-tts", [1, 2], tmp_path).start()
+    try:
+        topo.wait_discovered(1, 2)
+        dying, draining = topo.stages[1]
+        # kill -9 of an engine: its sidecar notices within a second, leaves, exits non-zero.
+        pid = engine_pid(dying)
+        import os
+
+        os.kill(pid, signal.SIGKILL)
+        assert dying.wait(timeout=5) != 0
+        topo.wait_discovered(1, 1, timeout=4.0)
+        # SIGTERM: leave the pool first, then exit 0 with the engine gone.
+        engine = engine_pid(draining)
+        draining.send_signal(signal.SIGTERM)
+        assert draining.wait(timeout=30) == 0
+        wait_gone(engine, 10)
+        assert not pid_alive(engine)
+        assert topo.discovered(1) == []
+        # The rest of the pipeline is fine: stage 0 answers /v1/run.
+        status, _ = post_json(
+            topo.urls[0][0] + "/v1/run", {"stage_id": 0, "stage_input": {"prompt": "x"}}
+        )
+        assert status == 200
+    finally:
+        topo.close()
