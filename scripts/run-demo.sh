@@ -26,7 +26,7 @@ done
 grep -q "omni-up ready" "$LOG" || { cat "$LOG"; echo "omni-up not ready after 120 s" >&2; exit 1; }
 cat "$LOG"
 
-CP=$(grep -Eo 'control plane: http://[0-9.:]+' "$LOG" | head -n1 | cut -d' ' -f3)
+CP=$(grep -Eo 'control plane +http://[0-9.:]+' "$LOG" | head -n1 | awk '{print $3}' || true)
 echo
 echo "== POST /v1/audio/speech (tiny-omni, replicas $REPLICAS)"
 time curl -sS --fail-with-body -o output.wav \
