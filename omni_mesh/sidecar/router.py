@@ -79,8 +79,10 @@ class Router:
         return a if self._load(a) <= self._load(b) else b
 
     def _load(self, r: Replica) -> float:
+        # What we have in flight there is exact and fresh; what it reported (at most one
+        # heartbeat old) also counts other routers' traffic. Its load is at least either.
         mine = self._in_flight.get(r.instance_id, 0)
-        return (mine + r.reported_in_flight / 2) / max(1, r.capacity)
+        return max(mine, r.reported_in_flight) / max(1, r.capacity)
 
     def begin(self, instance_id: str) -> None:
         self._in_flight[instance_id] = self._in_flight.get(instance_id, 0) + 1
