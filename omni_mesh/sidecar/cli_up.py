@@ -10,7 +10,9 @@ unexpectedly it stops the rest, names the process and exits 1. Bad flags exit 2.
 
 The deployment secret comes from ``--secret``, else ``OMNI_SECRET``, else is generated; the
 stages get it as ``OMNI_SECRET`` in their environment (not on their command line, which any
-local user can read).
+local user can read). The processes are planned and run by
+:mod:`omni_mesh.sidecar.local_deploy`; this module parses the flags, sets up logging and signals,
+and prints.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import signal
 import sys
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
@@ -31,51 +32,11 @@ from omni_mesh.configs.deploy import MAX_REPLICAS, DeployConfig
 from omni_mesh.configs.loader import load_deploy_config
 from omni_mesh.configs.pipeline import PipelineError, PipelineSpec, get_pipeline
 from omni_mesh.configs.settings import LogLevel
-from omni_mesh.sidecar.supervisor import Supervisor, SupervisorError, free_port, port_in_use
+from omni_mesh.sidecar.local_deploy import LOCALHOST, SECRET_ENV, UpConfig, run_local
 
 logger = logging.getLogger(__name__)
 
-LOCALHOST = "127.0.0.1"
 MIN_SECRET_CHARS = 16
-SECRET_ENV = "OMNI_SECRET"
-
-
-@dataclass(frozen=True)
-class UpConfig:
-    """Validated ``omni-up`` flags."""
-
-    pipeline: PipelineSpec
-    replicas: tuple[int, ...]  # per stage, in stage id order
-    host: str
-    port: int
-    cp_port: int | None
-    deploy_config: Path | None
-    stage_overrides: str | None  # JSON, validated, passed to every stage as given
-    secret: str
-    secret_source: str
-    keep_logs: bool
-    ready_timeout_s: float
-    stop_timeout_s: float
-    log_level: LogLevel
-
-    @property
-    def replica_spec(self) -> str:
-        return ":".join(str(n) for n in self.replicas)
-
-
-@dataclass(frozen=True)
-class Planned:
-    """One process to start: its name, command line and where it answers."""
-
-    name: str
-    argv: tuple[str, ...]
-    url: str
-    label: str  # shown in the endpoint list
-    health_path: str = "/health"
-
-    @property
-    def ready_url(self) -> str:
-        return f"{_probe_url(self.url)}{self.health_path}"
 
 
 # ---- flags -------------------------------------------------------------------------------------
@@ -189,122 +150,16 @@ def _port(text: str) -> int:
     return int(text)
 
 
-# ---- the processes -----------------------------------------------------------------------------
-
-
-def plan_control_plane(port: int, log_level: LogLevel = LogLevel.INFO) -> Planned:
-    argv = (sys.executable, "-m", "omni_mesh.control_plane", "serve")
-    flags = ("--host", LOCALHOST, "--port", str(port), "--log-level", log_level.value)
-    return Planned(
-        "control-plane", (*argv, *flags), _url(LOCALHOST, port), "control plane", "/healthz"
-    )
-
-
-def plan_stages(config: UpConfig, cp_url: str) -> list[Planned]:
-    """Every replica of every stage (headless, free ports), then the API server."""
-    common = ["--pipeline", config.pipeline.name, "--control-plane", cp_url]
-    common += ["--log-level", config.log_level.value]
-    if config.deploy_config is not None:
-        common += ["--deploy-config", str(config.deploy_config)]
-    if config.stage_overrides is not None:
-        common += ["--stage-overrides", config.stage_overrides]
-    stage_cmd = (sys.executable, "-m", "omni_mesh.sidecar.cli_stage", *common)
-    plans = []
-    for stage_id, count in zip(sorted(config.pipeline.stage_ids), config.replicas, strict=True):
-        name = config.pipeline.stage(stage_id).name
-        for replica in range(count):
-            port = free_port(LOCALHOST)
-            argv = ("--stage-id", str(stage_id), "--headless", "--host", LOCALHOST)
-            plans.append(
-                Planned(
-                    f"stage{stage_id}-{name}-{replica}",
-                    (*stage_cmd, *argv, "--port", str(port)),
-                    _url(LOCALHOST, port),
-                    f"stage {stage_id} {name} #{replica}",
-                )
-            )
-    entry = str(config.pipeline.entry_stage_id)
-    api = ("--stage-id", entry, "--api-only", "--host", config.host, "--port", str(config.port))
-    url = _url(config.host, config.port)
-    plans.append(Planned("api-server", (*stage_cmd, *api), url, "API server"))
-    return plans
-
-
-def _url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def _probe_url(url: str) -> str:
-    """Where to check a server that listens on every interface."""
-    for wildcard in ("http://0.0.0.0:", "http://[::]:"):
-        if url.startswith(wildcard):
-            return f"http://{LOCALHOST}:{url.removeprefix(wildcard)}"
-    return url
-
-
 # ---- running -----------------------------------------------------------------------------------
 
 
-def run(config: UpConfig, env: Mapping[str, str]) -> int:
-    """Start everything, wait for a signal or a death, stop everything; the exit code."""
-    listens = [(config.host, config.port, "--port")]
-    if config.cp_port is not None:
-        listens.append((LOCALHOST, config.cp_port, "--cp-port"))
-    for host, port, flag in listens:
-        if port_in_use(host, port):
-            print(f"omni-up: cannot listen on {host}:{port} ({flag}): in use", file=sys.stderr)
-            return 1
-    stop = threading.Event()
-    _handle_signals(stop)
-    sup = Supervisor(
-        keep_logs=config.keep_logs, grace_s=config.stop_timeout_s, log_prefix="omni-up-"
-    )
-    child_env = {**env, SECRET_ENV: config.secret, "PYTHONUNBUFFERED": "1"}
-    try:
-        cp_port = config.cp_port or free_port(LOCALHOST)
-        plans = [plan_control_plane(cp_port, config.log_level)]
-        if not _start(sup, plans, child_env, config.ready_timeout_s, stop):
-            return 0
-        plans += plan_stages(config, plans[0].url)
-        if not _start(sup, plans[1:], child_env, config.ready_timeout_s, stop):
-            return 0
-        _print_endpoints(config, plans, sup)
-        sup.wait(stop)
-        return 0
-    except SupervisorError as exc:
-        sup.keep_logs = True
-        print(f"omni-up: {exc}", file=sys.stderr)
-        print(f"omni-up: stopping everything; logs kept in {sup.log_dir}", file=sys.stderr)
-        return 1
-    finally:
-        logger.info("stopping %d processes", len(sup.children))
-        sup.close()
+def _print_ready(text: str) -> None:
+    print(text, flush=True)
 
 
-def _start(
-    sup: Supervisor,
-    plans: Sequence[Planned],
-    env: Mapping[str, str],
-    timeout_s: float,
-    stop: threading.Event,
-) -> bool:
-    """Start ``plans`` and wait until each answers; False when a signal came first."""
-    children = [sup.start(p.name, p.argv, env=env, ready_url=p.ready_url) for p in plans]
-    return sup.wait_ready(children, timeout_s=timeout_s, cancel=stop)
-
-
-def _print_endpoints(config: UpConfig, plans: Sequence[Planned], sup: Supervisor) -> None:
-    width = max(len(p.label) for p in plans)
-    for p in plans:
-        print(f"  {p.label:<{width}}  {p.url}")
-    kept = "kept" if config.keep_logs else "removed on exit; --keep-logs keeps them"
-    print(f"  {'secret':<{width}}  {config.secret_source} (stages get it as ${SECRET_ENV})")
-    print(f"  {'logs':<{width}}  {sup.log_dir} ({kept})")
-    print(
-        f"omni-up ready: {_url(config.host, config.port)} "
-        f"(pipeline {config.pipeline.name}, replicas {config.replica_spec})",
-        flush=True,
-    )
+def _print_error(text: str) -> None:
+    for line in text.splitlines():
+        print(f"omni-up: {line}", file=sys.stderr)
 
 
 def _handle_signals(stop: threading.Event) -> None:
@@ -325,11 +180,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=config.log_level.as_int, format="%(asctime)s omni-up %(levelname)s %(message)s"
     )
+    stop = threading.Event()
+    _handle_signals(stop)
     try:
-        return run(config, os.environ)
+        ok = run_local(config, os.environ, stop, on_ready=_print_ready, on_error=_print_error)
     except KeyboardInterrupt:
         print("omni-up: interrupted; processes killed", file=sys.stderr)
         return 130
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

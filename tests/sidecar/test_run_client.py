@@ -27,7 +27,7 @@ from omni_mesh.data_plane.messages import (
     RunResponse,
     RunResponseBin,
 )
-from omni_mesh.sidecar import cli_run, cli_up
+from omni_mesh.sidecar import cli_run, cli_up, local_deploy
 from omni_mesh.sidecar.run_client import (
     ControlPlaneDiscovery,
     DiscoveryError,
@@ -353,7 +353,7 @@ def test_omni_up_replicas_default_to_the_deploy_config() -> None:
     assert len(config.secret) == 64
     config = cli_up.parse_args(["--pipeline", "tiny-tts", "--replicas", "2:3"], {})
     assert config.replica_spec == "2:3"
-    plans = cli_up.plan_stages(config, "http://127.0.0.1:7700")
+    plans = local_deploy.plan_stages(config, "http://127.0.0.1:7700")
     assert [p.name for p in plans] == [
         "stage0-talker-0", "stage0-talker-1",
         "stage1-code2wav-0", "stage1-code2wav-1", "stage1-code2wav-2",

@@ -1,0 +1,196 @@
+"""A whole pipeline on one machine, as local processes: the library behind ``omni-up``
+(DESIGN §7).
+
+:func:`plan_control_plane` and :func:`plan_stages` turn an :class:`UpConfig` into command
+lines; :func:`run_local` starts them under a :class:`Supervisor` (``omni-cp serve`` first, then
+every replica of every stage as a headless ``omni-stage``, then one API server), waits until
+each answers, and stays up until ``stop`` is set or a process dies, then stops everything.
+
+Nothing here prints: the text for the user (the endpoint list, a failure) goes to the
+caller's callbacks. The deployment secret reaches the stages as ``OMNI_SECRET`` in their
+environment (not on their command line, which any local user can read).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.configs.settings import LogLevel
+from omni_mesh.sidecar.supervisor import Supervisor, SupervisorError, free_port, port_in_use
+
+logger = logging.getLogger(__name__)
+
+LOCALHOST = "127.0.0.1"
+SECRET_ENV = "OMNI_SECRET"
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    """Validated ``omni-up`` flags."""
+
+    pipeline: PipelineSpec
+    replicas: tuple[int, ...]  # per stage, in stage id order
+    host: str
+    port: int
+    cp_port: int | None
+    deploy_config: Path | None
+    stage_overrides: str | None  # JSON, validated, passed to every stage as given
+    secret: str
+    secret_source: str
+    keep_logs: bool
+    ready_timeout_s: float
+    stop_timeout_s: float
+    log_level: LogLevel
+
+    @property
+    def replica_spec(self) -> str:
+        return ":".join(str(n) for n in self.replicas)
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One process to start: its name, command line and where it answers."""
+
+    name: str
+    argv: tuple[str, ...]
+    url: str
+    label: str  # shown in the endpoint list
+    health_path: str = "/health"
+
+    @property
+    def ready_url(self) -> str:
+        return f"{_probe_url(self.url)}{self.health_path}"
+
+
+# ---- the processes -----------------------------------------------------------------------------
+
+
+def plan_control_plane(port: int, log_level: LogLevel = LogLevel.INFO) -> Planned:
+    argv = (sys.executable, "-m", "omni_mesh.control_plane", "serve")
+    flags = ("--host", LOCALHOST, "--port", str(port), "--log-level", log_level.value)
+    return Planned(
+        "control-plane", (*argv, *flags), _url(LOCALHOST, port), "control plane", "/healthz"
+    )
+
+
+def plan_stages(config: UpConfig, cp_url: str) -> list[Planned]:
+    """Every replica of every stage (headless, free ports), then the API server."""
+    common = ["--pipeline", config.pipeline.name, "--control-plane", cp_url]
+    common += ["--log-level", config.log_level.value]
+    if config.deploy_config is not None:
+        common += ["--deploy-config", str(config.deploy_config)]
+    if config.stage_overrides is not None:
+        common += ["--stage-overrides", config.stage_overrides]
+    stage_cmd = (sys.executable, "-m", "omni_mesh.sidecar.cli_stage", *common)
+    plans = []
+    for stage_id, count in zip(sorted(config.pipeline.stage_ids), config.replicas, strict=True):
+        name = config.pipeline.stage(stage_id).name
+        for replica in range(count):
+            port = free_port(LOCALHOST)
+            argv = ("--stage-id", str(stage_id), "--headless", "--host", LOCALHOST)
+            plans.append(
+                Planned(
+                    f"stage{stage_id}-{name}-{replica}",
+                    (*stage_cmd, *argv, "--port", str(port)),
+                    _url(LOCALHOST, port),
+                    f"stage {stage_id} {name} #{replica}",
+                )
+            )
+    entry = str(config.pipeline.entry_stage_id)
+    api = ("--stage-id", entry, "--api-only", "--host", config.host, "--port", str(config.port))
+    url = _url(config.host, config.port)
+    plans.append(Planned("api-server", (*stage_cmd, *api), url, "API server"))
+    return plans
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _probe_url(url: str) -> str:
+    """Where to check a server that listens on every interface."""
+    for wildcard in ("http://0.0.0.0:", "http://[::]:"):
+        if url.startswith(wildcard):
+            return f"http://{LOCALHOST}:{url.removeprefix(wildcard)}"
+    return url
+
+
+# ---- running -----------------------------------------------------------------------------------
+
+
+def run_local(
+    config: UpConfig,
+    env: Mapping[str, str],
+    stop: threading.Event,
+    *,
+    on_ready: Callable[[str], None],
+    on_error: Callable[[str], None],
+) -> bool:
+    """Start everything, wait until ``stop`` is set or a process dies, stop everything.
+
+    ``on_ready`` gets the endpoint list (see :func:`endpoints_text`) once every process
+    answers. ``on_error`` gets the message for the user when a port is taken (nothing is
+    started) or a process fails (given before the rest are stopped; the logs are kept). True
+    after a clean stop, also one before everything was ready; False after a failure."""
+    listens = [(config.host, config.port, "--port")]
+    if config.cp_port is not None:
+        listens.append((LOCALHOST, config.cp_port, "--cp-port"))
+    for host, port, flag in listens:
+        if port_in_use(host, port):
+            on_error(f"cannot listen on {host}:{port} ({flag}): in use")
+            return False
+    sup = Supervisor(
+        keep_logs=config.keep_logs, grace_s=config.stop_timeout_s, log_prefix="omni-up-"
+    )
+    child_env = {**env, SECRET_ENV: config.secret, "PYTHONUNBUFFERED": "1"}
+    try:
+        cp_port = config.cp_port or free_port(LOCALHOST)
+        plans = [plan_control_plane(cp_port, config.log_level)]
+        if not _start(sup, plans, child_env, config.ready_timeout_s, stop):
+            return True
+        plans += plan_stages(config, plans[0].url)
+        if not _start(sup, plans[1:], child_env, config.ready_timeout_s, stop):
+            return True
+        on_ready(endpoints_text(config, plans, sup.log_dir))
+        sup.wait(stop)
+        return True
+    except SupervisorError as exc:
+        sup.keep_logs = True
+        on_error(f"{exc}\nstopping everything; logs kept in {sup.log_dir}")
+        return False
+    finally:
+        logger.info("stopping %d processes", len(sup.children))
+        sup.close()
+
+
+def _start(
+    sup: Supervisor,
+    plans: Sequence[Planned],
+    env: Mapping[str, str],
+    timeout_s: float,
+    stop: threading.Event,
+) -> bool:
+    """Start ``plans`` and wait until each answers; False when ``stop`` was set first."""
+    children = [sup.start(p.name, p.argv, env=env, ready_url=p.ready_url) for p in plans]
+    return sup.wait_ready(children, timeout_s=timeout_s, cancel=stop)
+
+
+def endpoints_text(config: UpConfig, plans: Sequence[Planned], log_dir: Path) -> str:
+    """One line per process with its URL, the secret's source and the log folder, then the
+    ``omni-up ready: …`` line."""
+    width = max(len(p.label) for p in plans)
+    lines = [f"  {p.label:<{width}}  {p.url}" for p in plans]
+    kept = "kept" if config.keep_logs else "removed on exit; --keep-logs keeps them"
+    lines.append(f"  {'secret':<{width}}  {config.secret_source} (stages get it as ${SECRET_ENV})")
+    lines.append(f"  {'logs':<{width}}  {log_dir} ({kept})")
+    lines.append(
+        f"omni-up ready: {_url(config.host, config.port)} "
+        f"(pipeline {config.pipeline.name}, replicas {config.replica_spec})"
+    )
+    return "\n".join(lines)
