@@ -105,7 +105,9 @@ def http_status(url: str, *, timeout: float = 1.0, headers: Mapping[str, str] | 
         return 0
 
 
-def clean_env(extra: Mapping[str, str] | None = None, *, drop_prefixes: Iterable[str] = ("OMNI_",)) -> dict[str, str]:
+def clean_env(
+    extra: Mapping[str, str] | None = None, *, drop_prefixes: Iterable[str] = ("OMNI_",)
+) -> dict[str, str]:
     """The test process's environment without ``OMNI_*`` variables, plus ``extra``."""
     prefixes = tuple(drop_prefixes)
     env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
@@ -205,7 +207,9 @@ class ManagedProcess:
         try:
             code = self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"{self.name} did not exit in {timeout}s\n{self.describe()}") from None
+            raise AssertionError(
+                f"{self.name} did not exit in {timeout}s\n{self.describe()}"
+            ) from None
         self._reap_group()
         return code
 
@@ -320,7 +324,7 @@ class ManagedProcess:
         wait_until(ready, timeout, interval=0.1, message=lambda: f"GET {url}\n{self.describe()}")
 
 
-# ---- redis-server --------------------------------------------------------------------------------
+# ---- redis-server -------------------------------------------------------------------------
 
 
 def redis_server_executable() -> str:
@@ -407,7 +411,7 @@ class RedisServer:
         self.stop()
 
 
-# ---- omni-cp ---------------------------------------------------------------------------------------
+# ---- omni-cp ------------------------------------------------------------------------------
 
 
 def cp_argv(*args: str) -> list[str]:

@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError
-from redis.retry import Retry
 
 from omni_mesh.configs.settings import ControlPlaneSettings
 from omni_mesh.control_plane import api, appkeys

@@ -26,7 +26,12 @@ _SERVE_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--host", str, "interface to listen on (default 127.0.0.1)"),
     ("--port", int, "port to listen on (default 7700)"),
     ("--redis-url", str, "Redis URL; without it an embedded redis-server is started"),
-    ("--auth-token", str, "bearer token required on every route but /healthz, /metrics"),
+    (
+        "--auth-token",
+        str,
+        "bearer token for every route but /healthz, /metrics (prefer the "
+        "OMNI_CP_AUTH_TOKEN variable: flags are visible in ps)",
+    ),
     ("--heartbeat-interval-ms", int, "heartbeat period asked of instances (default 1000)"),
     ("--lease-ttl-ms", int, "lease: heartbeat age that isolates an instance (default 3000)"),
     ("--sweep-interval-ms", int, "liveness sweeper period (default 250)"),
@@ -36,7 +41,8 @@ _SERVE_FLAGS: tuple[tuple[str, type, str], ...] = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The ``omni-cp`` parser and its subcommand parsers by name."""
     parser = argparse.ArgumentParser(
         prog="omni-cp", description="omni-mesh control plane: registry, leases, discovery."
     )
@@ -46,10 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
         serve.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text)
     status = sub.add_parser("status", help="show every registered instance")
     status.add_argument("--cp", default=argparse.SUPPRESS, help="omni-cp URL(s), comma-separated")
-    status.add_argument("--auth-token", default=argparse.SUPPRESS, help="bearer token")
+    status.add_argument(
+        "--auth-token", default=argparse.SUPPRESS, help="bearer token (or OMNI_CP_AUTH_TOKEN)"
+    )
     status.add_argument("--timeout-s", type=float, default=argparse.SUPPRESS, help="per request")
     status.add_argument("--pipeline", default=None, help="only this pipeline")
-    return parser
+    return parser, {"serve": serve, "status": status}
 
 
 def _settings_error(parser: argparse.ArgumentParser, exc: ValidationError, prefix: str) -> NoReturn:
@@ -119,12 +127,12 @@ def cmd_status(parser: argparse.ArgumentParser, args: dict[str, Any]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    parser, commands = build_parser()
     args = vars(parser.parse_args(argv))
     command = args.pop("command", None)
     if command == "serve":
-        return cmd_serve(parser, args)
+        return cmd_serve(commands["serve"], args)
     if command == "status":
-        return cmd_status(parser, args)
+        return cmd_status(commands["status"], args)
     parser.print_help(sys.stderr)
     return 2

@@ -18,6 +18,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from omni_mesh.control_plane.keys import KeySchema
+from omni_mesh.control_plane.tasks import stop_task
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,7 @@ class ChangeHub:
     async def stop(self) -> None:
         self.begin_shutdown()
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await stop_task(self._task, grace_s=0.0)
             self._task = None
 
     def waiter(self, pipeline: str) -> asyncio.Event:
@@ -70,7 +70,7 @@ class ChangeHub:
 
     async def _listen(self) -> None:
         delay = 0.05
-        while True:
+        while not self.closing:
             try:
                 await self._subscribe_and_dispatch()
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
@@ -89,7 +89,7 @@ class ChangeHub:
             self.connected = True
             logger.debug("subscribed to %s", self._keys.channel_pattern)
             self.notify_all()  # anything may have changed while we were not listening
-            while True:
+            while not self.closing:
                 message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                 if message is None:
                     continue

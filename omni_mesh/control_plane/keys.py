@@ -5,7 +5,7 @@
     omni:pipelines                   set     pipeline names that have (or had) instances
     omni:leases                      zset    instance_id -> lease deadline (Redis server ms)
     omni:evict                       zset    instance_id -> eviction deadline (ms) of dead records
-    omni:version:{pipeline}          string  pool version, INCR'd on every membership/state change
+    omni:version:{pipeline}          string  pool version, bumped on every membership/state change
     omni:epoch                       string  registration epoch counter (global)
     omni:sweeper:lock                string  owner token of the liveness sweeper (SET NX PX)
     omni:changes:{pipeline}          channel pub/sub hint: the pipeline's new version

@@ -1,10 +1,13 @@
 """Lua scripts: every multi-key change of the control plane, each one atomic.
 
 Time comes from ``redis.call('TIME')`` so that several omni-cp hosts agree on leases whatever
-their clocks say. Every membership or state change of a pipeline INCRs its version and
-PUBLISHes the new version on its channel, inside the same script. A missing version (or epoch)
-counter starts at the server time in ms, so versions keep growing across a Redis that lost its
-data and a watcher's old version can never be mistaken for the current one.
+their clocks say. Every membership or state change of a pipeline increments its version and
+PUBLISHes the new version on its channel, inside the same script. A version counter (and the
+epoch counter) that does not exist yet starts at the server time in µs and is INCR'd by one per
+change. No Redis does more than one change per µs, so a counter never runs ahead of the clock:
+after Redis lost its data the new counter starts above every version handed out before, and a
+watcher's old version can never be mistaken for a current one. (µs since 1970 stay below 2**53:
+exact in Lua's doubles and in JSON.)
 
 Key prefixes come in as ARGV (see ``keys.KeySchema.lua_prefixes``); scripts only append ids.
 """
@@ -12,19 +15,23 @@ Key prefixes come in as ARGV (see ``keys.KeySchema.lua_prefixes``); scripts only
 from __future__ import annotations
 
 _PRELUDE = """
-local function now_ms()
+local function clock()
   local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  return math.floor(us / 1000), us
 end
 local function ms(n)
   return string.format('%d', n)
 end
-local function bump(version_key, channel, now)
-  if redis.call('EXISTS', version_key) == 0 then
-    redis.call('SET', version_key, ms(now))
+local function next_counter(key, now_us)
+  if redis.call('EXISTS', key) == 0 then
+    redis.call('SET', key, ms(now_us))
   end
-  local v = redis.call('INCR', version_key)
-  redis.call('PUBLISH', channel, v)
+  return redis.call('INCR', key)
+end
+local function bump(version_key, channel, now_us)
+  local v = next_counter(version_key, now_us)
+  redis.call('PUBLISH', channel, ms(v))
   return v
 end
 """
@@ -37,7 +44,7 @@ end
 REGISTER = (
     _PRELUDE
     + """
-local now = now_ms()
+local now, now_us = clock()
 local superseded = {}
 for _, other in ipairs(redis.call('SMEMBERS', KEYS[2])) do
   local okey = ARGV[11] .. other
@@ -49,20 +56,17 @@ for _, other in ipairs(redis.call('SMEMBERS', KEYS[2])) do
     table.insert(superseded, other)
   end
 end
-if redis.call('EXISTS', KEYS[5]) == 0 then
-  redis.call('SET', KEYS[5], ms(now))
-end
-local epoch = redis.call('INCR', KEYS[5])
+local epoch = next_counter(KEYS[5], now_us)
 redis.call('HSET', KEYS[1],
   'schema', ARGV[12], 'pipeline', ARGV[2], 'stage_id', ARGV[3], 'address', ARGV[4],
   'host_id', ARGV[5], 'capacity', ARGV[6], 'labels', ARGV[7], 'state', 'healthy',
-  'reason', '', 'epoch', epoch, 'registered_at_ms', ms(now),
+  'reason', '', 'epoch', ms(epoch), 'registered_at_ms', ms(now),
   'last_heartbeat_ms', ms(now), 'load', ARGV[8])
 redis.call('SADD', KEYS[2], ARGV[1])
 redis.call('SADD', KEYS[6], ARGV[2])
 redis.call('ZADD', KEYS[3], ms(now + tonumber(ARGV[9])), ARGV[1])
-local version = bump(KEYS[4], ARGV[10], now)
-return {epoch, version, now, superseded}
+local version = bump(KEYS[4], ARGV[10], now_us)
+return {ms(epoch), ms(version), ms(now), superseded}
 """
 )
 
@@ -76,7 +80,7 @@ HEARTBEAT = (
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return {0}
 end
-local now = now_ms()
+local now, now_us = clock()
 redis.call('HSET', KEYS[1], 'last_heartbeat_ms', ms(now), 'load', ARGV[2])
 redis.call('ZADD', KEYS[2], ms(now + tonumber(ARGV[3])), ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
@@ -84,10 +88,10 @@ local f = redis.call('HMGET', KEYS[1], 'state', 'reason', 'epoch', 'pipeline')
 local state, reason, revived = f[1], f[2], 0
 if state == 'isolated' and reason == 'lease_expired' then
   redis.call('HSET', KEYS[1], 'state', 'healthy', 'reason', '')
-  bump(ARGV[4] .. f[4], ARGV[5] .. f[4], now)
+  bump(ARGV[4] .. f[4], ARGV[5] .. f[4], now_us)
   state, reason, revived = 'healthy', '', 1
 end
-return {1, tonumber(f[3]), state, reason, revived}
+return {1, f[3], state, reason, revived}
 """
 )
 
@@ -100,14 +104,14 @@ DEREGISTER = (
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return {0}
 end
-local now = now_ms()
+local now, now_us = clock()
 local f = redis.call('HMGET', KEYS[1], 'pipeline', 'stage_id')
 redis.call('DEL', KEYS[1])
 redis.call('SREM', ARGV[2] .. f[1] .. ':' .. f[2], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
-local version = bump(ARGV[3] .. f[1], ARGV[4] .. f[1], now)
-return {1, f[1], f[2], version}
+local version = bump(ARGV[3] .. f[1], ARGV[4] .. f[1], now_us)
+return {1, f[1], f[2], ms(version)}
 """
 )
 
@@ -121,7 +125,7 @@ SET_STATE = (
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return {0}
 end
-local now = now_ms()
+local now, now_us = clock()
 local f = redis.call('HMGET', KEYS[1], 'state', 'reason', 'pipeline')
 local action = ARGV[2]
 local state, reason
@@ -140,7 +144,7 @@ end
 local changed = 0
 if state ~= f[1] or reason ~= f[2] then
   redis.call('HSET', KEYS[1], 'state', state, 'reason', reason)
-  bump(ARGV[4] .. f[3], ARGV[5] .. f[3], now)
+  bump(ARGV[4] .. f[3], ARGV[5] .. f[3], now_us)
   changed = 1
 end
 return {1, state, reason, changed}
@@ -161,7 +165,7 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return {0}
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
-local now = now_ms()
+local now, now_us = clock()
 local limit = tonumber(ARGV[4])
 local events, touched = {}, {}
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ms(now), 'LIMIT', 0, limit)) do
@@ -190,11 +194,24 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', ms(now), 'LIMIT
   end
 end
 for pipeline, _ in pairs(touched) do
-  bump(ARGV[7] .. pipeline, ARGV[8] .. pipeline, now)
+  bump(ARGV[7] .. pipeline, ARGV[8] .. pipeline, now_us)
 end
 return {1, events}
 """
 )
+
+# KEYS: lock.  ARGV: token, ttl_ms.  Takes the lock if free, renews it if the caller holds it;
+# returns 1 when the caller holds it afterwards.
+ACQUIRE_LOCK = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return 1
+end
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
 
 # KEYS: lock.  ARGV: token.  Deletes the lock only if the caller holds it.
 RELEASE_LOCK = """
@@ -211,7 +228,7 @@ return 0
 SNAPSHOT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local version = tonumber(redis.call('GET', KEYS[1]) or '0')
+local version = redis.call('GET', KEYS[1]) or '0'
 local out = {version, now}
 for i = 2, #KEYS do
   local records = {}

@@ -138,6 +138,7 @@ class InstanceStore:
         self._deregister = redis.register_script(scripts.DEREGISTER)
         self._set_state = redis.register_script(scripts.SET_STATE)
         self._sweep = redis.register_script(scripts.SWEEP)
+        self._acquire = redis.register_script(scripts.ACQUIRE_LOCK)
         self._release = redis.register_script(scripts.RELEASE_LOCK)
         self._snapshot = redis.register_script(scripts.SNAPSHOT)
 
@@ -286,14 +287,11 @@ class InstanceStore:
             flat.extend((name, value))
         return _record_to_info(flat, int(seconds) * 1000 + int(micros) // 1000)
 
-    async def instance_pipeline(self, instance_id: str) -> str | None:
-        value = await self.redis.hget(self.keys.instance(instance_id), "pipeline")
-        return None if value is None else _text(value)
-
     # ---- liveness sweeper ------------------------------------------------------------------
 
     async def try_acquire_sweeper_lock(self, token: str, ttl_ms: int) -> bool:
-        return bool(await self.redis.set(self.keys.sweeper_lock, token, nx=True, px=ttl_ms))
+        """Take the lock if free (``SET NX PX``) or renew it if ``token`` holds it already."""
+        return bool(await self._acquire(keys=[self.keys.sweeper_lock], args=[token, ttl_ms]))
 
     async def release_sweeper_lock(self, token: str) -> bool:
         return bool(await self._release(keys=[self.keys.sweeper_lock], args=[token]))

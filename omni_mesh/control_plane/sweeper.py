@@ -10,6 +10,7 @@ releases the lock at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -20,6 +21,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from omni_mesh.control_plane.schema import REASON_LEASE_EXPIRED
 from omni_mesh.control_plane.store import InstanceStore, SweepResult
+from omni_mesh.control_plane.tasks import stop_task
 from omni_mesh.observability.metrics import ControlPlaneMetrics
 
 logger = logging.getLogger(__name__)
@@ -47,6 +49,7 @@ class Sweeper:
         self.token = f"{uuid.uuid4().hex}"
         self.is_leader = False
         self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
         self._redis_down = False
 
     def start(self) -> None:
@@ -55,9 +58,9 @@ class Sweeper:
 
     async def stop(self) -> None:
         """Stop ticking and release the lock if held (best effort)."""
+        self._stopping.set()
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await stop_task(self._task, grace_s=2.0)  # let an in-flight tick finish
             self._task = None
         if self.is_leader:
             try:
@@ -68,7 +71,7 @@ class Sweeper:
             self._set_leader(False)
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping.is_set():
             try:
                 await self.tick()
                 if self._redis_down:
@@ -81,7 +84,8 @@ class Sweeper:
                 self._set_leader(False)
             except Exception:  # a bug must not stop liveness tracking: log it, keep ticking
                 logger.exception("sweeper tick failed")
-            await asyncio.sleep(self._interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self._interval_s)
 
     async def tick(self) -> SweepResult:
         """One round: acquire the lock if free, then sweep if held."""

@@ -204,8 +204,8 @@ async def test_watch_sees_lease_expiry_within_one_sweeper_tick(
     snap, _ = await _watch_change(fast_client, "synthetic", lambda: asyncio.sleep(0))
     elapsed = time.monotonic() - registered_at
     assert registration.instance_id not in {i.instance_id for i in snap.healthy(1)}
-    # lease + one sweeper tick + scheduling slack
-    assert elapsed < FAST_LEASE_MS / 1000 + FAST_SWEEP_MS / 1000 + 0.5
+    # lease + one sweeper tick + slack for a loaded 2-core machine
+    assert elapsed < FAST_LEASE_MS / 1000 + FAST_SWEEP_MS / 1000 + 1.0
 
 
 async def test_sse_stream_sends_an_event_per_snapshot(

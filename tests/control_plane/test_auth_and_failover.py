@@ -16,7 +16,7 @@ from omni_mesh.control_plane.client import (
     InstanceState,
     RegisterRequest,
 )
-from tests.procs import ControlPlaneProcess, http_status
+from tests.procs import ControlPlaneProcess, RedisServer, http_status
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -94,3 +94,41 @@ async def test_kill_9_of_the_sweeper_holder_hands_over_expiry(
             await asyncio.sleep(0.05)
         assert info.reason == "lease_expired"
         assert _is_leader(survivor)
+
+
+async def test_redis_outage_is_a_503_and_recovers(
+    cp_factory: Callable[..., ControlPlaneProcess],
+    private_redis_factory: Callable[[], RedisServer],
+) -> None:
+    redis_server = private_redis_factory()
+    cp = cp_factory(redis_url=redis_server.url)
+    await asyncio.to_thread(redis_server.kill)
+    async with aiohttp.ClientSession(base_url=cp.url) as session:
+        started = time.monotonic()
+        async with session.post("/v1/instances", data=REQUEST.model_dump_json()) as resp:
+            assert resp.status == 503
+            assert "redis" in (await resp.json())["error"]["message"]
+            assert resp.headers["Retry-After"] == "1"
+        assert time.monotonic() - started < 3.0, "a Redis outage must fail fast"
+        for path in ("/v1/pipelines", "/v1/watch?pipeline=tiny-omni", "/healthz"):
+            async with session.get(path) as resp:
+                assert resp.status == 503, path
+        async with session.get("/metrics") as resp:
+            assert resp.status == 200, "metrics stay available without Redis"
+
+        await asyncio.to_thread(redis_server.start)
+        async with ControlPlaneClient([cp.url]) as client:
+            registration = await client.register(REQUEST)
+            assert registration.instance_id
+            # the change subscription comes back too: a watcher is woken by the next change
+            await asyncio.sleep(2.5)  # > the hub's reconnect backoff cap
+            current = await client.watch("tiny-omni", None, timeout_s=0)
+            waiter = asyncio.create_task(client.watch("tiny-omni", current.version, timeout_s=20))
+            await asyncio.sleep(0.2)
+            changed_at = time.monotonic()
+            await client.deregister(registration.instance_id)
+            assert (await waiter).version != current.version
+            assert time.monotonic() - changed_at < 1.0, "woken by the notification, not a recheck"
+        async with session.get("/healthz") as resp:
+            assert resp.status == 200
+    assert "Traceback" not in cp.proc.stderr

@@ -41,7 +41,9 @@ def start_bare_serve(
     """``omni-cp serve`` with no arguments (the port from OMNI_CP_PORT); returns the process,
     its embedded redis-server pid and that server's directory."""
     port = free_port()
-    proc = process_factory(cp_argv("serve"), name="omni-cp-bare", env=clean_env({"OMNI_CP_PORT": str(port)}))
+    proc = process_factory(
+        cp_argv("serve"), name="omni-cp-bare", env=clean_env({"OMNI_CP_PORT": str(port)})
+    )
     line = proc.wait_for_output(r"omni-cp serving on (\S+) \(redis (\S+) embedded\)", 30)
     assert line.group(1) == f"http://127.0.0.1:{port}"
     proc.wait_http_ready(f"http://127.0.0.1:{port}/healthz")
@@ -120,13 +122,13 @@ def test_console_script_is_installed() -> None:
     script = Path(sys.executable).with_name("omni-cp")
     if not script.exists():
         pytest.skip("omni-cp console script not installed in this environment")
-    result = subprocess.run([str(script), "serve", "--help"], capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        [str(script), "serve", "--help"], capture_output=True, text=True, timeout=30
+    )
     assert result.returncode == 0 and "--lease-ttl-ms" in result.stdout
 
 
-def test_port_in_use_is_a_clear_error(
-    control_plane: ControlPlaneProcess, redis_url: str
-) -> None:
+def test_port_in_use_is_a_clear_error(control_plane: ControlPlaneProcess, redis_url: str) -> None:
     result = run_cp("serve", "--port", str(control_plane.port), "--redis-url", redis_url)
     assert result.returncode == 1
     assert f"cannot listen on 127.0.0.1:{control_plane.port}" in result.stderr

@@ -38,15 +38,15 @@ async def listed(client: ControlPlaneClient, instance_id: str | None, stage_id: 
     return instance_id in {i.instance_id for i in pool.instances}
 
 
-async def eventually(check: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
+async def eventually(check: Callable[[], object], within_s: float, what: str) -> None:
+    deadline = time.monotonic() + within_s
     while True:
         result = check()
         if asyncio.iscoroutine(result):
             result = await result
         if result:
             return
-        assert time.monotonic() < deadline, f"timed out after {timeout}s: {what}"
+        assert time.monotonic() < deadline, f"timed out after {within_s}s: {what}"
         await asyncio.sleep(0.05)
 
 
@@ -196,4 +196,3 @@ async def test_lease_start_keeps_trying_until_the_control_plane_appears(
         registration = await asyncio.wait_for(starting, 10)
         assert lease.registered and await listed(client, registration.instance_id)
         await lease.stop()
-

@@ -76,9 +76,7 @@ async def test_version_moves_on_membership_not_on_heartbeats(
     assert second.epoch > first.epoch
     dereg = await store.deregister(first.instance_id)
     assert dereg is not None and dereg.version > second.version
-    assert [i.instance_id for i in (await store.snapshot(spec)).healthy(1)] == [
-        second.instance_id
-    ]
+    assert [i.instance_id for i in (await store.snapshot(spec)).healthy(1)] == [second.instance_id]
 
 
 async def test_unknown_instance_everywhere(redis_client: redis.asyncio.Redis) -> None:
@@ -121,6 +119,7 @@ async def test_sweep_requires_the_lock(redis_client: redis.asyncio.Redis) -> Non
     assert not (await store.sweep("not-the-holder", 1000)).held_lock
     assert await store.try_acquire_sweeper_lock("a", 1000)
     assert not await store.try_acquire_sweeper_lock("b", 1000)
+    assert await store.try_acquire_sweeper_lock("a", 1000), "the holder may take it again"
     assert (await store.sweep("a", 1000)).held_lock
     assert not (await store.sweep("b", 1000)).held_lock
     assert not await store.release_sweeper_lock("b")

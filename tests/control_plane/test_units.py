@@ -72,7 +72,11 @@ def test_client_settings_split_urls(monkeypatch: pytest.MonkeyPatch) -> None:
         (b"[1]", "body", "JSON object"),
         (b'{"pipeline": "p", "stage_id": 0, "capacity": 1}', "address", "required"),
         (b'{"pipeline":"p","stage_id":0,"capacity":1,"address":"ftp://h:1"}', "address", "http"),
-        (b'{"pipeline":"p","stage_id":0,"capacity":1,"address":"http://h:1","x":1}', "x", "unknown"),
+        (
+            b'{"pipeline":"p","stage_id":0,"capacity":1,"address":"http://h:1","x":1}',
+            "x",
+            "unknown",
+        ),
     ],
 )
 def test_validation_errors_name_the_field(body: bytes, field: str, words: str) -> None:
@@ -132,7 +136,10 @@ def test_status_table() -> None:
     assert lines[2].split()[:8] == [
         "tiny-omni", "1", "abc", "healthy", "http://127.0.0.1:9001", "h1", "2/4", "1.5s",
     ]  # fmt: skip
-    assert render_status(listing, pipeline="tiny-tts") == "no instances registered for pipeline 'tiny-tts'"
+    assert (
+        render_status(listing, pipeline="tiny-tts")
+        == "no instances registered for pipeline 'tiny-tts'"
+    )
     assert render_status(PipelineList()) == "no instances registered"
 
 
@@ -150,6 +157,8 @@ def test_backoff_is_capped_and_resets() -> None:
 
 
 def test_snapshot_helpers() -> None:
-    snap = PipelineSnapshot.model_validate_json('{"pipeline": "p", "version": 3, "stages": {"0": []}}')
+    snap = PipelineSnapshot.model_validate_json(
+        '{"pipeline": "p", "version": 3, "stages": {"0": []}}'
+    )
     assert snap.version == 3
     assert snap.healthy(0) == () and snap.healthy(5) == ()

@@ -28,6 +28,7 @@ from omni_mesh.control_plane.schema import (
     RegisterRequest,
     Registration,
 )
+from omni_mesh.control_plane.tasks import stop_task
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class InstanceLease:
         self.state: InstanceState | None = None
         self.registrations = 0  # how many times it (re-)registered
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
         self._cp_down = False
         self._tag = (
             f"pipeline={request.pipeline} stage={request.stage_id} address={request.address}"
@@ -89,9 +91,9 @@ class InstanceLease:
 
     async def stop(self, *, deregister: bool = True) -> None:
         """Stop heartbeating and leave the pool (best effort: errors are logged)."""
+        self._stopping = True
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await stop_task(self._task, grace_s=0.0)
             self._task = None
         instance_id = self.instance_id
         if deregister and self.registered and instance_id is not None:
@@ -107,6 +109,8 @@ class InstanceLease:
     async def _register(self, *, raise_rejections: bool) -> Registration:
         self.registered = False
         while True:
+            if self._stopping:
+                raise asyncio.CancelledError
             try:
                 registration = await self.client.register(self.request)
             except ControlPlaneUnavailableError as exc:
@@ -146,7 +150,7 @@ class InstanceLease:
     async def _heartbeat_loop(self) -> None:
         loop = asyncio.get_running_loop()
         next_at = loop.time()
-        while True:
+        while not self._stopping:
             next_at = max(next_at + self.heartbeat_interval_s, loop.time())
             await asyncio.sleep(next_at - loop.time())
             instance_id = self.instance_id

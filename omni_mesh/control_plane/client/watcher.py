@@ -17,6 +17,7 @@ from omni_mesh.control_plane.client.backoff import Backoff
 from omni_mesh.control_plane.client.http import ControlPlaneClient
 from omni_mesh.control_plane.errors import ControlPlaneRequestError, ControlPlaneUnavailableError
 from omni_mesh.control_plane.schema import InstanceInfo, PipelineSnapshot
+from omni_mesh.control_plane.tasks import stop_task
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class PoolWatcher:
         self.last_sync: float | None = None  # loop time of the last answer
         self._updated = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
         self._down = False
 
     # ---- reading the cache ---------------------------------------------------------------
@@ -93,13 +95,13 @@ class PoolWatcher:
         self._task = asyncio.create_task(self._run(), name=f"omni-pool-watcher-{self.pipeline}")
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await stop_task(self._task, grace_s=0.0)
             self._task = None
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             since = None if self.snapshot is None else self.snapshot.version
             try:
                 snapshot = await self.client.watch(
