@@ -28,7 +28,16 @@ SHM_DIR = Path("/dev/shm")
 
 
 def shm_segments() -> set[str]:
-    return {p.name for p in SHM_DIR.glob("omni-*")}
+    """Segments left by processes that are gone (``omni-{pid}-…`` with a dead pid): a leak.
+
+    Segments of live processes are not counted, so tests running beside others (or beside a
+    benchmark) do not see each other's working memory as a leak."""
+    leaked = set()
+    for path in SHM_DIR.glob("omni-*"):
+        pid = path.name.split("-")[1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            leaked.add(path.name)
+    return leaked
 
 
 class Topology:
