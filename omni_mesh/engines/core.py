@@ -110,6 +110,17 @@ class EngineCore:
             for req in requests:
                 outputs[req.request_id] = self._error(inputs[req.request_id], "bad_input", str(exc))
             return []
+        except Exception as exc:
+            # A failed step fails its batch, as data; the engine keeps serving the next one.
+            logger.exception(
+                "engine step failed stage=%d batch=%d", self.stage.stage_id, len(requests)
+            )
+            message = f"{type(exc).__name__}: {exc}"
+            for req in requests:
+                outputs[req.request_id] = self._error(
+                    inputs[req.request_id], "engine_error", message
+                )
+            return []
         by_id = {r.request_id: r for r in results}
         missing = [r.request_id for r in requests if r.request_id not in by_id]
         for rid in missing:
@@ -117,7 +128,14 @@ class EngineCore:
         return [by_id[r.request_id] for r in requests if r.request_id in by_id]
 
     def _to_request(self, si: StageInput, read: ArrayReader) -> EngineRequest:
-        arrays = {name: read(t) for name, t in si.payload.tensors.items()}
+        arrays = {}
+        for name, t in si.payload.tensors.items():
+            try:
+                arrays[name] = read(t)
+            except ValueError as exc:
+                raise EngineInputError(
+                    f"stage {self.stage.stage_id} ({self.stage.name}): tensor {name!r}: {exc}"
+                ) from None
         data = StageData(fields=dict(si.payload.fields), arrays=arrays)
         return EngineRequest(
             request_id=si.request_id, seed=si.seed, data=data, sampling=si.sampling
@@ -133,15 +151,17 @@ class EngineCore:
     ) -> StageOutput:
         if result.error is not None:
             return self._error(si, "bad_input", result.error)
-        written: dict[int, Tensor] = {}  # one slot per array, however many consumers
+        # One slot per array, however many consumers. The arrays are kept alive with their
+        # tensors: a freed array's id() may be reused by the next processor's new array.
+        written: dict[int, tuple[np.ndarray, Tensor]] = {}
 
         def payload(data: StageData) -> Payload:
             tensors: dict[str, Tensor] = {}
             for name, arr in data.arrays.items():
                 key = id(arr)
                 if key not in written:
-                    written[key] = write(arr, si.request_id)
-                tensors[name] = written[key]
+                    written[key] = (arr, write(arr, si.request_id))
+                tensors[name] = written[key][1]
             return Payload(fields=dict(data.fields), tensors=tensors)
 
         final = payload(result.final) if result.final is not None else None
@@ -150,9 +170,14 @@ class EngineCore:
             processor = self._processors[spec.stage_id]
             try:
                 data = processor(result.output) if processor is not None else result.output
-            except (EngineInputError, ValueError, KeyError) as exc:
+            except Exception as exc:  # a processor bug fails its request, never the engine
+                logger.exception(
+                    "processor failed request_id=%s stage=%d", si.request_id, spec.stage_id
+                )
                 return self._error(
-                    si, "engine_error", f"processor for stage {spec.stage_id}: {exc}"
+                    si,
+                    "engine_error",
+                    f"processor for stage {spec.stage_id}: {type(exc).__name__}: {exc}",
                 )
             nexts.append(
                 StageInput(

@@ -31,6 +31,7 @@ from omni_mesh.data_plane.messages import (
     Release,
     Result,
     Shutdown,
+    StageError,
     StageInput,
     StageOutput,
     Stats,
@@ -73,6 +74,7 @@ class EngineProc:
         self.state = State.RUNNING
         self._inbox: queue.Queue[tuple[StageInput, float] | None] = queue.Queue()
         self._aborted: set[str] = set()
+        self._live: set[str] = set()  # submitted and not yet answered or dropped
         self._lock = threading.Lock()
         self._steps = 0
         self._last_step_ms = 0.0
@@ -137,10 +139,15 @@ class EngineProc:
                 self._orphaned()
                 return
             if isinstance(msg, Submit):
+                with self._lock:
+                    self._live.add(msg.stage_input.request_id)
                 self._inbox.put((msg.stage_input, time.monotonic()))
             elif isinstance(msg, Abort):
                 with self._lock:
-                    self._aborted.add(msg.request_id)
+                    # An Abort that crossed its Result on the wire is for nothing live: ignore
+                    # it, or it would swallow a later resubmission of the same request.
+                    if msg.request_id in self._live:
+                        self._aborted.add(msg.request_id)
             elif isinstance(msg, Release):
                 self.arena.free_owner(msg.request_id)
             elif isinstance(msg, Shutdown):
@@ -205,22 +212,38 @@ class EngineProc:
             with self._lock:
                 aborted = si.request_id in self._aborted
                 self._aborted.discard(si.request_id)
-            if aborted or si.deadline_ms < now_ms:
-                logger.info(
-                    "dropping request_id=%s stage=%d (%s)",
-                    si.request_id,
-                    self.ctx.stage.stage_id,
-                    "aborted" if aborted else "deadline passed",
-                )
-                continue
-            admitted.append((si, t))
+                if aborted:
+                    self._live.discard(si.request_id)
+            if aborted:  # the sidecar no longer waits for it
+                logger.info("dropping aborted request_id=%s stage=%d", si.request_id, self.stage_id)
+            elif si.deadline_ms < now_ms:  # the sidecar waits: answer with the reason
+                logger.info("deadline passed request_id=%s stage=%d", si.request_id, self.stage_id)
+                self._emit([self._deadline_error(si)])
+            else:
+                admitted.append((si, t))
         return admitted
+
+    @property
+    def stage_id(self) -> int:
+        return self.ctx.stage.stage_id
+
+    def _deadline_error(self, si: StageInput) -> StageOutput:
+        return StageOutput(
+            request_id=si.request_id,
+            stage_id=self.stage_id,
+            error=StageError(
+                code="deadline",
+                message="the request's deadline passed while it waited for the engine",
+                stage_id=self.stage_id,
+            ),
+        )
 
     def _emit(self, outputs: list[StageOutput]) -> None:
         for out in outputs:
             with self._lock:
                 aborted = out.request_id in self._aborted
                 self._aborted.discard(out.request_id)
+                self._live.discard(out.request_id)
             if aborted:  # nobody waits for it: free its slots at once
                 self.arena.free_owner(out.request_id)
                 continue

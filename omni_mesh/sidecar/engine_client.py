@@ -119,12 +119,14 @@ class EngineClient:
             self.ready = await asyncio.wait_for(self._handshake(), timeout_s)
         except TimeoutError:
             await self._kill()
+            await self._chan.close()
             raise EngineStartError(
                 f"stage {self.stage_id}: engine not READY after {timeout_s:.0f}s "
                 "(raise --engine-start-timeout)"
             ) from None
         except EngineStartError:
             await self._kill()
+            await self._chan.close()
             raise
         self._tasks = [
             asyncio.create_task(self._receive_loop(), name="engine-rx"),
@@ -165,6 +167,9 @@ class EngineClient:
                     "engine did not exit in %.0fs stage=%d: killing", timeout_s, self.stage_id
                 )
                 await self._kill()
+        # Let the receive loop read what the engine sent before it exited (EOF ends it).
+        if self._tasks:
+            await asyncio.wait(self._tasks[:1], timeout=2.0)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -248,8 +253,9 @@ class EngineClient:
     async def execute(self, si: StageInput) -> StageOutput:
         """Run one request on the engine. The caller must :meth:`release` the request once
         it no longer needs the output tensors (they live in the engine's slots)."""
-        if self.dead.is_set() or self._chan is None:
-            raise EngineDeadError(f"stage {self.stage_id}: {self.death_reason or 'not started'}")
+        if self.dead.is_set() or self._stopping or self._chan is None:
+            reason = self.death_reason or ("stopped" if self._stopping else "not started")
+            raise EngineDeadError(f"stage {self.stage_id}: {reason}")
         rid = si.request_id
         payload = externalize(si.payload, self.arena, rid, threshold=INLINE_MAX)
         si = msgspec.structs.replace(si, payload=payload)

@@ -91,7 +91,7 @@ class HopClient:
 
     async def _send(self, si: StageInput, stats: HopStats) -> HopResult:
         connector = self.connector_for(si.from_stage, si.stage_id)
-        prefer_local = connector.name == "shm"
+        prefer_local = connector.prefers_same_host
         full: set[str] = set()
         failures = 0
         backoff = 0.005
@@ -118,13 +118,13 @@ class HopClient:
                 full.add(replica.instance_id)
                 continue
             failures += 1
-            stats.retries = failures
             if failures > self.retries:
                 raise HopUnavailable(
                     si.stage_id,
                     f"stage {si.stage_id}: hop failed on {failures} replica(s), retry budget "
                     f"({self.retries}) spent (last: {replica.instance_id}, status {status})",
                 )
+            stats.retries += 1
             si = _with_attempt(si, si.attempt + 1)
 
     async def _attempt(
@@ -141,6 +141,7 @@ class HopClient:
         payload = connector.prepare(si.payload, same_host=same_host, reader=self.reader)
         body = codec.encode(_with_payload(si, payload))
         stats.attempts += 1
+        stats.bytes_sent += len(body)
         stats.tried.append(replica.instance_id)
         stats.replica = replica.instance_id
         self.router.begin(replica.instance_id)
@@ -156,7 +157,6 @@ class HopClient:
             ) as resp:
                 if resp.status == 200:
                     data = await wire.read_response(resp, max_bytes=MAX_RESULT_BYTES)
-                    stats.bytes_sent += len(body)
                     return codec.decode(data, HopResult), 200
                 if resp.status in (409, 429):
                     return None, resp.status

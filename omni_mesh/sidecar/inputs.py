@@ -50,7 +50,7 @@ def entry_input(
         stage_id=pipeline.entry_stage_id,
         deadline_ms=int((time.time() + timeout_s) * 1000),
         seed=seed,
-        traceparent=traceparent if _TRACEPARENT.match(traceparent) else "",
+        traceparent=traceparent if _TRACEPARENT.fullmatch(traceparent) else "",
         sampling=sampling,
         payload=Payload(fields=fields),
     )

@@ -329,12 +329,6 @@ async def test_the_retry_budget_is_enforced(
     assert hops.stats[0].attempts == 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="HopClient._send sets stats.retries to the number of failures, so a hop whose "
-    "budget runs out reports one replay more than it made (and retries=0 reports 1): the "
-    "omni_stage_hop_retries metric over-counts",
-)
 async def test_stats_count_the_replays_actually_made(
     start_replica: StartReplica, make_hops: MakeHops
 ) -> None:
@@ -480,12 +474,6 @@ async def test_every_replica_ejected_waits_for_discovery_of_a_new_one(
 # ---- same-host preference --------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="HopClient._send decides same-host preference with `connector.name == 'shm'`, but "
-    "the connector's name is 'SharedMemoryConnector' (the flag meant for this is "
-    "Connector.prefers_same_host): shm edges never prefer a same-host replica",
-)
 async def test_a_shm_edge_prefers_a_replica_on_the_same_host(
     start_replica: StartReplica, make_hops: MakeHops
 ) -> None:

@@ -113,11 +113,6 @@ def test_entry_input_drops_a_bad_traceparent(traceparent: str) -> None:
     assert si.traceparent == ""
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="inputs._TRACEPARENT is applied with re.match and ends in '$', which also matches "
-    "before a trailing newline: use fullmatch (or \\Z)",
-)
 def test_entry_input_drops_a_traceparent_with_a_trailing_newline() -> None:
     spec = get_pipeline("synthetic")
     si = entry_input(spec, Prompt(prompt="x"), timeout_s=5, traceparent=TRACEPARENT + "\n")
