@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -51,6 +52,9 @@ class StageSettings(BaseSettings):
         default=256 * 1024 * 1024, ge=1024, le=1 << 34, description="Largest accepted HTTP body."
     )
     log_level: str = Field(default="INFO", description="Logging level.")
+    tracing: Literal["none", "console", "otlp"] = Field(
+        default="none", description="OpenTelemetry span exporter (otlp reads OTEL_* env vars)."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> StageSettings:

@@ -28,6 +28,7 @@ from omni_mesh.data_plane.messages import (
 )
 from omni_mesh.data_plane.shm import ShmReader, inline
 from omni_mesh.data_plane.tensors import payload_nbytes
+from omni_mesh.observability.tracing import stage_span
 from omni_mesh.sidecar.engine_client import EngineClient
 from omni_mesh.sidecar.handoff import HopClient
 
@@ -62,12 +63,24 @@ class StageRunner:
 
     @contextlib.asynccontextmanager
     async def executed(self, si: StageInput) -> AsyncIterator[StageOutput]:
-        """Run the local engine; the output's tensors stay valid inside the block."""
-        out = await self.engine.execute(si)
-        try:
-            yield out
-        finally:
-            self.engine.release(si.request_id)
+        """Run the local engine inside this stage's span; the output's tensors stay valid
+        inside the block, and the next-stage inputs carry this span as their parent."""
+        name = f"stage {self.stage_id} {self.pipeline.stage(self.stage_id).name}"
+        attributes: dict[str, str | int] = {
+            "omni.request_id": si.request_id,
+            "omni.pipeline": self.pipeline.name,
+            "omni.stage_id": self.stage_id,
+            "omni.attempt": si.attempt,
+            "omni.instance_id": self.instance_id(),
+        }
+        with stage_span(name, si.traceparent, attributes) as traceparent:
+            out = await self.engine.execute(si)
+            if traceparent != si.traceparent:
+                out.next = [msgspec.structs.replace(n, traceparent=traceparent) for n in out.next]
+            try:
+                yield out
+            finally:
+                self.engine.release(si.request_id)
 
     async def run_chain(self, si: StageInput) -> HopResult:
         t0 = time.monotonic()

@@ -47,6 +47,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-start-timeout", type=float, default=300.0, metavar="S")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--tracing",
+        choices=("none", "console", "otlp"),
+        default="none",
+        help="OpenTelemetry span exporter (default none)",
+    )
     add_stage_flags(p)
     return p
 
@@ -72,6 +78,7 @@ def settings_from_args(args: argparse.Namespace) -> StageSettings:
         "engine_start_timeout_s": args.engine_start_timeout,
         "drain_timeout_s": args.drain_timeout,
         "log_level": args.log_level.upper(),
+        "tracing": args.tracing,
     }
     optional = {
         "advertise_address": args.advertise_address,
@@ -106,6 +113,14 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s %(levelname)s stage[{settings.stage_id}] %(name)s: %(message)s",
     )
     import uvloop
+
+    from omni_mesh.observability.tracing import TracingExporter, setup_tracing
+
+    try:
+        role = "api" if settings.api_only else f"stage-{settings.stage_id}"
+        setup_tracing(f"omni-mesh {settings.pipeline} {role}", TracingExporter(settings.tracing))
+    except ValueError as exc:
+        p.exit(2, f"omni-stage: error: {exc}\n")
 
     from omni_mesh.sidecar.app import build_pod, serve
 

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from omni_mesh.configs.pipeline import OutputKind
 from omni_mesh.data_plane import wire
 from omni_mesh.data_plane.messages import HopResult, Prompt, SamplingParams
+from omni_mesh.observability.tracing import stage_span
 from omni_mesh.sidecar.admission import admitted
 from omni_mesh.sidecar.errors import ApiError, bad_request, from_stage_error
 from omni_mesh.sidecar.inputs import BadPrompt, entry_input
@@ -63,12 +64,15 @@ async def generate_outputs(
         )
     except BadPrompt as exc:
         raise bad_request(str(exc)) from None
-    result: HopResult
-    if pod.runner is not None and pod.stage_id == pod.pipeline.entry_stage_id:
-        with admitted(pod, si.request_id, "api"):
-            result = await pod.runner.run_chain(si)
-    else:
-        result = await pod.hop.send(si)
+    attributes = {"omni.request_id": si.request_id, "omni.pipeline": pod.pipeline.name}
+    with stage_span(f"{request.method} {request.path}", si.traceparent, attributes) as tp:
+        si = msgspec.structs.replace(si, traceparent=tp)
+        result: HopResult
+        if pod.runner is not None and pod.stage_id == pod.pipeline.entry_stage_id:
+            with admitted(pod, si.request_id, "api"):
+                result = await pod.runner.run_chain(si)
+        else:
+            result = await pod.hop.send(si)
     if result.error is not None:
         raise from_stage_error(result.error)
     return final_outputs(pod.pipeline, result.outputs)
