@@ -173,9 +173,9 @@ class EngineProc:
                 self._last_batch = len(batch)
                 self._steps += 1
                 self._emit(outputs)
-            # 4) Report load now and then.
+            # 4) Report load now and then (not per step: that would double the IPC per request).
             now = time.monotonic()
-            if now - last_stats >= STATS_INTERVAL_S or batch:
+            if now - last_stats >= STATS_INTERVAL_S:
                 last_stats = now
                 self.channel.send(
                     Stats(
