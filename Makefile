@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install lint typecheck test check run clean
+.PHONY: install lint typecheck test test-tools check run clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,7 +21,20 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-test: install
+# promtool/prometheus and docker-compose for tests/observability (Debian packages).
+# Installed only when missing and we are root; otherwise those tests skip.
+test-tools:
+	@missing=""; \
+	{ command -v promtool && command -v prometheus; } >/dev/null 2>&1 || missing="$$missing prometheus"; \
+	command -v docker-compose >/dev/null 2>&1 || missing="$$missing docker-compose"; \
+	if [ -z "$$missing" ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "make: installing$$missing (Debian packages) for tests/observability"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	else echo "make: not root or no apt-get: tests that need$$missing will skip"; fi
+
+test: install test-tools
 	$(BIN)/pytest -q -p no:cacheprovider
 
 check: lint typecheck test

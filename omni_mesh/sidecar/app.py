@@ -35,7 +35,7 @@ from omni_mesh.observability.metrics import SidecarMetrics
 from omni_mesh.sidecar import routes_api, routes_hop, routes_run
 from omni_mesh.sidecar.chain import StageRunner
 from omni_mesh.sidecar.engine_client import EngineClient
-from omni_mesh.sidecar.errors import error_middleware
+from omni_mesh.sidecar.errors import api_metrics_middleware, error_middleware
 from omni_mesh.sidecar.handoff import HopClient, HopStats
 from omni_mesh.sidecar.keys import POD
 from omni_mesh.sidecar.pod import Pod, connector_for, resolve_secret
@@ -184,7 +184,8 @@ def _load(pod: Pod) -> LoadReport:
 
 def make_app(pod: Pod) -> web.Application:
     app = web.Application(
-        middlewares=[error_middleware], client_max_size=pod.settings.max_body_bytes
+        middlewares=[api_metrics_middleware(pod.metrics), error_middleware],
+        client_max_size=pod.settings.max_body_bytes,
     )
     app[POD] = pod
     app.cleanup_ctx.extend([_session_ctx, _engine_ctx, _control_plane_ctx])

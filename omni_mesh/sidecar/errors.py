@@ -6,13 +6,17 @@ as data (:class:`StageError`) and is mapped here; only a bug gives a 500.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
 from omni_mesh.data_plane.messages import StageError
+from omni_mesh.observability.metrics import SidecarMetrics
 from omni_mesh.sidecar.engine_client import EngineDeadError
 from omni_mesh.sidecar.handoff import HopUnavailable
 
@@ -93,3 +97,44 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if exc.status >= 400:
             return error_response(ApiError(exc.status, exc.text or exc.reason))
         raise
+
+
+_API_ROUTES = frozenset(
+    {
+        "/v1/generate",
+        "/v1/models",
+        "/v1/audio/speech",
+        "/v1/chat/completions",
+        "/v1/images/generations",
+        "/v1/run",
+    }
+)
+
+
+def api_metrics_middleware(metrics: SidecarMetrics) -> Any:
+    """Client API requests by route template and status (outermost, so it sees the status
+    the error middleware chose)."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"
+        if route not in _API_ROUTES:
+            return await handler(request)
+        t0 = time.monotonic()
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        except asyncio.CancelledError:
+            status = 499  # the client went away
+            raise
+        finally:
+            metrics.api_requests.labels(route, str(status)).inc()
+            metrics.api_duration.labels(route).observe(time.monotonic() - t0)
+
+    return middleware

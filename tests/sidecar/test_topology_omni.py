@@ -93,6 +93,8 @@ def test_every_replica_gets_work(omni: Topology) -> None:
         assert set(pool.map(one, range(12))) == {200}
     for url in omni.urls[1]:
         assert omni.metric(url, "omni_stage_requests_total", route="hop", outcome="ok") > 0, url
+    api = omni.metric(omni.api_url, "omni_api_requests_total", route="/v1/generate", status="200")
+    assert api >= 12
 
 
 def _run(url: str, body: object) -> tuple[int, dict[str, object]]:
