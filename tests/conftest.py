@@ -28,14 +28,24 @@ from tests.procs import (
     ControlPlaneProcess,
     ManagedProcess,
     RedisServer,
+    orphaned_shm_segments,
     start_control_plane,
 )
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _kill_leftover_processes() -> Iterator[None]:
+def _nothing_left_behind() -> Iterator[None]:
+    """After the whole suite: no process a test started is still running, and no
+    shared-memory segment was leaked (whatever is found is also cleaned up)."""
+    before = orphaned_shm_segments()
     yield
+    running = ManagedProcess.still_running()
     ManagedProcess.kill_all()
+    leaked = orphaned_shm_segments() - before
+    for name in leaked:
+        Path("/dev/shm", name).unlink(missing_ok=True)
+    assert not running, f"tests left processes running: {running}"
+    assert not leaked, f"tests leaked shared-memory segments: {sorted(leaked)}"
 
 
 @pytest.fixture(scope="session")

@@ -258,6 +258,11 @@ class ManagedProcess:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
     @classmethod
+    def still_running(cls) -> list[str]:
+        """Names of processes some test started and left running."""
+        return sorted(p.name for p in cls._live if p.popen is not None and p.alive)
+
+    @classmethod
     def kill_all(cls) -> None:
         for proc in list(cls._live):
             proc.cleanup()
@@ -488,3 +493,16 @@ def start_control_plane(
         proc.cleanup()
         raise
     return cp
+
+
+def orphaned_shm_segments(directory: str = "/dev/shm") -> set[str]:
+    """``omni-{pid}-…`` segments whose owner process is gone: leaked shared memory.
+
+    Segments of live processes are working memory, not leaks, so tests running beside others
+    (or beside a benchmark) do not see each other's segments as leaks."""
+    leaked = set()
+    for path in Path(directory).glob("omni-*"):
+        pid = path.name.split("-")[1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            leaked.add(path.name)
+    return leaked

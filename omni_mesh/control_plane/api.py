@@ -22,6 +22,7 @@ from omni_mesh.control_plane.inputs import (
     lookup_stage,
     read_model,
 )
+from omni_mesh.control_plane.logthrottle import REDIS_UNAVAILABLE
 from omni_mesh.control_plane.schema import (
     MAX_STAGE_ID,
     DrainRequest,
@@ -56,7 +57,7 @@ async def healthz(request: web.Request) -> web.Response:
     try:
         ok = await request.app[appkeys.STORE].ping()
     except RedisError as exc:
-        logger.warning("healthz: redis unavailable: %s", exc)
+        REDIS_UNAVAILABLE("redis unavailable: GET /healthz: %s", exc)
         ok = False
     return _json(HealthStatus(status="ok" if ok else "unavailable", redis=ok), 200 if ok else 503)
 
@@ -66,7 +67,7 @@ async def metrics(request: web.Request) -> web.Response:
     try:
         await _refresh_instance_gauge(app)
     except RedisError as exc:
-        logger.warning("metrics: instance counts not refreshed, redis unavailable: %s", exc)
+        REDIS_UNAVAILABLE("redis unavailable: GET /metrics, instance counts stale: %s", exc)
     body = generate_latest(app[appkeys.METRICS].registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

@@ -12,6 +12,7 @@ import logging
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
+from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
@@ -96,6 +97,22 @@ def cmd_serve(parser: argparse.ArgumentParser, args: dict[str, Any]) -> int:
     return 0
 
 
+def url_problem(url: str) -> str | None:
+    """Why ``url`` is not an omni-cp base URL (``http(s)://HOST[:PORT]``), or None."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  # a bad port raises here
+    except ValueError as exc:
+        return f"{exc} (expected http://HOST:PORT)"
+    if parts.scheme not in ("http", "https"):
+        return "expected http://HOST:PORT or https://HOST:PORT"
+    if not parts.hostname or any(c.isspace() for c in parts.hostname):
+        return "no host (expected http://HOST:PORT)"
+    if parts.query or parts.fragment or parts.username is not None:
+        return "expected a base URL without credentials, query or fragment"
+    return None
+
+
 async def _fetch_status(settings: ControlPlaneClientSettings, pipeline: str | None) -> str:
     async with ControlPlaneClient(
         settings.urls, auth_token=settings.token, timeout_s=settings.timeout_s
@@ -113,11 +130,15 @@ def cmd_status(parser: argparse.ArgumentParser, args: dict[str, Any]) -> int:
         _settings_error(parser, exc, "OMNI_CP_")
     if not settings.urls:
         parser.error("--cp: no control-plane URL given")
+    for url in settings.urls:
+        problem = url_problem(url)
+        if problem is not None:
+            parser.error(f"--cp / OMNI_CP_URL: invalid control-plane URL {url!r}: {problem}")
     _configure_logging(LogLevel.WARNING)
     try:
         table = asyncio.run(_fetch_status(settings, pipeline))
     except ControlPlaneUnavailableError as exc:
-        print(f"omni-cp status: control plane unreachable: {exc}", file=sys.stderr)
+        print(f"omni-cp status: {exc.describe()}", file=sys.stderr)
         return 1
     except ControlPlaneError as exc:
         print(f"omni-cp status: {exc}", file=sys.stderr)

@@ -4,6 +4,8 @@ raises. Neither kind imports aiohttp.web or redis, so sidecars can import this m
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from omni_mesh.control_plane.schema import ErrorBody, ErrorDetail
 
 # ---- server side: raised by handlers, mapped to JSON answers by one middleware -----------------
@@ -14,11 +16,19 @@ class ApiError(Exception):
 
     status: int = 400
 
-    def __init__(self, message: str, *, field: str | None = None, stage: int | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        field: str | None = None,
+        stage: int | None = None,
+        close_connection: bool = False,
+    ):
         super().__init__(message)
         self.message = message
         self.field = field
         self.stage = stage
+        self.close_connection = close_connection  # the request stream is broken: do not reuse
 
     def body(self) -> ErrorBody:
         return ErrorBody(
@@ -53,8 +63,36 @@ class ControlPlaneError(Exception):
     """Base of every error the control-plane client raises."""
 
 
+class EndpointFailure(NamedTuple):
+    """Why one control-plane URL gave no usable answer."""
+
+    url: str
+    problem: str  # "connection refused", "no answer within 2s", "storage unavailable", ...
+    status: int | None = None  # the HTTP status when it answered (5xx)
+
+    def describe(self) -> str:
+        """One clause for a person: "cannot reach the control plane at URL: connection
+        refused", "the control plane at URL answered HTTP 503: ..."."""
+        if self.status is None:
+            return f"cannot reach the control plane at {self.url}: {self.problem}"
+        return f"the control plane at {self.url} answered HTTP {self.status}: {self.problem}"
+
+
 class ControlPlaneUnavailableError(ControlPlaneError):
-    """No control-plane URL answered (connection refused/reset, timeout, 5xx)."""
+    """No control-plane URL answered (connection refused/reset, timeout, 5xx).
+
+    ``failures`` says what went wrong with each URL, in the order they were tried.
+    """
+
+    def __init__(self, message: str, failures: tuple[EndpointFailure, ...] = ()) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+    def describe(self) -> str:
+        """What went wrong, for a person (no exception reprs)."""
+        if not self.failures:
+            return f"control plane unreachable: {self}"
+        return "; ".join(f.describe() for f in self.failures)
 
 
 class ControlPlaneRequestError(ControlPlaneError):

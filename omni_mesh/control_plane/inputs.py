@@ -64,6 +64,14 @@ async def read_model(request: web.Request, model: type[M], *, allow_empty: bool 
         raise PayloadTooLargeError(
             f"request body exceeds the limit of {MAX_BODY_BYTES} bytes", field="body"
         ) from None
+    except web.RequestPayloadError as exc:
+        raise body_unreadable(request, exc) from None
+    except ConnectionResetError:  # the client closed (or half-closed) before the body ended
+        raise BadRequestError(
+            "request body incomplete: the connection closed before the body ended",
+            field="body",
+            close_connection=True,
+        ) from None
     if not raw.strip():
         if not allow_empty:
             raise BadRequestError("request body is empty; expected a JSON object", field="body")
@@ -73,6 +81,24 @@ async def read_model(request: web.Request, model: type[M], *, allow_empty: bool 
     except ValidationError as exc:
         message, field = describe_validation_error(exc)
         raise BadRequestError(message, field=field) from None
+
+
+def body_unreadable(request: web.Request, exc: web.RequestPayloadError) -> BadRequestError:
+    """The 400 for a body that cannot be read: bad ``Content-Encoding`` data, broken chunked
+    framing, fewer bytes than ``Content-Length`` announced.
+
+    The connection is closed after the answer (its byte stream is out of step), and the
+    unread rest of the body is abandoned: aiohttp would otherwise try to drain it after the
+    answer, hit the same error again and log it as an unhandled exception.
+    """
+    cause = exc.__cause__
+    detail = getattr(cause, "message", None) or str(cause or exc)
+    detail = " ".join(str(detail).split())[:200] or type(exc).__name__
+    if request.content.exception() is not None:
+        request.content.feed_eof()
+    return BadRequestError(
+        f"request body could not be read: {detail}", field="body", close_connection=True
+    )
 
 
 def instance_id_param(request: web.Request) -> str:

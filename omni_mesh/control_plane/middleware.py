@@ -1,12 +1,14 @@
 """aiohttp middlewares of omni-cp: request metrics, error mapping and bearer-token auth.
 
 Order (outermost first): metrics -> errors -> auth. Every failure leaves as
-``{"error": {"message", "field"?, "stage"?}}``; Redis being unreachable is a 503, never a 500.
+``{"error": {"message", "field"?, "stage"?}}``: a body that cannot be read (broken
+``Content-Encoding`` or chunked framing) is a 400 naming the body, Redis being unreachable is a
+503 (its warnings rate-limited), and only a genuine bug is a 500 - logged with its traceback,
+and still JSON.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 import time
@@ -17,12 +19,15 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from omni_mesh.control_plane.errors import ApiError, ServiceUnavailableError, UnauthorizedError
+from omni_mesh.control_plane.inputs import body_unreadable
+from omni_mesh.control_plane.logthrottle import REDIS_UNAVAILABLE
 from omni_mesh.control_plane.schema import ErrorBody, ErrorDetail
 from omni_mesh.observability.metrics import ControlPlaneMetrics
 
 logger = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/healthz", "/metrics"})
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client closed the connection"
 
 
 def error_response(status: int, detail: ErrorDetail, **headers: str) -> web.Response:
@@ -64,8 +69,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except ApiError as exc:
-        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
-        return error_response(exc.status, exc.body().error, **headers)
+        return _api_error_response(exc)
+    except web.RequestPayloadError as exc:  # a handler read the body without read_model()
+        return _api_error_response(body_unreadable(request, exc))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -74,14 +80,29 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             exc.status, ErrorDetail(message=_http_message(request, exc)), **headers
         )
     except (RedisConnectionError, RedisTimeoutError) as exc:
-        logger.warning("redis unavailable: %s %s: %s", request.method, request.path, exc)
+        REDIS_UNAVAILABLE("redis unavailable: %s %s: %s", request.method, request.path, exc)
         err = ServiceUnavailableError(f"control plane storage (redis) unavailable: {exc}")
         return error_response(err.status, err.body().error, **{"Retry-After": "1"})
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
+    except ConnectionResetError:
+        # The client went away: nobody reads this answer, but returning one (rather than
+        # raising) spares aiohttp's text/plain 500 and its ERROR traceback in the log.
+        logger.debug("client went away: %s %s", request.method, request.path)
+        response = error_response(
+            CLIENT_CLOSED_REQUEST, ErrorDetail(message="client closed the connection")
+        )
+        response.force_close()
+        return response
     except Exception:
         logger.exception("unhandled error: %s %s", request.method, request.path)
         return error_response(500, ErrorDetail(message="internal error (see omni-cp logs)"))
+
+
+def _api_error_response(exc: ApiError) -> web.Response:
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
+    response = error_response(exc.status, exc.body().error, **headers)
+    if exc.close_connection:
+        response.force_close()
+    return response
 
 
 def _http_message(request: web.Request, exc: web.HTTPException) -> str:

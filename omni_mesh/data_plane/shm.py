@@ -25,6 +25,8 @@ segments it does not own and warns at exit.
 
 from __future__ import annotations
 
+import os
+
 from omni_mesh.data_plane.shm_arena import ArenaStats, ShmArena, ShmSlot
 from omni_mesh.data_plane.shm_cleanup import sweep_orphans, unlink_prefix
 from omni_mesh.data_plane.shm_common import SEGMENT_PREFIX, ShmArenaFull, ShmError, ShmRefError
@@ -45,8 +47,16 @@ __all__ = [
     "ShmReader",
     "ShmRefError",
     "ShmSlot",
+    "arena_budget",
     "externalize",
     "inline",
     "sweep_orphans",
     "unlink_prefix",
 ]
+
+
+def arena_budget(fraction: float = 0.4, *, directory: str | None = None) -> int:
+    """A bound for one arena: ``fraction`` of the shared-memory filesystem's size, so that a
+    pod's two arenas together never fill it (a full ``/dev/shm`` would SIGBUS a writer)."""
+    st = os.statvfs(directory or SHM_DIR)
+    return max(64 << 20, int(st.f_blocks * st.f_frsize * fraction))

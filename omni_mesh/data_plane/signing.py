@@ -29,3 +29,9 @@ def sign(secret: bytes, *parts: Buffer) -> bytes:
 def verify(secret: bytes, tag: Buffer, *parts: Buffer) -> bool:
     """Whether ``tag`` is the tag of ``parts`` under ``secret`` (constant-time compare)."""
     return hmac.compare_digest(sign(secret, *parts), bytes(tag))
+
+
+def hop_token(secret: bytes) -> str:
+    """The bearer token of internal hops: proves the sender holds the deployment secret
+    without sending it (a client cannot forge a hop and its intermediate state)."""
+    return sign(secret, b"omni-mesh hop token v1").hex()

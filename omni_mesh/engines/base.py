@@ -29,6 +29,11 @@ class EngineInputError(ValueError):
     Reported to the client as a 400 naming the stage; the engine keeps serving."""
 
 
+class OutputCapacityError(RuntimeError):
+    """No room for a request's outputs right now (shared memory full). The request fails as
+    ``unavailable`` (503, Retry-After); the engine keeps serving."""
+
+
 @dataclass
 class StageData:
     """Named scalars and named arrays: a stage's output, or the input a processor builds."""

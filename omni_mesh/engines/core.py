@@ -27,6 +27,7 @@ from omni_mesh.engines.base import (
     EngineInputError,
     EngineRequest,
     EngineResult,
+    OutputCapacityError,
     Processor,
     StageData,
     StageEngine,
@@ -90,7 +91,10 @@ class EngineCore:
         for result in results:
             si = inputs[result.request_id]
             queue_ms = max(0.0, (t0 - queued_at[si.request_id]) * 1000.0)
-            outputs[si.request_id] = self._to_output(si, result, write, engine_ms, queue_ms)
+            try:
+                outputs[si.request_id] = self._to_output(si, result, write, engine_ms, queue_ms)
+            except OutputCapacityError as exc:
+                outputs[si.request_id] = self._error(si, "unavailable", str(exc))
         return [outputs[si.request_id] for si, _ in batch]
 
     # ---- helpers -------------------------------------------------------------------------

@@ -38,9 +38,15 @@ from omni_mesh.data_plane.messages import (
     Submit,
     Tensor,
 )
-from omni_mesh.data_plane.shm import ShmArena, ShmReader, unlink_prefix
+from omni_mesh.data_plane.shm import (
+    ShmArena,
+    ShmArenaFull,
+    ShmReader,
+    arena_budget,
+    unlink_prefix,
+)
 from omni_mesh.data_plane.tensors import array_from_tensor, tensor_from_array
-from omni_mesh.engines.base import EngineContext
+from omni_mesh.engines.base import EngineContext, OutputCapacityError
 from omni_mesh.engines.core import EngineCore
 
 logger = logging.getLogger(__name__)
@@ -69,7 +75,7 @@ class EngineProc:
         self.channel = channel
         self.peer_shm_prefix = peer_shm_prefix
         self.max_num_seqs = max(1, ctx.config.max_num_seqs)
-        self.arena = ShmArena()
+        self.arena = ShmArena(max_total_bytes=arena_budget())
         self.reader = ShmReader()
         self.state = State.RUNNING
         self._inbox: queue.Queue[tuple[StageInput, float] | None] = queue.Queue()
@@ -177,6 +183,7 @@ class EngineProc:
             now = time.monotonic()
             if now - last_stats >= STATS_INTERVAL_S:
                 last_stats = now
+                self.reader.prune()  # mappings of segments their owners unlinked
                 self.channel.send(
                     Stats(
                         queued=self._inbox.qsize(),
@@ -258,7 +265,13 @@ class EngineProc:
         arr = np.ascontiguousarray(arr)
         if arr.nbytes <= INLINE_MAX:
             return tensor_from_array(arr.copy())
-        slot = self.arena.alloc(arr.nbytes, owner)
+        try:
+            slot = self.arena.alloc(arr.nbytes, owner)
+        except ShmArenaFull as exc:
+            raise OutputCapacityError(
+                f"stage {self.stage_id}: shared memory for outputs is full ({exc}); "
+                "retry later or give the pod a larger /dev/shm"
+            ) from None
         dst = np.frombuffer(slot.view, dtype=np.uint8, count=arr.nbytes)
         dst[:] = arr.reshape(-1).view(np.uint8)
         return Tensor(dtype=str(arr.dtype), shape=tuple(arr.shape), shm=slot.ref)

@@ -10,10 +10,11 @@ so that its supervisor restarts it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable
 
 import aiohttp
 from aiohttp import web
@@ -24,6 +25,7 @@ from omni_mesh.configs.pipeline import PipelineSpec
 from omni_mesh.configs.stage_settings import StageSettings
 from omni_mesh.control_plane.client import (
     ControlPlaneClient,
+    ControlPlaneError,
     InstanceLease,
     LoadReport,
     PoolWatcher,
@@ -31,12 +33,13 @@ from omni_mesh.control_plane.client import (
 )
 from omni_mesh.data_plane.messages import StageInput
 from omni_mesh.data_plane.shm import ShmReader, sweep_orphans
+from omni_mesh.data_plane.signing import hop_token
 from omni_mesh.observability.metrics import SidecarMetrics
 from omni_mesh.sidecar import routes_api, routes_hop, routes_run
 from omni_mesh.sidecar.chain import StageRunner
 from omni_mesh.sidecar.engine_client import EngineClient
 from omni_mesh.sidecar.errors import api_metrics_middleware, error_middleware
-from omni_mesh.sidecar.handoff import HopClient, HopStats
+from omni_mesh.sidecar.handoff import HOP_TOKEN_HEADER, HopClient, HopStats
 from omni_mesh.sidecar.keys import POD
 from omni_mesh.sidecar.pod import Pod, connector_for, resolve_secret
 from omni_mesh.sidecar.router import Replica, Router
@@ -73,12 +76,14 @@ async def build_pod(settings: StageSettings, pipeline: PipelineSpec, deploy: Dep
     reader = ShmReader()
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
     session = aiohttp.ClientSession(connector=connector)
+    secret = resolve_secret(settings)
     hop = HopClient(
         session,
         router,
         lambda a, b: connector_for(deploy, a, b),
         reader,
         retries=deploy.hop_retries,
+        auth_header={HOP_TOKEN_HEADER: hop_token(secret)},
         on_hop=lambda si, stats: _record_hop(metrics, pipeline.name, si, stats),
     )
     return Pod(
@@ -86,12 +91,22 @@ async def build_pod(settings: StageSettings, pipeline: PipelineSpec, deploy: Dep
         pipeline=pipeline,
         deploy=deploy,
         metrics=metrics,
-        secret=resolve_secret(settings),
+        secret=secret,
         router=router,
         hop=hop,
         session=session,
         reader=reader,
     )
+
+
+async def _prune_mappings(pod: Pod, every_s: float = 5.0) -> None:
+    """Drop cached mappings of segments their owners unlinked: a mapping keeps the memory of
+    an unlinked segment alive, invisible to ``ls /dev/shm``."""
+    while True:
+        await asyncio.sleep(every_s)
+        pod.reader.prune()
+        if pod.engine is not None:
+            pod.engine.reader.prune()
 
 
 def _record_hop(metrics: SidecarMetrics, pipeline: str, si: StageInput, stats: HopStats) -> None:
@@ -104,7 +119,11 @@ def _record_hop(metrics: SidecarMetrics, pipeline: str, si: StageInput, stats: H
 
 async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     pod = app[POD]
+    janitor = asyncio.create_task(_prune_mappings(pod), name="prune-shm-mappings")
     yield
+    janitor.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await janitor
     await pod.session.close()
     pod.reader.close()
 
@@ -155,9 +174,8 @@ async def _control_plane_ctx(app: web.Application) -> AsyncIterator[None]:
             host_id=pod.settings.host_id,
             labels={"role": "api" if pod.serves_api else "headless"},
         )
+        # Registered by serve() once the site listens: never advertise a closed port.
         lease = InstanceLease(client, request, lambda: _load(pod))
-        await lease.start()
-        pod.instance_id = lease.instance_id or ""
         app[LEASE] = lease
     yield
     if lease is not None:
@@ -196,29 +214,74 @@ def make_app(pod: Pod) -> web.Application:
 
 
 async def serve(pod: Pod) -> int:
-    """Run the pod until SIGTERM/SIGINT or engine death; drain; return the exit code."""
+    """Run the pod until SIGTERM/SIGINT or engine death; drain; return the exit code.
+
+    Start-up (engine READY, registration) is raced against the stop signal, so a pod that
+    cannot reach its control plane or whose engine dies while starting still stops at once."""
     app = make_app(pod)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, pod.stop, 0)
-    await runner.setup()
-    site = web.TCPSite(runner, pod.settings.host, pod.settings.port, reuse_address=True)
-    await site.start()
-    logger.info(
-        "serving pipeline=%s stage=%d instance=%s on %s (%s)",
-        pod.pipeline.name,
-        pod.stage_id,
-        pod.instance_id or "-",
-        pod.settings.address,
-        "api-only" if pod.settings.api_only else ("headless" if pod.settings.headless else "api"),
-    )
     try:
+        if not await _until_stopped(pod, runner.setup()):
+            return pod.exit_code or 0
+        site = web.TCPSite(runner, pod.settings.host, pod.settings.port, reuse_address=True)
+        await site.start()
+        register = asyncio.create_task(_register(app, pod), name="register")
+        logger.info(
+            "listening pipeline=%s stage=%d on %s (%s)",
+            pod.pipeline.name,
+            pod.stage_id,
+            pod.settings.address,
+            "api-only"
+            if pod.settings.api_only
+            else ("headless" if pod.settings.headless else "api"),
+        )
         await pod.stop_event.wait()
+        register.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await register
         await _drain(app, pod)
     finally:
         await runner.cleanup()
     return pod.exit_code
+
+
+async def _until_stopped(pod: Pod, work: Awaitable[None]) -> bool:
+    """Await ``work`` unless the pod is told to stop first; True when ``work`` finished."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.create_task(pod.stop_event.wait())
+    await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if task.done():
+        task.result()  # start-up errors (engine failed to load…) propagate
+        return not pod.stop_event.is_set()
+    logger.info("stop requested during start-up stage=%d", pod.stage_id)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return False
+
+
+async def _register(app: web.Application, pod: Pod) -> None:
+    lease = app.get(LEASE)
+    if lease is not None:
+        try:
+            await lease.start()  # retries while the control plane is unreachable
+        except ControlPlaneError as exc:  # it answered no (a 4xx): a configuration error
+            logger.error("registration refused stage=%d: %s", pod.stage_id, exc)
+            pod.stop(2)
+            return
+        pod.instance_id = lease.instance_id or ""
+    pod.ready = True
+    logger.info(
+        "serving pipeline=%s stage=%d instance=%s on %s",
+        pod.pipeline.name,
+        pod.stage_id,
+        pod.instance_id or "-",
+        pod.settings.address,
+    )
 
 
 async def _drain(app: web.Application, pod: Pod) -> None:

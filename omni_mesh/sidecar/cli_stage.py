@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
@@ -59,9 +60,19 @@ def parser() -> argparse.ArgumentParser:
 
 def _control_planes(args: argparse.Namespace) -> tuple[str, ...]:
     urls = [u.strip() for item in args.control_plane for u in item.split(",") if u.strip()]
+    if args.omni_master_port is not None and not args.omni_master_address:
+        raise ValueError("--omni-master-port needs --omni-master-address")
     if args.omni_master_address:
         port = args.omni_master_port or 7700
         urls.append(f"http://{args.omni_master_address}:{port}")
+    for url in urls:
+        parts = urlsplit(url)
+        try:
+            port_ok = parts.port is not None
+        except ValueError:
+            port_ok = False
+        if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
+            raise ValueError(f"--control-plane: {url!r} is not an http(s)://host:port URL")
     return tuple(u.rstrip("/") for u in urls)
 
 
@@ -106,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
             stage_overrides=args.stage_overrides,
             target_stages=[settings.stage_id],
         )
+        if deploy.async_chunk:
+            raise ValueError(
+                "async_chunk: chunked streaming between stages is not supported yet; "
+                "set async_chunk: false (each hop carries a whole stage output)"
+            )
     except (ValidationError, DeployConfigError, PipelineError, ValueError) as exc:
         p.exit(2, f"omni-stage: error: {exc}\n")
     logging.basicConfig(

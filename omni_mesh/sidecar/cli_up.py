@@ -4,9 +4,18 @@
 
 Starts ``omni-cp serve`` (embedded Redis), every replica of every stage as a headless
 ``omni-stage``, and one API server (``--api-only``) on ``--port``; waits until each answers;
-prints the endpoints and a final ``omni-up ready: …`` line; stays up until Ctrl-C or SIGTERM,
-then stops everything (a second Ctrl-C kills at once) and exits 0. When any process dies
-unexpectedly it stops the rest, names the process and exits 1. Bad flags exit 2.
+prints the endpoints and a final ``omni-up ready: …`` line; stays up until Ctrl-C or SIGTERM.
+
+A process that dies while it runs is restarted on the same port with exponential backoff
+(0.5 s doubling to 10 s); omni-up gives up, stops everything, names the process and exits 1 only
+when one dies before it was ever ready or fails 5 times within 60 s.
+
+Ctrl-C or SIGTERM drains the deployment in pipeline order — the API server, then stage 0's
+replicas, stage 1's, …, the control plane last, each group gone before the next is told to stop
+— so requests in flight finish (new ones get 503). Each pod drains for up to
+``--drain-timeout``; a process still running ``--stop-timeout`` after its SIGTERM is SIGKILLed,
+which omni-up reports, exiting 1; otherwise it exits 0. A second Ctrl-C kills what is left at
+once (exit 130). Orphaned shared-memory segments are removed at the end. Bad flags exit 2.
 
 The deployment secret comes from ``--secret``, else ``OMNI_SECRET``, else is generated; the
 stages get it as ``OMNI_SECRET`` in their environment (not on their command line, which any
@@ -37,6 +46,9 @@ from omni_mesh.sidecar.local_deploy import LOCALHOST, SECRET_ENV, UpConfig, run_
 logger = logging.getLogger(__name__)
 
 MIN_SECRET_CHARS = 16
+DEFAULT_DRAIN_S = 30.0  # omni-stage's default
+MAX_DRAIN_S = 3600.0
+STOP_MARGIN_S = 10.0  # beyond the drain: the pod stops its engine and exits
 
 
 # ---- flags -------------------------------------------------------------------------------------
@@ -62,7 +74,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage-overrides", help='per-stage JSON, e.g. \'{"1": {"max_num_seqs": 4}}\'')
     p.add_argument("--keep-logs", action="store_true", help="keep the process logs on exit")
     p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds per start phase")
-    p.add_argument("--stop-timeout", type=float, default=10.0, help="grace before SIGKILL")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DEFAULT_DRAIN_S,
+        metavar="S",
+        help=f"how long each pod finishes in-flight work on stop (default {DEFAULT_DRAIN_S:g})",
+    )
+    p.add_argument(
+        "--stop-timeout",
+        type=float,
+        metavar="S",
+        help="seconds from SIGTERM to SIGKILL per stop group, at least --drain-timeout "
+        f"(default: --drain-timeout + {STOP_MARGIN_S:g})",
+    )
     p.add_argument("--log-level", type=LogLevel, default=LogLevel.INFO, help="log level")
     return p
 
@@ -80,8 +105,9 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str]) -> UpConfig:
         deploy = load_deploy_config(deploy_path, pipeline, stage_overrides=args.stage_overrides)
         replicas = parse_replicas(args.replicas, pipeline, deploy)
         secret, source = resolve_secret(args.secret, env)
-        if args.ready_timeout <= 0 or args.stop_timeout < 0:
-            raise ValueError("--ready-timeout must be positive and --stop-timeout not negative")
+        if args.ready_timeout <= 0:
+            raise ValueError("--ready-timeout must be positive")
+        stop_timeout = resolve_stop_timeout(args.drain_timeout, args.stop_timeout)
         if args.cp_port is not None and args.cp_port == args.port:
             raise ValueError(f"--cp-port and --port are both {args.port}")
     except (PipelineError, ValueError) as exc:
@@ -98,8 +124,9 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str]) -> UpConfig:
         secret_source=source,
         keep_logs=args.keep_logs,
         ready_timeout_s=args.ready_timeout,
-        stop_timeout_s=args.stop_timeout,
+        stop_timeout_s=stop_timeout,
         log_level=args.log_level,
+        drain_timeout_s=args.drain_timeout,
     )
 
 
@@ -129,6 +156,21 @@ def parse_replicas(
             )
         out.append(int(text))
     return tuple(out)
+
+
+def resolve_stop_timeout(drain_s: float, stop_s: float | None) -> float:
+    """The grace from SIGTERM to SIGKILL: at least the pods' drain timeout (a draining pod
+    must not be killed for doing its job); by default that plus a margin to stop the engine."""
+    if not 0 <= drain_s <= MAX_DRAIN_S:
+        raise ValueError(f"--drain-timeout must be from 0 to {MAX_DRAIN_S:g} seconds")
+    if stop_s is None:
+        return drain_s + STOP_MARGIN_S
+    if stop_s < drain_s:
+        raise ValueError(
+            f"--stop-timeout ({stop_s:g}) must be at least --drain-timeout ({drain_s:g}): "
+            "a pod may take that long to finish its in-flight requests"
+        )
+    return stop_s
 
 
 def resolve_secret(flag: str | None, env: Mapping[str, str]) -> tuple[str, str]:
@@ -168,7 +210,7 @@ def _handle_signals(stop: threading.Event) -> None:
     def handler(signum: int, frame: FrameType | None) -> None:
         if stop.is_set():
             raise KeyboardInterrupt
-        logger.info("got %s; stopping", signal.Signals(signum).name)
+        logger.info("got %s; stopping (again: kill at once)", signal.Signals(signum).name)
         stop.set()
 
     signal.signal(signal.SIGINT, handler)

@@ -33,7 +33,14 @@ from omni_mesh.data_plane.messages import (
     Stats,
     Submit,
 )
-from omni_mesh.data_plane.shm import ShmArena, ShmReader, externalize, unlink_prefix
+from omni_mesh.data_plane.shm import (
+    ShmArena,
+    ShmArenaFull,
+    ShmReader,
+    arena_budget,
+    externalize,
+    unlink_prefix,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +49,10 @@ INLINE_MAX = 4096
 
 class EngineDeadError(RuntimeError):
     """The engine process is gone; the pod must leave the pool and exit."""
+
+
+class EngineBusyError(RuntimeError):
+    """No room in shared memory for this request's inputs now; another replica may take it."""
 
 
 class EngineStartError(RuntimeError):
@@ -72,7 +83,7 @@ class EngineClient:
         self.threads = threads
         self.log_level = log_level
         self.on_death = on_death
-        self.arena = ShmArena()  # input tensors we write for the engine
+        self.arena = ShmArena(max_total_bytes=arena_budget())  # inputs we write for the engine
         self.reader = ShmReader()  # engine output slots we read for inlining
         self.ready: Ready | None = None
         self.stats = Stats(queued=0, running=0, batch_size=0, step_ms=0.0, steps=0)
@@ -257,7 +268,10 @@ class EngineClient:
             reason = self.death_reason or ("stopped" if self._stopping else "not started")
             raise EngineDeadError(f"stage {self.stage_id}: {reason}")
         rid = si.request_id
-        payload = externalize(si.payload, self.arena, rid, threshold=INLINE_MAX)
+        try:
+            payload = externalize(si.payload, self.arena, rid, threshold=INLINE_MAX)
+        except ShmArenaFull as exc:
+            raise EngineBusyError(f"stage {self.stage_id}: shared memory full: {exc}") from None
         si = msgspec.structs.replace(si, payload=payload)
         fut: asyncio.Future[StageOutput] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut

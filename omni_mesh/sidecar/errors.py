@@ -14,10 +14,12 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from omni_mesh.data_plane.messages import StageError
 from omni_mesh.observability.metrics import SidecarMetrics
-from omni_mesh.sidecar.engine_client import EngineDeadError
+from omni_mesh.sidecar.engine_client import EngineBusyError, EngineDeadError
 from omni_mesh.sidecar.handoff import HopUnavailable
 
 logger = logging.getLogger(__name__)
@@ -93,10 +95,23 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         )
     except EngineDeadError as exc:
         return error_response(ApiError(503, str(exc), type_="unavailable"))
+    except EngineBusyError as exc:
+        return error_response(
+            ApiError(429, str(exc), type_="rate_limit", headers={"Retry-After": "1"})
+        )
     except web.HTTPException as exc:
         if exc.status >= 400:
             return error_response(ApiError(exc.status, exc.text or exc.reason))
         raise
+    except (RequestPayloadError, HttpProcessingError) as exc:
+        # A body that cannot be read: bad compression, a truncated chunked body, …
+        return error_response(ApiError(400, f"unreadable request body: {exc}", param="body"))
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        # A bug: logged with its traceback, answered in the same JSON shape.
+        logger.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(ApiError(500, "internal error (logged)", type_="internal_error"))
 
 
 _API_ROUTES = frozenset(

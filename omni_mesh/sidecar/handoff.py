@@ -10,6 +10,7 @@ bounded by the deadline. The same goes for an empty pool (stages started in any 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import logging
 import time
@@ -21,16 +22,20 @@ import msgspec
 
 from omni_mesh.data_plane import codec, wire
 from omni_mesh.data_plane.connectors import Connector
-from omni_mesh.data_plane.messages import HopResult, Payload, StageError, StageInput
+from omni_mesh.data_plane.messages import HopResult, StageError, StageInput
 from omni_mesh.data_plane.shm import ShmReader
 from omni_mesh.sidecar.router import Replica, Router
 
 logger = logging.getLogger(__name__)
 
 HOP_PATH = "/v1/hop"
+HOP_TOKEN_HEADER = "X-Omni-Hop-Token"
 MAX_RESULT_BYTES = 1 << 30
 DEADLINE_GRACE_S = 2.0
-_RETRYABLE_STATUS = {500, 502, 503, 504}
+#: Statuses that say the replica (not the request) failed: replay elsewhere, eject it.
+_REPLICA_FAILED = frozenset({502, 503, 504})
+#: Statuses that say the replica is busy: try another, no failure counted.
+_BUSY = frozenset({409, 429})
 
 
 class HopUnavailable(Exception):
@@ -59,7 +64,22 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
+@dataclass
+class Answer:
+    """A replica's answer to a replayed call (any status that is not a replica failure)."""
+
+    status: int
+    body: bytearray
+    content_type: str
+    replica: Replica
+
+
+BodyFor = Callable[[Replica, int], bytes]
+
+
 class HopClient:
+    """Calls a replica of a stage, replaying on another one until an answer or the deadline."""
+
     def __init__(
         self,
         session: aiohttp.ClientSession,
@@ -76,113 +96,156 @@ class HopClient:
         self.connector_for = connector_for
         self.reader = reader
         self.retries = retries
-        self.headers = {"Content-Type": wire.MSGPACK, **(auth_header or {})}
+        self.auth_header = dict(auth_header or {})
         self.on_hop = on_hop
 
+    # ---- the hop -------------------------------------------------------------------------
+
     async def send(self, si: StageInput) -> HopResult:
+        """Hand ``si`` to a replica of its stage; the answer carries the downstream result."""
         stats = HopStats()
         t0 = time.monotonic()
+        connector = self.connector_for(si.from_stage, si.stage_id)
+
+        def body_for(replica: Replica, attempt: int) -> bytes:
+            same_host = replica.host_id == self.router.host_id
+            payload = connector.prepare(si.payload, same_host=same_host, reader=self.reader)
+            return codec.encode(msgspec.structs.replace(si, payload=payload, attempt=attempt))
+
         try:
-            return await self._send(si, stats)
+            answer = await self.call(
+                si.stage_id,
+                HOP_PATH,
+                body_for,
+                content_type=wire.MSGPACK,
+                deadline_ms=si.deadline_ms,
+                prefer_same_host=connector.prefers_same_host,
+                stats=stats,
+                first_attempt=si.attempt,
+            )
+            return _hop_result(si, answer)
         finally:
             stats.seconds = time.monotonic() - t0
             if self.on_hop is not None:
                 self.on_hop(si, stats)
 
-    async def _send(self, si: StageInput, stats: HopStats) -> HopResult:
-        connector = self.connector_for(si.from_stage, si.stage_id)
-        prefer_local = connector.prefers_same_host
-        full: set[str] = set()
+    # ---- replayed calls ------------------------------------------------------------------
+
+    async def call(
+        self,
+        stage_id: int,
+        path: str,
+        body_for: BodyFor,
+        *,
+        content_type: str,
+        deadline_ms: int,
+        prefer_same_host: bool = False,
+        stats: HopStats | None = None,
+        first_attempt: int = 0,
+    ) -> Answer:
+        """POST to ``path`` on a replica of ``stage_id``. A replica failure (connection
+        refused/reset, 502/503/504, a timeout before the deadline, an unreadable answer) is
+        replayed on another replica within the retry budget; busy replicas (409/429) are
+        skipped; an empty or all-busy pool is waited on. Raises :class:`HopUnavailable`."""
+        stats = stats or HopStats()
+        busy: set[str] = set()
         failures = 0
         backoff = 0.005
         while True:
-            remaining_s = (si.deadline_ms - now_ms()) / 1000.0
+            remaining_s = (deadline_ms - now_ms()) / 1000.0
             if remaining_s <= 0:
                 raise HopUnavailable(
-                    si.stage_id,
-                    f"no replica of stage {si.stage_id} answered before the request's deadline "
+                    stage_id,
+                    f"no replica of stage {stage_id} answered before the request's deadline "
                     f"(tried {len(stats.tried)}: {', '.join(stats.tried) or 'pool empty'})",
                 )
-            replica = self.router.pick(si.stage_id, exclude=full, prefer_same_host=prefer_local)
+            replica = self.router.pick(stage_id, exclude=busy, prefer_same_host=prefer_same_host)
             if replica is None:
-                # Empty pool, or every replica full: wait (bounded by the deadline), then retry.
-                full.clear()
+                # Empty pool, or every replica busy: wait (bounded by the deadline), retry.
+                busy.clear()
                 stats.waited_full += 1
                 await asyncio.sleep(min(backoff, remaining_s))
                 backoff = min(backoff * 2, 0.25)
                 continue
-            result, status = await self._attempt(si, replica, connector, stats, remaining_s)
-            if result is not None:
-                return result
-            if status == 429 or status == 409:
-                full.add(replica.instance_id)
+            body = body_for(replica, first_attempt + failures)
+            answer = await self._attempt(
+                replica, path, body, content_type, deadline_ms, remaining_s, stats
+            )
+            if answer is not None and answer.status not in _BUSY:
+                return answer
+            if answer is not None:  # busy: not a failure
+                busy.add(replica.instance_id)
                 continue
             failures += 1
             if failures > self.retries:
                 raise HopUnavailable(
-                    si.stage_id,
-                    f"stage {si.stage_id}: hop failed on {failures} replica(s), retry budget "
-                    f"({self.retries}) spent (last: {replica.instance_id}, status {status})",
+                    stage_id,
+                    f"stage {stage_id}: failed on {failures} replica(s), retry budget "
+                    f"({self.retries}) spent (last: {replica.instance_id})",
                 )
             stats.retries += 1
-            si = _with_attempt(si, si.attempt + 1)
 
     async def _attempt(
         self,
-        si: StageInput,
         replica: Replica,
-        connector: Connector,
-        stats: HopStats,
+        path: str,
+        body: bytes,
+        content_type: str,
+        deadline_ms: int,
         remaining_s: float,
-    ) -> tuple[HopResult | None, int]:
-        """One try. Returns (result, 200), or (None, status) for a retryable outcome
-        (status 0: connection-level failure)."""
-        same_host = replica.host_id == self.router.host_id
-        payload = connector.prepare(si.payload, same_host=same_host, reader=self.reader)
-        body = codec.encode(_with_payload(si, payload))
+        stats: HopStats,
+    ) -> Answer | None:
+        """One try; ``None`` when the replica failed (it is ejected)."""
         stats.attempts += 1
         stats.bytes_sent += len(body)
         stats.tried.append(replica.instance_id)
         stats.replica = replica.instance_id
+        headers = {"Content-Type": content_type, **self.auth_header}
         self.router.begin(replica.instance_id)
         try:
             # Downstream stages enforce the same deadline and answer when it passes; the grace
             # lets that answer travel back instead of timing out a healthy replica here.
             timeout = aiohttp.ClientTimeout(total=remaining_s + DEADLINE_GRACE_S)
             async with self.session.post(
-                replica.address + HOP_PATH,
-                data=io.BytesIO(body),
-                headers=self.headers,
-                timeout=timeout,
+                replica.address + path, data=io.BytesIO(body), headers=headers, timeout=timeout
             ) as resp:
-                if resp.status == 200:
-                    data = await wire.read_response(resp, max_bytes=MAX_RESULT_BYTES)
-                    return codec.decode(data, HopResult), 200
-                if resp.status in (409, 429):
-                    return None, resp.status
-                text = (await resp.text())[:500]
-                if resp.status in _RETRYABLE_STATUS:
+                if resp.status in _REPLICA_FAILED:
+                    text = (await resp.text())[:300]
                     self.router.eject(replica.instance_id, f"status {resp.status}: {text}")
-                    return None, resp.status
-                # A 4xx other than 409/429: the input is bad; replaying would not help.
-                return HopResult(
-                    request_id=si.request_id,
-                    error=StageError(code="bad_input", message=text, stage_id=si.stage_id),
-                ), resp.status
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+                    return None
+                data = await wire.read_response(resp, max_bytes=MAX_RESULT_BYTES)
+                return Answer(resp.status, data, resp.content_type, replica)
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, wire.WireError) as exc:
             self.router.eject(replica.instance_id, f"{type(exc).__name__}: {exc}")
-            return None, 0
+            return None
         except TimeoutError:
-            if now_ms() < si.deadline_ms:
+            if now_ms() < deadline_ms:
                 self.router.eject(replica.instance_id, "timed out")
-            return None, 0
+            return None
         finally:
             self.router.end(replica.instance_id)
 
 
-def _with_payload(si: StageInput, payload: Payload) -> StageInput:
-    return msgspec.structs.replace(si, payload=payload)
+def _hop_result(si: StageInput, answer: Answer) -> HopResult:
+    """Interpret a replica's answer to a hop (any non-200 is a request-level error)."""
+    if answer.status == 200:
+        try:
+            return codec.decode(answer.body, HopResult)
+        except ValueError as exc:
+            message = f"unreadable hop answer from {answer.replica.instance_id}: {exc}"
+            code = "engine_error"
+    else:
+        message = _error_message(answer.body)
+        code = "bad_input" if 400 <= answer.status < 500 else "engine_error"
+    return HopResult(
+        request_id=si.request_id,
+        error=StageError(code=code, message=message, stage_id=si.stage_id),  # type: ignore[arg-type]
+    )
 
 
-def _with_attempt(si: StageInput, attempt: int) -> StageInput:
-    return msgspec.structs.replace(si, attempt=attempt)
+def _error_message(body: bytearray) -> str:
+    with contextlib.suppress(msgspec.DecodeError, KeyError, TypeError):
+        message = msgspec.json.decode(body)["error"]["message"]
+        if isinstance(message, str):
+            return message
+    return bytes(body[:500]).decode(errors="replace")

@@ -3,8 +3,17 @@
 
 :func:`plan_control_plane` and :func:`plan_stages` turn an :class:`UpConfig` into command
 lines; :func:`run_local` starts them under a :class:`Supervisor` (``omni-cp serve`` first, then
-every replica of every stage as a headless ``omni-stage``, then one API server), waits until
-each answers, and stays up until ``stop`` is set or a process dies, then stops everything.
+every replica of every stage as a headless ``omni-stage``, then one API server) and waits until
+each answers. While it runs, a process that dies is started again on the same port, with
+exponential backoff (a restarted control plane starts empty: the pods re-register by
+themselves); one that dies before it was ever ready, or fails too often, stops everything.
+
+Stopping (``stop`` set) drains the deployment in pipeline order, so that no request in flight
+is lost: the API server first, then stage 0's replicas, stage 1's, …, the control plane last,
+each group gone (SIGTERM: a pod leaves the pool, finishes its work, exits) before the next gets
+SIGTERM. Only a process that outlives ``stop_timeout_s`` is SIGKILLed (its own pid first, so its
+engine still cleans up, then what is left of its process group); that is reported and makes the
+run a failure. Last, a janitor removes shared-memory segments whose owner is gone.
 
 Nothing here prints: the text for the user (the endpoint list, a failure) goes to the
 caller's callbacks. The deployment secret reaches the stages as ``OMNI_SECRET`` in their
@@ -17,12 +26,19 @@ import logging
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from omni_mesh.configs.pipeline import PipelineSpec
 from omni_mesh.configs.settings import LogLevel
-from omni_mesh.sidecar.supervisor import Supervisor, SupervisorError, free_port, port_in_use
+from omni_mesh.data_plane.shm import sweep_orphans
+from omni_mesh.sidecar.supervisor import (
+    RestartPolicy,
+    Supervisor,
+    SupervisorError,
+    free_port,
+    port_in_use,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +61,10 @@ class UpConfig:
     secret_source: str
     keep_logs: bool
     ready_timeout_s: float
-    stop_timeout_s: float
+    stop_timeout_s: float  # per stop group, SIGTERM to SIGKILL; at least drain_timeout_s
     log_level: LogLevel
+    drain_timeout_s: float = 30.0  # every pod's --drain-timeout
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
 
     @property
     def replica_spec(self) -> str:
@@ -62,6 +80,7 @@ class Planned:
     url: str
     label: str  # shown in the endpoint list
     health_path: str = "/health"
+    stop_rank: int = 0  # stopped in ascending rank: API server, stage 0, 1, …, control plane
 
     @property
     def ready_url(self) -> str:
@@ -71,25 +90,30 @@ class Planned:
 # ---- the processes -----------------------------------------------------------------------------
 
 
-def plan_control_plane(port: int, log_level: LogLevel = LogLevel.INFO) -> Planned:
+def plan_control_plane(
+    port: int, log_level: LogLevel = LogLevel.INFO, *, stop_rank: int = 0
+) -> Planned:
+    """``omni-cp serve`` with embedded Redis; ``stop_rank``: stop it after every stage."""
     argv = (sys.executable, "-m", "omni_mesh.control_plane", "serve")
     flags = ("--host", LOCALHOST, "--port", str(port), "--log-level", log_level.value)
-    return Planned(
-        "control-plane", (*argv, *flags), _url(LOCALHOST, port), "control plane", "/healthz"
-    )
+    url = _url(LOCALHOST, port)
+    return Planned("control-plane", (*argv, *flags), url, "control plane", "/healthz", stop_rank)
 
 
 def plan_stages(config: UpConfig, cp_url: str) -> list[Planned]:
-    """Every replica of every stage (headless, free ports), then the API server."""
+    """Every replica of every stage (headless, free ports), then the API server. Stop ranks:
+    the API server 0, the stage with the k-th smallest id k + 1."""
     common = ["--pipeline", config.pipeline.name, "--control-plane", cp_url]
     common += ["--log-level", config.log_level.value]
+    common += ["--drain-timeout", f"{config.drain_timeout_s:g}"]
     if config.deploy_config is not None:
         common += ["--deploy-config", str(config.deploy_config)]
     if config.stage_overrides is not None:
         common += ["--stage-overrides", config.stage_overrides]
     stage_cmd = (sys.executable, "-m", "omni_mesh.sidecar.cli_stage", *common)
     plans = []
-    for stage_id, count in zip(sorted(config.pipeline.stage_ids), config.replicas, strict=True):
+    stages = zip(sorted(config.pipeline.stage_ids), config.replicas, strict=True)
+    for rank, (stage_id, count) in enumerate(stages, start=1):
         name = config.pipeline.stage(stage_id).name
         for replica in range(count):
             port = free_port(LOCALHOST)
@@ -100,6 +124,7 @@ def plan_stages(config: UpConfig, cp_url: str) -> list[Planned]:
                     (*stage_cmd, *argv, "--port", str(port)),
                     _url(LOCALHOST, port),
                     f"stage {stage_id} {name} #{replica}",
+                    stop_rank=rank,
                 )
             )
     entry = str(config.pipeline.entry_stage_id)
@@ -132,12 +157,15 @@ def run_local(
     on_ready: Callable[[str], None],
     on_error: Callable[[str], None],
 ) -> bool:
-    """Start everything, wait until ``stop`` is set or a process dies, stop everything.
+    """Start everything, keep it up (restarting what dies) until ``stop`` is set or a process
+    fails for good, stop everything in pipeline order, sweep orphaned shared memory.
 
     ``on_ready`` gets the endpoint list (see :func:`endpoints_text`) once every process
     answers. ``on_error`` gets the message for the user when a port is taken (nothing is
-    started) or a process fails (given before the rest are stopped; the logs are kept). True
-    after a clean stop, also one before everything was ready; False after a failure."""
+    started), when a process fails for good (given before the rest are stopped), and when a
+    process had to be SIGKILLed while stopping (naming each); the logs are kept then. True
+    after a clean stop, also one before everything was ready; False otherwise. A second
+    signal (KeyboardInterrupt) while stopping kills what is left at once and propagates."""
     listens = [(config.host, config.port, "--port")]
     if config.cp_port is not None:
         listens.append((LOCALHOST, config.cp_port, "--cp-port"))
@@ -149,36 +177,53 @@ def run_local(
         keep_logs=config.keep_logs, grace_s=config.stop_timeout_s, log_prefix="omni-up-"
     )
     child_env = {**env, SECRET_ENV: config.secret, "PYTHONUNBUFFERED": "1"}
+    ok = True
     try:
         cp_port = config.cp_port or free_port(LOCALHOST)
-        plans = [plan_control_plane(cp_port, config.log_level)]
-        if not _start(sup, plans, child_env, config.ready_timeout_s, stop):
-            return True
-        plans += plan_stages(config, plans[0].url)
-        if not _start(sup, plans[1:], child_env, config.ready_timeout_s, stop):
-            return True
-        on_ready(endpoints_text(config, plans, sup.log_dir))
-        sup.wait(stop)
-        return True
+        last_rank = len(config.replicas) + 1
+        plans = [plan_control_plane(cp_port, config.log_level, stop_rank=last_rank)]
+        if _start(sup, plans, child_env, config, stop):
+            plans += plan_stages(config, plans[0].url)
+            if _start(sup, plans[1:], child_env, config, stop):
+                on_ready(endpoints_text(config, plans, sup.log_dir))
+                sup.wait(stop)
     except SupervisorError as exc:
+        ok = False
         sup.keep_logs = True
         on_error(f"{exc}\nstopping everything; logs kept in {sup.log_dir}")
-        return False
     finally:
         logger.info("stopping %d processes", len(sup.children))
-        sup.close()
+        try:
+            sup.stop()
+        finally:
+            removed = sweep_orphans()
+            if removed:
+                logger.warning("removed %d orphaned shared-memory segments", removed)
+            if sup.killed:
+                ok = False
+                sup.keep_logs = True
+                killed = "\n".join(f"  {what}" for what in sup.killed)
+                on_error(f"had to SIGKILL:\n{killed}\nlogs kept in {sup.log_dir}")
+            sup.close()
+    return ok
 
 
 def _start(
     sup: Supervisor,
     plans: Sequence[Planned],
     env: Mapping[str, str],
-    timeout_s: float,
+    config: UpConfig,
     stop: threading.Event,
 ) -> bool:
     """Start ``plans`` and wait until each answers; False when ``stop`` was set first."""
-    children = [sup.start(p.name, p.argv, env=env, ready_url=p.ready_url) for p in plans]
-    return sup.wait_ready(children, timeout_s=timeout_s, cancel=stop)
+    policy = replace(config.restart, ready_timeout_s=config.ready_timeout_s)
+    children = [
+        sup.start(
+            p.name, p.argv, env=env, ready_url=p.ready_url, stop_rank=p.stop_rank, restart=policy
+        )
+        for p in plans
+    ]
+    return sup.wait_ready(children, timeout_s=config.ready_timeout_s, cancel=stop)
 
 
 def endpoints_text(config: UpConfig, plans: Sequence[Planned], log_dir: Path) -> str:

@@ -4,6 +4,7 @@ reverse (engine → READY → register → heartbeat → watch → serve; drain 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from omni_mesh.configs.pipeline import PipelineSpec
 from omni_mesh.configs.stage_settings import StageSettings
 from omni_mesh.data_plane.connectors import Connector, make_connector
 from omni_mesh.data_plane.shm import ShmReader
+from omni_mesh.data_plane.signing import hop_token
 from omni_mesh.observability.metrics import SidecarMetrics
 from omni_mesh.sidecar.chain import StageRunner
 from omni_mesh.sidecar.engine_client import EngineClient
@@ -38,10 +40,15 @@ class Pod:
     engine: EngineClient | None = None
     runner: StageRunner | None = None
     instance_id: str = ""
+    ready: bool = False  # listening and registered (or no control plane configured)
     draining: bool = False
     in_flight: int = 0
     exit_code: int = 0
     stop_event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @functools.cached_property
+    def hop_token(self) -> str:
+        return hop_token(self.secret)
 
     @property
     def stage_id(self) -> int:

@@ -97,8 +97,10 @@ class Router:
     def eject(self, instance_id: str, reason: str) -> None:
         """Take a replica out of this router's pools at once (a failed connection says more,
         sooner, than a missed lease); it comes back after ``eject_s`` if still discovered."""
-        logger.warning("ejecting instance=%s for %.1fs: %s", instance_id, self.eject_s, reason)
-        self._ejected[instance_id] = time.monotonic() + self.eject_s
+        now = time.monotonic()
+        if self._ejected.get(instance_id, 0.0) <= now:  # log once per ejection, not per caller
+            logger.warning("ejecting instance=%s for %.1fs: %s", instance_id, self.eject_s, reason)
+        self._ejected[instance_id] = now + self.eject_s
 
     def in_flight(self, instance_id: str) -> int:
         return self._in_flight.get(instance_id, 0)

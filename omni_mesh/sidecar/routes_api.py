@@ -20,6 +20,7 @@ from omni_mesh.data_plane import wire
 from omni_mesh.data_plane.messages import HopResult, Prompt, SamplingParams
 from omni_mesh.observability.tracing import stage_span
 from omni_mesh.sidecar.admission import admitted
+from omni_mesh.sidecar.deadlines import request_timeout
 from omni_mesh.sidecar.errors import ApiError, bad_request, from_stage_error
 from omni_mesh.sidecar.inputs import BadPrompt, entry_input
 from omni_mesh.sidecar.keys import POD
@@ -58,7 +59,7 @@ async def generate_outputs(
         si = entry_input(
             pod.pipeline,
             prompt,
-            timeout_s=_timeout(pod, request),
+            timeout_s=request_timeout(pod, request),
             sampling=sampling,
             traceparent=request.headers.get("traceparent", ""),
         )
@@ -76,19 +77,6 @@ async def generate_outputs(
     if result.error is not None:
         raise from_stage_error(result.error)
     return final_outputs(pod.pipeline, result.outputs)
-
-
-def _timeout(pod: Pod, request: web.Request) -> float:
-    raw = request.headers.get("X-Omni-Timeout-S")
-    if raw is None:
-        return pod.request_timeout_s()
-    try:
-        value = float(raw)
-    except ValueError:
-        raise bad_request("X-Omni-Timeout-S: not a number", "X-Omni-Timeout-S") from None
-    if not 0.05 <= value <= 3600:
-        raise bad_request("X-Omni-Timeout-S: must be within [0.05, 3600]", "X-Omni-Timeout-S")
-    return value
 
 
 def _pick(outputs: list[FinalOutput], kind: OutputKind) -> FinalOutput | None:
@@ -227,6 +215,8 @@ async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "draining"}, status=503)
     if pod.engine is not None and pod.engine.dead.is_set():
         return web.json_response({"status": "engine dead"}, status=503)
+    if not pod.ready:
+        return web.json_response({"status": "registering"}, status=503)
     return web.json_response(
         {"status": "ok", "stage_id": pod.stage_id, "instance_id": pod.instance_id}
     )

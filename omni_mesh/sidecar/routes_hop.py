@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 
@@ -11,7 +12,7 @@ from omni_mesh.data_plane import codec, wire
 from omni_mesh.data_plane.messages import HopResult, StageError, StageInput
 from omni_mesh.sidecar.admission import admitted
 from omni_mesh.sidecar.errors import ApiError, bad_request
-from omni_mesh.sidecar.handoff import HOP_PATH, HopUnavailable
+from omni_mesh.sidecar.handoff import HOP_PATH, HOP_TOKEN_HEADER, HopUnavailable
 from omni_mesh.sidecar.keys import POD
 
 logger = logging.getLogger(__name__)
@@ -21,6 +22,14 @@ async def hop(request: web.Request) -> web.Response:
     pod = request.app[POD]
     if pod.runner is None:
         raise ApiError(404, "this instance runs no engine: hops go to stage pods")
+    token = request.headers.get(HOP_TOKEN_HEADER, "")
+    if not hmac.compare_digest(token.encode(), pod.hop_token.encode()):
+        raise ApiError(
+            401,
+            f"hops need the {HOP_TOKEN_HEADER} header of this deployment "
+            "(clients use /v1/run or the API routes)",
+            type_="authentication_error",
+        )
     body = await wire.read_body(request, max_bytes=pod.settings.max_body_bytes)
     try:
         si = codec.decode(body, StageInput)

@@ -7,13 +7,10 @@ client's whole loop. The opaque ``stage_input`` is a sealed, HMAC-tagged envelop
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import io
 import logging
 import time
 
-import aiohttp
 import msgspec
 from aiohttp import web
 
@@ -32,7 +29,8 @@ from omni_mesh.data_plane.messages import (
 )
 from omni_mesh.data_plane.shm import inline
 from omni_mesh.sidecar.admission import admitted
-from omni_mesh.sidecar.errors import ApiError, bad_request, from_stage_error
+from omni_mesh.sidecar.deadlines import request_timeout
+from omni_mesh.sidecar.errors import bad_request, from_stage_error
 from omni_mesh.sidecar.inputs import BadPrompt, entry_input
 from omni_mesh.sidecar.keys import POD
 from omni_mesh.sidecar.outputs import final_output
@@ -63,7 +61,7 @@ async def run(request: web.Request) -> web.StreamResponse:
             f"{req.stage_id} to an API server or a replica of that stage",
             "stage_id",
         )
-    return await _forward(pod, req.stage_id, body, request.content_type)
+    return await _forward(pod, req.stage_id, body, request)
 
 
 def _decode(body: bytearray, binary: bool) -> RunRequest | RunRequestBin:
@@ -78,7 +76,9 @@ def _decode(body: bytearray, binary: bool) -> RunRequest | RunRequestBin:
         raise bad_request(f"/v1/run body is not valid {kind}: {exc}") from None
 
 
-def _stage_input(pod: Pod, req: RunRequest | RunRequestBin, traceparent: str) -> StageInput:
+def _stage_input(
+    pod: Pod, req: RunRequest | RunRequestBin, traceparent: str, timeout_s: float
+) -> StageInput:
     entry = pod.pipeline.entry_stage_id
     raw = req.stage_input
     if req.stage_id == entry:
@@ -92,7 +92,7 @@ def _stage_input(pod: Pod, req: RunRequest | RunRequestBin, traceparent: str) ->
             si = entry_input(
                 pod.pipeline,
                 raw,
-                timeout_s=pod.request_timeout_s(),
+                timeout_s=timeout_s,
                 sampling=req.sampling_params,
                 traceparent=traceparent,
             )
@@ -116,7 +116,7 @@ def _stage_input(pod: Pod, req: RunRequest | RunRequestBin, traceparent: str) ->
     except EnvelopeError as exc:
         raise bad_request(f"stage_input: {exc}", "stage_input") from None
     # A fresh deadline for this call: the client drives the loop at its own pace.
-    deadline_ms = int((time.time() + pod.request_timeout_s()) * 1000)
+    deadline_ms = int((time.time() + timeout_s) * 1000)
     si = msgspec.structs.replace(si, deadline_ms=deadline_ms)
     if req.sampling_params is not None:
         si = msgspec.structs.replace(si, sampling=req.sampling_params)
@@ -127,7 +127,8 @@ async def _run_local(
     pod: Pod, req: RunRequest | RunRequestBin, binary: bool, request: web.Request
 ) -> web.Response:
     assert pod.runner is not None
-    si = _stage_input(pod, req, request.headers.get("traceparent", ""))
+    timeout_s = request_timeout(pod, request)
+    si = _stage_input(pod, req, request.headers.get("traceparent", ""), timeout_s)
     labels = (pod.pipeline.name, str(pod.stage_id))
     t0 = time.monotonic()
     with admitted(pod, si.request_id, "run"):
@@ -175,53 +176,21 @@ def _response(pod: Pod, si: StageInput, out: StageOutput, binary: bool) -> bytes
     return _JSON.encode(rj)
 
 
-async def _forward(pod: Pod, stage_id: int, body: bytearray, content_type: str) -> web.Response:
-    """API server: pass the call to a replica of the stage; replay on connection failure."""
-    tried: set[str] = set()
-    deadline = time.monotonic() + pod.request_timeout_s()
-    failures = 0
-    while time.monotonic() < deadline:
-        replica = pod.router.pick(stage_id, exclude=tried, prefer_same_host=False)
-        if replica is None:
-            tried.clear()
-            await _sleep_until(deadline, 0.05)
-            continue
-        pod.router.begin(replica.instance_id)
-        try:
-            async with pod.session.post(
-                replica.address + RUN_PATH,
-                data=io.BytesIO(bytes(body)),
-                headers={"Content-Type": content_type},
-                timeout=aiohttp.ClientTimeout(total=max(0.1, deadline - time.monotonic())),
-            ) as resp:
-                if resp.status in (429, 409) or resp.status >= 502:
-                    tried.add(replica.instance_id)
-                    if resp.status >= 502:
-                        pod.router.eject(replica.instance_id, f"status {resp.status}")
-                        failures += 1
-                    continue
-                data = await wire.read_response(resp, max_bytes=pod.settings.max_body_bytes)
-                return web.Response(
-                    body=bytes(data), status=resp.status, content_type=resp.content_type
-                )
-        except (aiohttp.ClientConnectionError, TimeoutError) as exc:
-            pod.router.eject(replica.instance_id, f"{type(exc).__name__}: {exc}")
-            tried.add(replica.instance_id)
-            failures += 1
-        finally:
-            pod.router.end(replica.instance_id)
-        if failures > pod.deploy.hop_retries:
-            break
-    raise ApiError(
-        503,
-        f"no replica of stage {stage_id} answered /v1/run (tried {len(tried)})",
-        type_="unavailable",
-        headers={"Retry-After": "1"},
+async def _forward(pod: Pod, stage_id: int, body: bytearray, request: web.Request) -> web.Response:
+    """API server: pass the call to a replica of the stage, replayed on replica failure."""
+    content_type = request.content_type
+    deadline_ms = int((time.time() + request_timeout(pod, request)) * 1000)
+    payload = bytes(body)
+    answer = await pod.hop.call(
+        stage_id,
+        RUN_PATH,
+        lambda replica, attempt: payload,
+        content_type=content_type,
+        deadline_ms=deadline_ms,
     )
-
-
-async def _sleep_until(deadline: float, step: float) -> None:
-    await asyncio.sleep(max(0.0, min(step, deadline - time.monotonic())))
+    return web.Response(
+        body=bytes(answer.body), status=answer.status, content_type=answer.content_type
+    )
 
 
 def add_routes(app: web.Application) -> None:

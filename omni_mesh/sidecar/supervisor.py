@@ -1,11 +1,27 @@
-"""A small local process supervisor: start children, wait until they answer, stop them all.
+"""A small local process supervisor: start children, wait until they answer, restart the ones
+that die, stop them all in order.
 
 Each child runs in its own process group with ``PR_SET_PDEATHSIG=SIGTERM``, so a child never
-outlives the supervisor, even when the supervisor is killed with SIGKILL (the signal is tied to
-the thread that started the child: start children from a thread that lives as long as they
-should). A child's stdout and stderr go to ``<log_dir>/<name>.log``; errors quote the tail of
-that file. :meth:`Supervisor.stop` sends SIGTERM to every child (newest first), waits one grace
-period, then SIGKILLs each child's whole process group and reaps it.
+outlives the supervisor, even when the supervisor is killed with SIGKILL. The signal is tied to
+the thread that started the child, and :meth:`Supervisor.check` (so :meth:`~Supervisor.wait`
+and :meth:`~Supervisor.wait_ready`) starts restarted children: call them all from one thread
+that lives as long as the children should. A child's stdout and stderr go to
+``<log_dir>/<name>.log`` (a restart appends to it); errors quote the tail of that file.
+
+**Restarts.** A child started with a :class:`RestartPolicy` that exits while the supervisor is
+not stopping is started again with the same command line (so on the same port) after an
+exponential backoff. The supervisor gives up (:meth:`~Supervisor.check` raises) when such a
+child exits before it was ever ready, fails ``max_failures`` times within ``window_s`` (or that
+many times in a row before it is ready again), or does not answer its ready URL again within
+``ready_timeout_s``. A child without a policy that exits is an error at once.
+
+**Stopping** (:meth:`Supervisor.stop`). Children stop in ascending ``stop_rank``: the children
+of one rank together, a rank only once the ranks before it are gone. A child gets SIGTERM (its
+own pid: a stage pod drains, then stops its engine itself) and ``grace_s`` to exit. If it does
+not, SIGKILL goes to its pid only, so that what it started (an engine, which then gets
+PDEATHSIG or EOF) can still clean up; whatever of its process group is still running
+``reap_s`` later is SIGKILLed as a group. Every SIGKILL is recorded in
+:attr:`Supervisor.killed`.
 
 Blocking by design (``subprocess`` + short HTTP probes): use it from a CLI's main thread or a
 synchronous test fixture, not from inside an event loop.
@@ -26,6 +42,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +54,8 @@ logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 _NAME = re.compile(r"^[A-Za-z0-9][\w.\-]{0,63}$")
 TAIL_LINES = 20
+_PROBE_INTERVAL_S = 0.25  # readiness probes of a restarted child
+_POLL_S = 0.05
 
 
 class SupervisorError(RuntimeError):
@@ -44,16 +63,20 @@ class SupervisorError(RuntimeError):
 
 
 class ChildExitedError(SupervisorError):
-    """A child exited while it was expected to run."""
+    """A child exited while it was expected to run (and is not going to be restarted)."""
 
-    def __init__(self, child: Child) -> None:
+    def __init__(self, child: Child, detail: str = "") -> None:
         self.name = child.name
         self.returncode = child.returncode
         self.log_tail = child.log_tail()
         super().__init__(
-            f"process {child.name!r} (pid {child.pid}) {describe_exit(self.returncode)}"
+            f"process {child.name!r} (pid {child.pid}) {describe_exit(self.returncode)}{detail}"
             f"{_format_tail(child.log_path, self.log_tail)}"
         )
+
+
+class RestartLimitError(ChildExitedError):
+    """A child with a restart policy failed too often to go on restarting it."""
 
 
 class ReadinessTimeoutError(SupervisorError):
@@ -70,15 +93,53 @@ class ReadinessTimeoutError(SupervisorError):
         )
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How a child that died is started again: after ``backoff_initial_s``, doubling per recent
+    failure up to ``backoff_max_s``; never after ``max_failures`` failures within
+    ``window_s``; a restarted child must answer its ready URL within ``ready_timeout_s``."""
+
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 10.0
+    max_failures: int = 5
+    window_s: float = 60.0
+    ready_timeout_s: float = 180.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.backoff_initial_s <= self.backoff_max_s:
+            raise ValueError("RestartPolicy: need 0 <= backoff_initial_s <= backoff_max_s")
+        if self.max_failures < 1 or self.window_s <= 0 or self.ready_timeout_s <= 0:
+            raise ValueError("RestartPolicy: max_failures, window_s, ready_timeout_s must be > 0")
+
+    def backoff_s(self, failures: int) -> float:
+        """The delay before restarting a child that has failed ``failures`` times recently."""
+        return min(self.backoff_max_s, self.backoff_initial_s * 2.0 ** max(0, failures - 1))
+
+
 @dataclass(eq=False)
 class Child:
-    """One supervised process."""
+    """One supervised process (across its restarts: ``process`` is the current one)."""
 
     name: str
     argv: tuple[str, ...]
     log_path: Path
     ready_url: str | None
     process: subprocess.Popen[bytes] = field(repr=False)
+    env: dict[str, str] | None = field(default=None, repr=False)
+    cwd: Path | None = None
+    stop_rank: int = 0
+    restart: RestartPolicy | None = None
+    ready: bool = False  # the current process answered its ready URL (or there is none)
+    ever_ready: bool = False
+    restarts: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+    failures: deque[float] = field(default_factory=deque, repr=False)  # recent, monotonic
+    unready_deaths: int = 0  # exits in a row before the process was ready
+    restart_at: float | None = None  # a restart is due then (the process is dead)
+    # Process groups of earlier processes (pgid, when the leader died): an engine that lost
+    # its sidecar may still be cleaning up in there.
+    old_groups: list[tuple[int, float]] = field(default_factory=list, repr=False)
+    next_probe: float = field(default=0.0, repr=False)
 
     @property
     def pid(self) -> int:
@@ -103,10 +164,12 @@ class Child:
 
 
 class Supervisor:
-    """Starts and stops local child processes; see the module docstring.
+    """Starts, restarts and stops local child processes; see the module docstring.
 
     ``log_dir``: where logs go; by default a fresh temporary directory that :meth:`close`
     removes unless ``keep_logs``. A ``log_dir`` given by the caller is never removed.
+    ``grace_s``: how long a child has to exit after SIGTERM; ``reap_s``: how long what is left
+    of a dead child's process group has to exit before it is SIGKILLed.
     """
 
     def __init__(
@@ -115,6 +178,7 @@ class Supervisor:
         log_dir: Path | None = None,
         keep_logs: bool = False,
         grace_s: float = 10.0,
+        reap_s: float = 3.0,
         log_prefix: str = "omni-",
     ) -> None:
         self._own_dir = log_dir is None
@@ -122,8 +186,11 @@ class Supervisor:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.keep_logs = keep_logs
         self.grace_s = grace_s
+        self.reap_s = reap_s
+        self.killed: list[str] = []  # what had to be SIGKILLed, and why
         self._children: list[Child] = []
         self._stopping = False
+        self._stopped = False
         self._closed = False
 
     @property
@@ -140,8 +207,14 @@ class Supervisor:
         env: Mapping[str, str] | None = None,
         ready_url: str | None = None,
         cwd: Path | None = None,
+        stop_rank: int = 0,
+        restart: RestartPolicy | None = None,
     ) -> Child:
-        """Start ``argv`` as child ``name``. ``env`` replaces the environment when given."""
+        """Start ``argv`` as child ``name``. ``env`` replaces the environment when given.
+
+        ``stop_rank``: children stop in ascending rank (equal ranks together). ``restart``:
+        restart the child when it dies (see the module docstring); without, its exit is an
+        error."""
         if self._stopping or self._closed:
             raise SupervisorError(f"cannot start {name!r}: the supervisor is stopping")
         if not _NAME.match(name):
@@ -149,18 +222,21 @@ class Supervisor:
         if any(c.name == name for c in self._children):
             raise ValueError(f"a process named {name!r} is already supervised")
         log_path = self.log_dir / f"{name}.log"
-        with log_path.open("ab") as log:
-            process = subprocess.Popen(
-                list(argv),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=None if env is None else dict(env),
-                cwd=cwd,
-                process_group=0,
-                preexec_fn=_die_with_parent_hook(),
-            )
-        child = Child(name, tuple(argv), log_path, ready_url, process)
+        child_env = None if env is None else dict(env)
+        process = _spawn(argv, log_path, child_env, cwd)
+        child = Child(
+            name,
+            tuple(argv),
+            log_path,
+            ready_url,
+            process,
+            env=child_env,
+            cwd=cwd,
+            stop_rank=stop_rank,
+            restart=restart,
+            ready=ready_url is None,
+            ever_ready=ready_url is None,
+        )
         self._children.append(child)
         logger.info("started process=%s pid=%d log=%s", name, process.pid, log_path)
         return child
@@ -174,16 +250,23 @@ class Supervisor:
     ) -> bool:
         """Block until every child (default: all with a ready URL) answers it with 200.
 
-        Returns False when ``cancel`` is set first. Raises :class:`ChildExitedError` as soon
-        as any supervised child exits, :class:`ReadinessTimeoutError` naming the first child
+        Returns False when ``cancel`` is set first. Meanwhile :meth:`check` runs: it raises
+        :class:`ChildExitedError` as soon as a child that was never ready exits (or one
+        without a restart policy). Raises :class:`ReadinessTimeoutError` naming the first child
         still not ready at the deadline.
         """
         pending = [c for c in (self._children if children is None else children) if c.ready_url]
         deadline = time.monotonic() + timeout_s
-        pause = 0.05
+        pause = _POLL_S
         while True:
             self.check()
-            pending = [c for c in pending if not http_ok(c.ready_url or "")]
+            still = []
+            for child in pending:
+                if child.ready or (child.returncode is None and http_ok(child.ready_url or "")):
+                    self._mark_ready(child)
+                else:
+                    still.append(child)
+            pending = still
             if not pending:
                 return True
             if time.monotonic() >= deadline:
@@ -194,43 +277,197 @@ class Supervisor:
                 return False
             pause = min(pause * 2, 0.5)
 
-    # ---- liveness ----------------------------------------------------------------------------
+    def _mark_ready(self, child: Child) -> None:
+        if child.ready:
+            return
+        child.ready = True
+        child.ever_ready = True
+        child.unready_deaths = 0
+        if child.restarts:
+            logger.warning(
+                "process=%s pid=%d is ready again (restart %d)",
+                child.name,
+                child.pid,
+                child.restarts,
+            )
+
+    # ---- liveness and restarts ---------------------------------------------------------------
 
     def check(self) -> None:
-        """Raise :class:`ChildExitedError` for the first child that has exited."""
+        """Handle children that exited: schedule and do the restarts of those with a restart
+        policy, raise :class:`ChildExitedError` (or :class:`RestartLimitError`,
+        :class:`ReadinessTimeoutError`) for the first one the supervisor gives up on."""
         if self._stopping:
             return
+        now = time.monotonic()
         for child in self._children:
-            if child.returncode is not None:
-                raise ChildExitedError(child)
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    self._respawn(child)
+            elif child.returncode is not None:
+                self._exited(child, now)
+            elif not child.ready and child.restarts:
+                self._probe_restarted(child, now)
+        self._reap_old_groups(now)
 
     def wait(self, cancel: threading.Event, *, poll_s: float = 0.2) -> None:
-        """Block until ``cancel`` is set; raise :class:`ChildExitedError` if a child exits."""
+        """Block until ``cancel`` is set, restarting children that die (see :meth:`check`,
+        which raises when the supervisor gives up on one)."""
         while not cancel.wait(poll_s):
             self.check()
+
+    def _exited(self, child: Child, now: float) -> None:
+        policy = child.restart
+        if policy is None:
+            raise ChildExitedError(child)
+        if not child.ever_ready:
+            raise ChildExitedError(child, " before it was ever ready (not restarting it)")
+        child.failures.append(now)
+        while child.failures and child.failures[0] < now - policy.window_s:
+            child.failures.popleft()
+        child.unready_deaths = 0 if child.ready else child.unready_deaths + 1
+        failures = len(child.failures)
+        if failures >= policy.max_failures:
+            raise RestartLimitError(
+                child, f": it failed {failures} times within {policy.window_s:g}s, giving up"
+            )
+        if child.unready_deaths >= policy.max_failures:
+            raise RestartLimitError(
+                child,
+                f": it failed {child.unready_deaths} times in a row before it was ready again,"
+                " giving up",
+            )
+        delay = policy.backoff_s(failures)
+        child.restart_at = now + delay
+        child.old_groups.append((child.pid, now))
+        logger.warning(
+            "process=%s pid=%d %s; restarting it in %.1fs (failure %d within %gs)",
+            child.name,
+            child.pid,
+            describe_exit(child.returncode),
+            delay,
+            failures,
+            policy.window_s,
+        )
+
+    def _respawn(self, child: Child) -> None:
+        child.restart_at = None
+        with contextlib.suppress(OSError), child.log_path.open("ab") as log:
+            log.write(f"---- supervisor: restart {child.restarts + 1} ----\n".encode())
+        try:
+            child.process = _spawn(child.argv, child.log_path, child.env, child.cwd)
+        except OSError as exc:
+            raise SupervisorError(f"cannot restart process {child.name!r}: {exc}") from exc
+        child.restarts += 1
+        child.started_at = time.monotonic()
+        child.ready = child.ready_url is None
+        child.next_probe = 0.0
+        logger.warning(
+            "restarted process=%s pid=%d (restart %d)", child.name, child.pid, child.restarts
+        )
+
+    def _probe_restarted(self, child: Child, now: float) -> None:
+        if now < child.next_probe or child.ready_url is None or child.restart is None:
+            return
+        child.next_probe = now + _PROBE_INTERVAL_S
+        if http_ok(child.ready_url, timeout_s=0.5):
+            self._mark_ready(child)
+        elif now - child.started_at > child.restart.ready_timeout_s:
+            raise ReadinessTimeoutError(child, child.restart.ready_timeout_s)
+
+    def _reap_old_groups(self, now: float) -> None:
+        """SIGKILL what is left of a dead child's process group ``reap_s`` after it died."""
+        due = [
+            (child, pgid)
+            for child in self._children
+            for pgid, died in child.old_groups
+            if now - died >= self.reap_s
+        ]
+        if not due:
+            return
+        for child, pgid in due:
+            child.old_groups = [g for g in child.old_groups if g[0] != pgid]
+        self._kill_leftovers(due, wait_s=0.0)
 
     # ---- shutdown ----------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """SIGTERM every child (newest first), wait ``grace_s``, SIGKILL what is left, reap.
+        """Stop every child, rank by rank (see the module docstring); idempotent.
 
-        Idempotent. Each child's whole process group is killed at the end, so grandchildren
-        that a child failed to stop do not survive it either.
-        """
+        Interrupted (a second Ctrl-C: KeyboardInterrupt), it SIGKILLs everything left at once
+        and re-raises."""
+        if self._stopped:
+            return
         self._stopping = True
-        children = list(reversed(self._children))
         try:
-            for child in children:
-                if child.returncode is None:
-                    logger.info("stopping process=%s pid=%d", child.name, child.pid)
-                    _signal_pid(child.pid, signal.SIGTERM)
-            deadline = time.monotonic() + self.grace_s
-            for child in children:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            for rank in sorted({c.stop_rank for c in self._children}):
+                self._stop_rank([c for c in self._children if c.stop_rank == rank])
+        except BaseException:
+            self._kill_all()
+            raise
         finally:
-            for child in children:
-                _kill_group(child)
+            self._stopped = True
+
+    def _stop_rank(self, group: list[Child]) -> None:
+        live = [c for c in group if c.returncode is None]
+        for child in live:
+            logger.info("stopping process=%s pid=%d", child.name, child.pid)
+            _signal_pid(child.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        for child in live:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        for child in live:
+            if child.returncode is None:
+                self._kill_child(child, f"did not exit within {self.grace_s:g}s of SIGTERM")
+        self._clear_groups(group, self.reap_s)
+
+    def _kill_child(self, child: Child, why: str) -> None:
+        """SIGKILL the child's own process (not its group: its engine may still clean up)."""
+        what = f"{child.name} (pid {child.pid}) {why}"
+        logger.warning("killing process %s", what)
+        self.killed.append(what)
+        _signal_pid(child.pid, signal.SIGKILL)
+        child.process.wait()
+
+    def _clear_groups(self, children: list[Child], wait_s: float) -> None:
+        groups = [(c, c.pid) for c in children]
+        groups += [(c, pgid) for c in children for pgid, _ in c.old_groups]
+        for child in children:
+            child.old_groups = []
+        self._kill_leftovers(groups, wait_s=wait_s)
+
+    def _kill_leftovers(self, groups: list[tuple[Child, int]], *, wait_s: float) -> None:
+        """Wait up to ``wait_s`` for the (leaderless) process groups to empty, then SIGKILL
+        what is left of each and wait briefly until it is gone."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            members = group_members([pgid for _, pgid in groups])
+            left = [(c, pgid, members[pgid]) for c, pgid in groups if members.get(pgid)]
+            if not left or time.monotonic() >= deadline:
+                break
+            time.sleep(_POLL_S)
+        for child, pgid, pids in left:
+            what = (
+                f"{child.name}'s process group {pgid} (pids {', '.join(map(str, pids))}) "
+                f"still running {wait_s:g}s after {child.name} exited"
+            )
+            logger.warning("killing %s", what)
+            self.killed.append(what)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+        if left:
+            gone_by = time.monotonic() + 2.0
+            pgids = [pgid for _, pgid, _ in left]
+            while any(group_members(pgids).values()) and time.monotonic() < gone_by:
+                time.sleep(_POLL_S)
+
+    def _kill_all(self) -> None:
+        """SIGKILL every child still running at once, then what is left of their groups."""
+        for child in self._children:
+            if child.returncode is None:
+                self._kill_child(child, "was killed at once (stop interrupted)")
+        self._clear_groups(self._children, min(self.reap_s, 1.0))
 
     def close(self) -> None:
         """Stop every child and remove the log directory unless it is kept."""
@@ -340,10 +577,37 @@ def _signal_pid(pid: int, sig: signal.Signals) -> None:
         os.kill(pid, sig)
 
 
-def _kill_group(child: Child) -> None:
-    """SIGKILL the child's process group (the child is its leader) and reap the child."""
-    if child.returncode is None:
-        logger.warning("process=%s pid=%d did not stop in time; killing it", child.name, child.pid)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(child.pid, signal.SIGKILL)
-    child.process.wait()
+def _spawn(
+    argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None, cwd: Path | None
+) -> subprocess.Popen[bytes]:
+    """Start ``argv`` in a process group of its own, output appended to ``log_path``."""
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=None if env is None else dict(env),
+            cwd=cwd,
+            process_group=0,
+            preexec_fn=_die_with_parent_hook(),
+        )
+
+
+def group_members(pgids: Iterable[int]) -> dict[int, list[int]]:
+    """The running (not zombie) processes of each process group in ``pgids`` (scans /proc)."""
+    wanted = set(pgids)
+    out: dict[int, list[int]] = {pgid: [] for pgid in wanted}
+    if not wanted:
+        return out
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[0] not in (b"Z", b"X") and int(fields[2]) in wanted:
+            out[int(fields[2])].append(int(entry.name))
+    return out

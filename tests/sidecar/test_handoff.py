@@ -290,7 +290,7 @@ async def _failing_replica(
     return server.replica()
 
 
-@pytest.mark.parametrize("kind", ["503", "500", "502", "refused", "closed"])
+@pytest.mark.parametrize("kind", ["503", "502", "504", "refused", "closed"])
 async def test_a_failed_replica_is_ejected_and_the_hop_replayed(
     kind: str,
     start_replica: StartReplica,
@@ -494,3 +494,17 @@ async def test_an_http_edge_does_not_prefer_the_same_host(
     for i in range(3):
         await hops.client.send(hop_input(f"http-{i}"))
     assert local.received == [] and len(remote.received) == 3
+
+
+async def test_a_500_is_a_request_failure_not_replayed(
+    start_replica: StartReplica, make_hops: MakeHops
+) -> None:
+    """A 500 says the request broke something (a bug), not that the replica is gone:
+    replaying it would only spread it, and ejecting the replica would punish it."""
+    bad = await start_replica("bad", [500, 500, 500])
+    hops = make_hops(bad.replica(), retries=2)
+    result = await hops.client.send(hop_input("no-replay"))
+    assert result.error is not None and result.error.code == "engine_error"
+    assert "bad says 500" in result.error.message
+    assert len(bad.received) == 1  # not replayed
+    assert hops.candidates() == {"bad"}  # not ejected

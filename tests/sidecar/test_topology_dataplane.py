@@ -64,6 +64,9 @@ def test_replay_after_kill_gives_identical_bytes(tmp_path: Path, no_shm_leak: No
         # The survivor took the replays.
         survivor = topo.urls[1][0]
         assert topo.metric(survivor, "omni_stage_requests_total", route="hop") >= 8
+        # And there were replays: hops to the dead replica failed and were sent again.
+        retries = topo.metric(topo.urls[0][0], "omni_stage_hop_retries_total", to_stage="1")
+        assert retries >= 1
     finally:
         topo.close()
 

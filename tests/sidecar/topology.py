@@ -19,6 +19,7 @@ from tests.procs import (
     ManagedProcess,
     clean_env,
     free_port,
+    orphaned_shm_segments,
     start_control_plane,
     wait_until,
 )
@@ -28,16 +29,8 @@ SHM_DIR = Path("/dev/shm")
 
 
 def shm_segments() -> set[str]:
-    """Segments left by processes that are gone (``omni-{pid}-…`` with a dead pid): a leak.
-
-    Segments of live processes are not counted, so tests running beside others (or beside a
-    benchmark) do not see each other's working memory as a leak."""
-    leaked = set()
-    for path in SHM_DIR.glob("omni-*"):
-        pid = path.name.split("-")[1]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            leaked.add(path.name)
-    return leaked
+    """Leaked segments (see :func:`tests.procs.orphaned_shm_segments`)."""
+    return orphaned_shm_segments()
 
 
 class Topology:

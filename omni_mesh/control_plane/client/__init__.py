@@ -16,6 +16,7 @@ from omni_mesh.control_plane.errors import (
     ControlPlaneError,
     ControlPlaneRequestError,
     ControlPlaneUnavailableError,
+    EndpointFailure,
     InstanceUnknownError,
 )
 from omni_mesh.control_plane.schema import (
@@ -39,6 +40,7 @@ __all__ = [
     "ControlPlaneError",
     "ControlPlaneRequestError",
     "ControlPlaneUnavailableError",
+    "EndpointFailure",
     "HeartbeatAck",
     "InstanceInfo",
     "InstanceLease",

@@ -8,7 +8,9 @@ answered and moves on to the next on a connection error, a timeout or a 5xx. 4xx
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import TypeVar
@@ -21,6 +23,7 @@ from omni_mesh.control_plane.errors import (
     ControlPlaneError,
     ControlPlaneRequestError,
     ControlPlaneUnavailableError,
+    EndpointFailure,
     InstanceUnknownError,
 )
 from omni_mesh.control_plane.schema import (
@@ -157,7 +160,7 @@ class ControlPlaneClient:
     ) -> bytes:
         data = None if body is None else body.model_dump_json(exclude_none=True).encode()
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
-        failures: list[str] = []
+        failures: list[EndpointFailure] = []
         n = len(self.urls)
         for offset in range(n):
             index = (self._preferred + offset) % n
@@ -168,17 +171,24 @@ class ControlPlaneClient:
                 except _RETRY_SAME_URL as exc:
                     if attempt == 0:  # a stale keep-alive connection: retry once on this URL
                         continue
-                    failures.append(f"{self.urls[index]}: {exc!r}")
+                    failures.append(
+                        EndpointFailure(self.urls[index], describe_transport_error(exc))
+                    )
                 except (aiohttp.ClientError, TimeoutError) as exc:
-                    failures.append(f"{self.urls[index]}: {exc!r}")
+                    problem = describe_transport_error(exc, timeout.total)
+                    failures.append(EndpointFailure(self.urls[index], problem))
                 else:
                     if status < 500:
                         self._preferred = index
                         return _check(status, payload, instance=instance)
-                    failures.append(f"{self.urls[index]}: HTTP {status} {_message(payload)}")
+                    failures.append(EndpointFailure(self.urls[index], _message(payload), status))
                 break
+        summary = "; ".join(
+            f"{f.url}: {f.problem}" if f.status is None else f"{f.url}: HTTP {f.status} {f.problem}"
+            for f in failures
+        )
         raise ControlPlaneUnavailableError(
-            f"{method} {path}: no control plane answered ({'; '.join(failures)})"
+            f"{method} {path}: no control plane answered ({summary})", tuple(failures)
         )
 
     async def _send(
@@ -194,6 +204,53 @@ class ControlPlaneClient:
             method, url, data=data, params=params, headers=headers, timeout=client_timeout
         ) as response:
             return response.status, await response.read()
+
+
+_ERRNO_TEXT = {
+    errno.ECONNREFUSED: "connection refused",
+    errno.ECONNRESET: "connection reset",
+    errno.ETIMEDOUT: "connection timed out",
+    errno.EHOSTUNREACH: "host unreachable",
+    errno.ENETUNREACH: "network unreachable",
+    errno.EPIPE: "connection closed",
+}
+
+
+def _os_error_text(error: OSError | None) -> str | None:
+    if error is None:
+        return None
+    if error.errno in _ERRNO_TEXT:
+        return _ERRNO_TEXT[error.errno]
+    if error.strerror:
+        return str(error.strerror)
+    if error.errno is not None and error.errno > 0:
+        return os.strerror(error.errno)
+    return str(error) or None
+
+
+def describe_transport_error(exc: BaseException, timeout_s: float | None = None) -> str:
+    """A short, human phrase for why a request got no answer: "connection refused",
+    "no answer within 2s", "cannot resolve host cp.example" - never a repr of aiohttp's
+    internals (a ``ConnectionKey``)."""
+    if isinstance(exc, TimeoutError):
+        return "no answer in time" if timeout_s is None else f"no answer within {timeout_s:g}s"
+    if isinstance(exc, aiohttp.ClientConnectorDNSError):
+        return f"cannot resolve host {exc.host} ({_os_error_text(exc.os_error) or 'DNS error'})"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return _os_error_text(exc.os_error) or f"cannot connect to {exc.host}:{exc.port}"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "the server closed the connection without answering"
+    if isinstance(exc, aiohttp.InvalidURL):
+        return f"invalid URL {str(exc.url)!r}"
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return "the answer was cut short"
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return f"bad answer: HTTP {exc.status} {exc.message}".strip()
+    if isinstance(exc, OSError):
+        text = _os_error_text(exc)
+        if text:
+            return text
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _message(payload: bytes) -> str:
