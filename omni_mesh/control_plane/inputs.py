@@ -84,8 +84,9 @@ async def read_model(request: web.Request, model: type[M], *, allow_empty: bool 
 
 
 def body_unreadable(request: web.Request, exc: web.RequestPayloadError) -> BadRequestError:
-    """The 400 for a body that cannot be read: bad ``Content-Encoding`` data, broken chunked
-    framing, fewer bytes than ``Content-Length`` announced.
+    """The 400 for a body that cannot be read (data that does not decode as its declared
+    ``Content-Encoding``, say). Framing errors (a bad chunk size) and an unsupported encoding
+    (``br`` without Brotli) are answered by aiohttp's parser itself, before any handler runs.
 
     The connection is closed after the answer (its byte stream is out of step), and the
     unread rest of the body is abandoned: aiohttp would otherwise try to drain it after the

@@ -1,8 +1,8 @@
 """aiohttp middlewares of omni-cp: request metrics, error mapping and bearer-token auth.
 
 Order (outermost first): metrics -> errors -> auth. Every failure leaves as
-``{"error": {"message", "field"?, "stage"?}}``: a body that cannot be read (broken
-``Content-Encoding`` or chunked framing) is a 400 naming the body, Redis being unreachable is a
+``{"error": {"message", "field"?, "stage"?}}``: a body that cannot be read (data that does
+not decode as its ``Content-Encoding``) is a 400 naming the body, Redis being unreachable is a
 503 (its warnings rate-limited), and only a genuine bug is a 500 - logged with its traceback,
 and still JSON.
 """

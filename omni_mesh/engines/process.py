@@ -14,10 +14,9 @@ from __future__ import annotations
 import enum
 import logging
 import os
-import queue
 import signal
-import threading
 import time
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -25,6 +24,7 @@ import numpy as np
 from omni_mesh.data_plane.channel import BlockingChannel
 from omni_mesh.data_plane.messages import (
     Abort,
+    EngineMessage,
     Fatal,
     Hello,
     Ready,
@@ -78,10 +78,7 @@ class EngineProc:
         self.arena = ShmArena(max_total_bytes=arena_budget())
         self.reader = ShmReader()
         self.state = State.RUNNING
-        self._inbox: queue.Queue[tuple[StageInput, float] | None] = queue.Queue()
-        self._aborted: set[str] = set()
-        self._live: set[str] = set()  # submitted and not yet answered or dropped
-        self._lock = threading.Lock()
+        self._waiting: deque[tuple[StageInput, float]] = deque()
         self._steps = 0
         self._last_step_ms = 0.0
         self._last_batch = 0
@@ -109,7 +106,6 @@ class EngineProc:
                     load_seconds=time.monotonic() - t0,
                 )
             )
-            threading.Thread(target=self._receive_loop, name="engine-rx", daemon=True).start()
             self._serve(core)
             core.engine.close()
             return 0
@@ -128,49 +124,55 @@ class EngineProc:
         os._exit(0)
 
     def _cleanup(self) -> None:
-        with self._lock:
-            if self._cleaned:
-                return
-            self._cleaned = True
+        if self._cleaned:  # one thread: a flag suffices (a lock could deadlock a signal handler)
+            return
+        self._cleaned = True
         self.arena.close()
         self.reader.close()
 
     # ---- receive side --------------------------------------------------------------------
 
-    def _receive_loop(self) -> None:
+    def _poll(self, timeout: float) -> None:
+        """Take every message the sidecar sent; wait up to ``timeout`` for the first one."""
         while True:
-            msg = self.channel.recv()
+            try:
+                msg = self.channel.recv(timeout=timeout)
+            except TimeoutError:
+                return
+            timeout = 0.0
             if msg is None:
-                logger.warning("sidecar closed the channel stage=%d", self.ctx.stage.stage_id)
+                logger.warning("sidecar closed the channel stage=%d", self.stage_id)
                 self._orphaned()
                 return
-            if isinstance(msg, Submit):
-                with self._lock:
-                    self._live.add(msg.stage_input.request_id)
-                self._inbox.put((msg.stage_input, time.monotonic()))
-            elif isinstance(msg, Abort):
-                with self._lock:
-                    # An Abort that crossed its Result on the wire is for nothing live: ignore
-                    # it, or it would swallow a later resubmission of the same request.
-                    if msg.request_id in self._live:
-                        self._aborted.add(msg.request_id)
-            elif isinstance(msg, Release):
-                self.arena.free_owner(msg.request_id)
-            elif isinstance(msg, Shutdown):
-                self.state = State.DRAINING
-                self._inbox.put(None)
-            else:
-                logger.warning("unexpected message from sidecar: %s", type(msg).__name__)
+            self._handle(msg)
+
+    def _handle(self, msg: EngineMessage) -> None:
+        if isinstance(msg, Submit):
+            self._waiting.append((msg.stage_input, time.monotonic()))
+        elif isinstance(msg, Abort):
+            # Only a waiting request can be dropped; one already answered (its Abort crossed
+            # the Result on the wire) is left alone, so a later resubmission is not swallowed.
+            before = len(self._waiting)
+            self._waiting = deque(w for w in self._waiting if w[0].request_id != msg.request_id)
+            if len(self._waiting) != before:
+                logger.info("aborted request_id=%s stage=%d", msg.request_id, self.stage_id)
+        elif isinstance(msg, Release):
+            self.arena.free_owner(msg.request_id)
+        elif isinstance(msg, Shutdown):
+            self.state = State.DRAINING
+        else:
+            logger.warning("unexpected message from sidecar: %s", type(msg).__name__)
 
     # ---- busy loop -----------------------------------------------------------------------
 
     def _serve(self, core: EngineCore) -> None:
+        """One thread, no queue hand-offs: the channel is polled between steps."""
         last_stats = 0.0
         while self.state is not State.STOPPED:
-            # 1) Poll the input queue: block for the first item, then take what is ready.
+            # 1) Poll the channel: block while idle, only peek while work is waiting.
+            self._poll(0.0 if self._waiting else STATS_INTERVAL_S)
+            # 2) Take a batch, answering what expired while it waited.
             batch = self._next_batch()
-            # 2) Drop what was aborted or expired while it waited.
-            batch = self._admit(batch)
             # 3) Step the engine core and emit the outputs.
             if batch:
                 t0 = time.monotonic()
@@ -178,7 +180,8 @@ class EngineProc:
                 self._last_step_ms = (time.monotonic() - t0) * 1000.0
                 self._last_batch = len(batch)
                 self._steps += 1
-                self._emit(outputs)
+                for out in outputs:
+                    self.channel.send(Result(output=out))
             # 4) Report load now and then (not per step: that would double the IPC per request).
             now = time.monotonic()
             if now - last_stats >= STATS_INTERVAL_S:
@@ -186,49 +189,27 @@ class EngineProc:
                 self.reader.prune()  # mappings of segments their owners unlinked
                 self.channel.send(
                     Stats(
-                        queued=self._inbox.qsize(),
+                        queued=len(self._waiting),
                         running=len(batch),
                         batch_size=self._last_batch,
                         step_ms=self._last_step_ms,
                         steps=self._steps,
                     )
                 )
-            if self.state is State.DRAINING and self._inbox.empty():
+            if self.state is State.DRAINING and not self._waiting:
                 self.state = State.STOPPED
 
     def _next_batch(self) -> list[tuple[StageInput, float]]:
-        batch: list[tuple[StageInput, float]] = []
-        try:
-            item = self._inbox.get(timeout=STATS_INTERVAL_S)
-        except queue.Empty:
-            return batch
-        while True:
-            if item is not None:
-                batch.append(item)
-            if len(batch) >= self.max_num_seqs:
-                return batch
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return batch
-
-    def _admit(self, batch: list[tuple[StageInput, float]]) -> list[tuple[StageInput, float]]:
         now_ms = time.time() * 1000.0
-        admitted = []
-        for si, t in batch:
-            with self._lock:
-                aborted = si.request_id in self._aborted
-                self._aborted.discard(si.request_id)
-                if aborted:
-                    self._live.discard(si.request_id)
-            if aborted:  # the sidecar no longer waits for it
-                logger.info("dropping aborted request_id=%s stage=%d", si.request_id, self.stage_id)
-            elif si.deadline_ms < now_ms:  # the sidecar waits: answer with the reason
+        batch: list[tuple[StageInput, float]] = []
+        while self._waiting and len(batch) < self.max_num_seqs:
+            si, t = self._waiting.popleft()
+            if si.deadline_ms < now_ms:  # the sidecar waits: answer with the reason
                 logger.info("deadline passed request_id=%s stage=%d", si.request_id, self.stage_id)
-                self._emit([self._deadline_error(si)])
+                self.channel.send(Result(output=self._deadline_error(si)))
             else:
-                admitted.append((si, t))
-        return admitted
+                batch.append((si, t))
+        return batch
 
     @property
     def stage_id(self) -> int:
@@ -244,17 +225,6 @@ class EngineProc:
                 stage_id=self.stage_id,
             ),
         )
-
-    def _emit(self, outputs: list[StageOutput]) -> None:
-        for out in outputs:
-            with self._lock:
-                aborted = out.request_id in self._aborted
-                self._aborted.discard(out.request_id)
-                self._live.discard(out.request_id)
-            if aborted:  # nobody waits for it: free its slots at once
-                self.arena.free_owner(out.request_id)
-                continue
-            self.channel.send(Result(output=out))
 
     # ---- tensors -------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 logger = logging.getLogger(__name__)
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+_enabled = False  # set by setup_tracing; off, stage_span costs nothing on the hot path
 _TRACER_NAME = "omni_mesh"
 
 
@@ -51,6 +52,8 @@ def setup_tracing(service_name: str, exporter: TracingExporter) -> TracerProvide
     else:
         provider.add_span_processor(BatchSpanProcessor(_otlp_exporter()))
     trace.set_tracer_provider(provider)
+    global _enabled
+    _enabled = True
     logger.info("tracing on: service=%s exporter=%s", service_name, exporter.value)
     return provider
 
@@ -74,6 +77,9 @@ def stage_span(name: str, traceparent: str, attributes: Mapping[str, str | int])
     """A span for one stage execution, child of ``traceparent`` (when valid); yields the
     ``traceparent`` that the next stages' inputs should carry (the parent's when tracing is
     off, so a trace started upstream stays whole)."""
+    if not _enabled:
+        yield traceparent
+        return
     carrier = {"traceparent": traceparent} if traceparent else {}
     parent = _PROPAGATOR.extract(carrier)
     tracer = trace.get_tracer(_TRACER_NAME)

@@ -80,7 +80,8 @@ class StageRunner:
             try:
                 yield out
             finally:
-                self.engine.release(si.request_id)
+                if out.error is not None or _holds_slots(out):
+                    self.engine.release(si.request_id)  # one IPC message, only when needed
 
     async def run_chain(self, si: StageInput) -> HopResult:
         t0 = time.monotonic()
@@ -101,6 +102,14 @@ class StageRunner:
             results = await asyncio.gather(*(self.hop.send(n) for n in out.next))
         timing = msgspec.structs.replace(timing, total_ms=(time.monotonic() - t0) * 1000.0)
         return merge(si.request_id, outputs, timing, results)
+
+
+def _holds_slots(out: StageOutput) -> bool:
+    """Whether the engine wrote any of this output into its shared memory."""
+    payloads = [n.payload for n in out.next]
+    if out.final is not None:
+        payloads.append(out.final)
+    return any(t.shm is not None for p in payloads for t in p.tensors.values())
 
 
 def merge(

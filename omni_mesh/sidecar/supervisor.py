@@ -425,7 +425,7 @@ class Supervisor:
     def _kill_child(self, child: Child, why: str) -> None:
         """SIGKILL the child's own process (not its group: its engine may still clean up)."""
         what = f"{child.name} (pid {child.pid}) {why}"
-        logger.warning("killing process %s", what)
+        logger.warning("SIGKILL to %s", what)
         self.killed.append(what)
         _signal_pid(child.pid, signal.SIGKILL)
         child.process.wait()
@@ -452,7 +452,7 @@ class Supervisor:
                 f"{child.name}'s process group {pgid} (pids {', '.join(map(str, pids))}) "
                 f"still running {wait_s:g}s after {child.name} exited"
             )
-            logger.warning("killing %s", what)
+            logger.warning("SIGKILL to %s", what)
             self.killed.append(what)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
@@ -466,7 +466,7 @@ class Supervisor:
         """SIGKILL every child still running at once, then what is left of their groups."""
         for child in self._children:
             if child.returncode is None:
-                self._kill_child(child, "was killed at once (stop interrupted)")
+                self._kill_child(child, "was still running when the stop was interrupted")
         self._clear_groups(self._children, min(self.reap_s, 1.0))
 
     def close(self) -> None:

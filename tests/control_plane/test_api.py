@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import itertools
 import json
 import time
@@ -387,3 +388,102 @@ async def test_unknown_route_and_method_are_json_errors(session: aiohttp.ClientS
     async with session.get("/v1/instances") as resp:
         assert resp.status == 405
         assert "not allowed" in (await resp.json())["error"]["message"]
+
+
+# ---- bodies that cannot be read: a 400 naming the body, never a 500 -------------------------
+
+_VALID_BODY = json.dumps(GOOD).encode()
+
+
+async def _raw_exchange(url: str, request: bytes, *, half_close: bool = False) -> bytes:
+    """Send raw bytes, read until the server closes (or 5 s pass)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(request)
+        await writer.drain()
+        if half_close:
+            writer.write_eof()
+        async with asyncio.timeout(5):
+            return await reader.read()
+    finally:
+        writer.close()
+
+
+def _parse_raw(answer: bytes) -> tuple[int, dict[str, str], dict[str, object]]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode().split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (h.split(":", 1) for h in header_lines)}
+    return int(status_line.split()[1]), headers, json.loads(body)
+
+
+_POST = b"POST /v1/instances HTTP/1.1\r\nHost: cp\r\nContent-Type: application/json\r\n"
+_GZIP_TRUNCATED = gzip.compress(_VALID_BODY)[:20]
+
+UNREADABLE_BODIES = [
+    # (id, headers and body after the request line, whether the stream is broken)
+    ("gzip-garbage", b"Content-Encoding: gzip\r\nContent-Length: 4\r\n\r\nxxxx", True),
+    ("gzip-garbage-chunked",
+     b"Content-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nxxxx\r\n0\r\n\r\n",
+     True),
+    ("deflate-garbage", b"Content-Encoding: deflate\r\nContent-Length: 6\r\n\r\nnot-z!", True),
+    # a gzip stream cut short decodes to a prefix of the JSON: a plain bad-JSON 400
+    ("gzip-truncated", b"Content-Encoding: gzip\r\nConnection: close\r\nContent-Length: %d\r\n"
+     b"\r\n%s" % (len(_GZIP_TRUNCATED), _GZIP_TRUNCATED), False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("request_tail", "broken"),
+    [pytest.param(tail, broken, id=name) for name, tail, broken in UNREADABLE_BODIES],
+)
+async def test_an_unreadable_body_is_a_400_naming_the_body(
+    fast_cp: ControlPlaneProcess, request_tail: bytes, broken: bool
+) -> None:
+    log_before = len(fast_cp.proc.stderr)
+    # after a broken body the connection closes: what follows is not read as a request
+    pipelined = b"GET /healthz HTTP/1.1\r\nHost: cp\r\n\r\n" if broken else b""
+    answer = await _raw_exchange(fast_cp.url, _POST + request_tail + pipelined)
+    assert answer.count(b"HTTP/1.1 ") == 1, answer
+    status, headers, body = _parse_raw(answer)
+    assert status == 400, answer
+    assert headers["content-type"].startswith("application/json")
+    assert headers["connection"].lower() == "close"
+    error = body["error"]
+    assert isinstance(error, dict) and error["field"] == "body", body
+    assert "body" in str(error["message"])
+    if broken:
+        assert "request body could not be read" in str(error["message"])
+    await asyncio.sleep(0.1)
+    new_log = fast_cp.proc.stderr[log_before:]
+    assert "Traceback" not in new_log and "Error handling request" not in new_log, new_log
+
+
+async def test_curl_gzip_garbage_is_a_400(session: aiohttp.ClientSession) -> None:
+    """``curl -H 'Content-Encoding: gzip' -d xxxx .../v1/instances`` (it was a 500)."""
+    headers = {"Content-Encoding": "gzip", "Content-Type": "application/x-www-form-urlencoded"}
+    async with session.post("/v1/instances", data=b"xxxx", headers=headers) as resp:
+        assert resp.status == 400
+        error = (await resp.json())["error"]
+    assert error == {
+        "message": "request body could not be read: Can not decode content-encoding: gzip",
+        "field": "body",
+    }
+
+
+@pytest.mark.parametrize("framing", ["chunked", "content-length"])
+async def test_a_body_cut_short_by_the_client_is_no_server_error(
+    fast_cp: ControlPlaneProcess, session: aiohttp.ClientSession, framing: str
+) -> None:
+    log_before = len(fast_cp.proc.stderr)
+    if framing == "chunked":
+        request = _POST + b'Transfer-Encoding: chunked\r\n\r\n20\r\n{"pipeline": "tin'
+    else:
+        request = _POST + b'Content-Length: 100\r\n\r\n{"pipeline": "tin'
+    # the client half-closes mid-body: aiohttp drops the connection, nobody gets an answer
+    assert await _raw_exchange(fast_cp.url, request, half_close=True) == b""
+    async with session.get("/healthz") as resp:
+        assert resp.status == 200
+    await asyncio.sleep(0.2)
+    new_log = fast_cp.proc.stderr[log_before:]
+    assert "Traceback" not in new_log and "Error handling request" not in new_log, new_log

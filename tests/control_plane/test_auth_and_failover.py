@@ -115,6 +115,11 @@ async def test_redis_outage_is_a_503_and_recovers(
                 assert resp.status == 503, path
         async with session.get("/metrics") as resp:
             assert resp.status == 200, "metrics stay available without Redis"
+        for _ in range(20):  # a health probe polling during the outage
+            async with session.get("/healthz") as resp:
+                assert resp.status == 503
+        # the warnings are rate-limited (one per 5 s, with a count), not one per request
+        assert cp.proc.stderr.count("redis unavailable") <= 2, cp.proc.stderr
 
         await asyncio.to_thread(redis_server.start)
         async with ControlPlaneClient([cp.url]) as client:

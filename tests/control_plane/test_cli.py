@@ -8,13 +8,19 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import redis
 
-from omni_mesh.control_plane.client import ControlPlaneClient, RegisterRequest
+from omni_mesh.control_plane.client import (
+    ControlPlaneClient,
+    InstanceUnknownError,
+    LoadReport,
+    RegisterRequest,
+)
 from tests.procs import (
     ControlPlaneProcess,
     ManagedProcess,
@@ -22,6 +28,7 @@ from tests.procs import (
     clean_env,
     cp_argv,
     free_port,
+    http_status,
     pid_alive,
     wait_until,
 )
@@ -36,14 +43,16 @@ def run_cp(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
 
 
 def start_bare_serve(
-    process_factory: Callable[..., ManagedProcess],
+    process_factory: Callable[..., ManagedProcess], tmp_dir: Path | None = None
 ) -> tuple[ManagedProcess, int, Path]:
     """``omni-cp serve`` with no arguments (the port from OMNI_CP_PORT); returns the process,
-    its embedded redis-server pid and that server's directory."""
+    its embedded redis-server pid and the (already removed) directory that server runs in.
+    ``tmp_dir`` becomes omni-cp's TMPDIR."""
     port = free_port()
-    proc = process_factory(
-        cp_argv("serve"), name="omni-cp-bare", env=clean_env({"OMNI_CP_PORT": str(port)})
-    )
+    env = {"OMNI_CP_PORT": str(port)}
+    if tmp_dir is not None:
+        env["TMPDIR"] = str(tmp_dir)
+    proc = process_factory(cp_argv("serve"), name="omni-cp-bare", env=clean_env(env))
     line = proc.wait_for_output(r"omni-cp serving on (\S+) \(redis (\S+) embedded\)", 30)
     assert line.group(1) == f"http://127.0.0.1:{port}"
     proc.wait_http_ready(f"http://127.0.0.1:{port}/healthz")
@@ -54,9 +63,29 @@ def start_bare_serve(
     with redis.Redis(port=redis_port, decode_responses=True) as client:
         assert client.config_get("save") == {"save": ""}
         assert client.config_get("appendonly") == {"appendonly": "no"}
-    redis_dir = Path(os.readlink(f"/proc/{redis_pid}/cwd"))  # redis chdirs into --dir
-    assert redis_dir.name.startswith("omni-cp-redis-")
+    cwd = os.readlink(f"/proc/{redis_pid}/cwd")  # redis chdirs into --dir ...
+    assert cwd.endswith(" (deleted)"), f"{cwd}: removed as soon as redis answered"  # ... gone
+    redis_dir = Path(cwd.removesuffix(" (deleted)"))
+    assert redis_dir.name.startswith(f"omni-cp-redis-{proc.pid}-")
+    assert not redis_dir.exists()
+    if tmp_dir is not None:
+        assert redis_dir.parent == tmp_dir
     return proc, redis_pid, redis_dir
+
+
+def redis_dirs(tmp_dir: Path) -> list[str]:
+    return sorted(p.name for p in tmp_dir.glob("omni-cp-redis-*"))
+
+
+def cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -81,12 +110,36 @@ async def test_serve_without_arguments_and_a_clean_shutdown(
     assert "Traceback" not in proc.stderr
 
 
-def test_embedded_redis_dies_with_a_killed_control_plane(
-    process_factory: Callable[..., ManagedProcess],
+def test_embedded_redis_dies_with_a_killed_control_plane_and_leaves_no_directory(
+    process_factory: Callable[..., ManagedProcess], tmp_path: Path
 ) -> None:
-    proc, redis_pid, _ = start_bare_serve(process_factory)
+    tmp_dir = tmp_path / "tmp"
+    tmp_dir.mkdir()
+    proc, redis_pid, _ = start_bare_serve(process_factory, tmp_dir)
+    assert redis_dirs(tmp_dir) == []
     proc.kill()
     wait_until(lambda: not pid_alive(redis_pid), 5, message="redis-server survived kill -9")
+    assert redis_dirs(tmp_dir) == [], "kill -9 of omni-cp left an embedded-redis directory"
+
+
+def test_stale_redis_directories_of_dead_owners_are_swept_at_start_up(
+    process_factory: Callable[..., ManagedProcess], tmp_path: Path
+) -> None:
+    tmp_dir = tmp_path / "tmp"
+    tmp_dir.mkdir()
+    gone = dead_pid()
+    stale = tmp_dir / f"omni-cp-redis-{gone}-abc123"  # omni-cp's pid in the name
+    legacy = tmp_dir / "omni-cp-redis-k2j3h4g5"  # the older layout: redis's pid in its log
+    in_use = tmp_dir / f"omni-cp-redis-{os.getpid()}-def456"  # owner alive: kept
+    legacy_in_use = tmp_dir / "omni-cp-redis-q9w8e7r6"
+    for path in (stale, legacy, in_use, legacy_in_use):
+        path.mkdir()
+    (stale / "dump.rdb").write_bytes(b"x")
+    (legacy / "redis.log").write_text(f"{gone}:C 29 Nov 2026 11:45:21.150 # Redis is starting\n")
+    (legacy_in_use / "redis.log").write_text(f"{os.getpid()}:M 29 Nov 2026 11:45:21.150 * x\n")
+    proc, _, _ = start_bare_serve(process_factory, tmp_dir)
+    assert redis_dirs(tmp_dir) == sorted([in_use.name, legacy_in_use.name])
+    proc.terminate()
 
 
 @pytest.mark.parametrize(
@@ -176,8 +229,22 @@ def test_status_exits_1_when_the_control_plane_is_unreachable() -> None:
     url = f"http://127.0.0.1:{free_port()}"
     result = run_cp("status", "--cp", url, "--timeout-s", "1")
     assert result.returncode == 1
-    assert "control plane unreachable" in result.stderr and url in result.stderr
-    assert "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        f"omni-cp status: cannot reach the control plane at {url}: connection refused"
+    )
+
+
+@pytest.mark.parametrize(
+    "url", ["htp:/foo", "localhost:7700", "http://", "http://h:99999", "http://h:port", "x"]
+)
+def test_status_rejects_a_malformed_url_with_exit_2(url: str) -> None:
+    result = run_cp("status", "--cp", url, "--timeout-s", "1")
+    assert result.returncode == 2, result
+    assert "--cp" in result.stderr and "invalid control-plane URL" in result.stderr
+    assert repr(url) in result.stderr
+    assert "unreachable" not in result.stderr and "Traceback" not in result.stderr
+    from_env = run_cp("status", env={"OMNI_CP_URL": f"http://127.0.0.1:1,{url}"})
+    assert from_env.returncode == 2 and "OMNI_CP_URL" in from_env.stderr
 
 
 def test_status_with_a_wrong_token_exits_1(
@@ -188,3 +255,78 @@ def test_status_with_a_wrong_token_exits_1(
     assert result.returncode == 1 and "401" in result.stderr
     ok = run_cp("status", "--cp", cp.url, env={"OMNI_CP_AUTH_TOKEN": "right"})
     assert ok.returncode == 0, ok.stderr
+
+
+# ---- supervision of the embedded redis-server ---------------------------------------------
+
+
+def next_redis_pid(proc: ManagedProcess, not_pid: int, timeout: float = 10.0) -> int:
+    """The pid of omni-cp's redis-server child once it is another than ``not_pid``."""
+    found: list[int] = []
+
+    def restarted() -> bool:
+        found[:] = [p for p in child_pids(proc.pid) if p != not_pid]
+        return bool(found)
+
+    wait_until(restarted, timeout, message=lambda: f"redis not restarted\n{proc.describe()}")
+    return found[0]
+
+
+async def test_a_killed_embedded_redis_is_restarted_empty_and_instances_re_register(
+    process_factory: Callable[..., ManagedProcess], tmp_path: Path
+) -> None:
+    tmp_dir = tmp_path / "tmp"
+    tmp_dir.mkdir()
+    proc, redis_pid, _ = start_bare_serve(process_factory, tmp_dir)
+    url = proc.wait_for_output(r"serving on (\S+)").group(1)
+    request = RegisterRequest(
+        pipeline="tiny-tts", stage_id=0, address="http://127.0.0.1:9701", capacity=1
+    )
+    async with ControlPlaneClient([url], timeout_s=2.0) as client:
+        registration = await client.register(request)
+        os.kill(redis_pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        new_pid = await asyncio.to_thread(next_redis_pid, proc, redis_pid)
+        await asyncio.to_thread(
+            wait_until, lambda: http_status(f"{url}/healthz") == 200, 5, message="healthz"
+        )
+        assert time.monotonic() - killed_at < 5.0
+        redis_url = proc.wait_for_output(r"\(redis (\S+) embedded\)").group(1)
+        assert redis_url.removesuffix("/0").removeprefix("redis://") in cmdline(new_pid), (
+            "restarted on the same port"
+        )
+        # the data is gone: the old instance's heartbeat gets 404 -> the sidecar re-registers
+        with pytest.raises(InstanceUnknownError):
+            await client.heartbeat(registration.instance_id, LoadReport())
+        again = await client.register(request)
+        pool = await client.instances("tiny-tts", 0)
+        assert [i.instance_id for i in pool.instances] == [again.instance_id]
+    log = proc.stderr
+    assert re.search(
+        rf"ERROR omni_mesh\.control_plane\.server: embedded redis-server pid={redis_pid} died "
+        r"unexpectedly \(killed by SIGKILL\); restarting it empty on port \d+",
+        log,
+    ), log
+    assert redis_dirs(tmp_dir) == []
+    proc.terminate()
+    assert await asyncio.to_thread(proc.wait, 15) == 0
+    assert not pid_alive(new_pid)
+
+
+def test_an_embedded_redis_that_keeps_dying_makes_omni_cp_exit_non_zero(
+    process_factory: Callable[..., ManagedProcess], tmp_path: Path
+) -> None:
+    tmp_dir = tmp_path / "tmp"
+    tmp_dir.mkdir()
+    proc, redis_pid, _ = start_bare_serve(process_factory, tmp_dir)
+    pid = redis_pid
+    for death in (1, 2):
+        os.kill(pid, signal.SIGKILL)
+        pid = next_redis_pid(proc, pid)
+        assert f"({death}/3 deaths within 30s)" in proc.stderr
+    os.kill(pid, signal.SIGKILL)
+    assert proc.wait(10) == 1, proc.describe()
+    assert "died 3 times within 30s: giving up" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not pid_alive(pid)
+    assert redis_dirs(tmp_dir) == []
