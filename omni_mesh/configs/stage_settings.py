@@ -47,6 +47,12 @@ class StageSettings(BaseSettings):
     engine_start_timeout_s: float = Field(
         default=300.0, gt=0, le=3600, description="READY timeout."
     )
+    api_max_inflight: int = Field(
+        default=4096,
+        ge=1,
+        le=1_000_000,
+        description="Requests an engine-less API server admits at once before answering 429.",
+    )
     drain_timeout_s: float = Field(default=30.0, ge=0, le=3600, description="SIGTERM drain bound.")
     max_body_bytes: int = Field(
         default=256 * 1024 * 1024, ge=1024, le=1 << 34, description="Largest accepted HTTP body."

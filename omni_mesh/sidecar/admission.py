@@ -17,11 +17,14 @@ def admitted(pod: Pod, request_id: str, route: str) -> Iterator[None]:
         raise ApiError(
             503, "instance is draining", type_="unavailable", headers={"Retry-After": "1"}
         )
-    if pod.in_flight >= pod.stage_config.max_inflight:
+    capacity = (
+        pod.stage_config.max_inflight if pod.engine is not None else pod.settings.api_max_inflight
+    )
+    if pod.in_flight >= capacity:
         pod.metrics.rejected.labels(*labels, "full").inc()
         raise ApiError(
             429,
-            f"stage {pod.stage_id} instance is at capacity ({pod.stage_config.max_inflight})",
+            f"stage {pod.stage_id} instance is at capacity ({capacity})",
             type_="rate_limit",
             headers={"Retry-After": "0"},
         )

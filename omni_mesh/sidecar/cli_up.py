@@ -12,10 +12,10 @@ when one dies before it was ever ready or fails 5 times within 60 s.
 
 Ctrl-C or SIGTERM drains the deployment in pipeline order — the API server, then stage 0's
 replicas, stage 1's, …, the control plane last, each group gone before the next is told to stop
-— so requests in flight finish (new ones get 503). Each pod drains for up to
-``--drain-timeout``; a process still running ``--stop-timeout`` after its SIGTERM is SIGKILLed,
-which omni-up reports, exiting 1; otherwise it exits 0. A second Ctrl-C kills what is left at
-once (exit 130). Orphaned shared-memory segments are removed at the end. Bad flags exit 2.
+— so the requests in flight finish. Each pod drains for up to ``--drain-timeout``; a process
+still running ``--stop-timeout`` after its SIGTERM is SIGKILLed, which omni-up reports, exiting
+1; otherwise it exits 0. A second Ctrl-C kills what is left at once (exit 130). Orphaned
+shared-memory segments are removed at the end. Bad flags exit 2.
 
 The deployment secret comes from ``--secret``, else ``OMNI_SECRET``, else is generated; the
 stages get it as ``OMNI_SECRET`` in their environment (not on their command line, which any

@@ -69,11 +69,11 @@ async def generate_outputs(
     with stage_span(f"{request.method} {request.path}", si.traceparent, attributes) as tp:
         si = msgspec.structs.replace(si, traceparent=tp)
         result: HopResult
-        if pod.runner is not None and pod.stage_id == pod.pipeline.entry_stage_id:
-            with admitted(pod, si.request_id, "api"):
+        with admitted(pod, si.request_id, "api"):  # counted, so a drain waits for it
+            if pod.runner is not None and pod.stage_id == pod.pipeline.entry_stage_id:
                 result = await pod.runner.run_chain(si)
-        else:
-            result = await pod.hop.send(si)
+            else:
+                result = await pod.hop.send(si)
     if result.error is not None:
         raise from_stage_error(result.error)
     return final_outputs(pod.pipeline, result.outputs)

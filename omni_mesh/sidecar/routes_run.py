@@ -181,13 +181,14 @@ async def _forward(pod: Pod, stage_id: int, body: bytearray, request: web.Reques
     content_type = request.content_type
     deadline_ms = int((time.time() + request_timeout(pod, request)) * 1000)
     payload = bytes(body)
-    answer = await pod.hop.call(
-        stage_id,
-        RUN_PATH,
-        lambda replica, attempt: payload,
-        content_type=content_type,
-        deadline_ms=deadline_ms,
-    )
+    with admitted(pod, f"forward-{id(request)}", "run"):  # counted, so a drain waits for it
+        answer = await pod.hop.call(
+            stage_id,
+            RUN_PATH,
+            lambda replica, attempt: payload,
+            content_type=content_type,
+            deadline_ms=deadline_ms,
+        )
     return web.Response(
         body=bytes(answer.body), status=answer.status, content_type=answer.content_type
     )
