@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install lint typecheck test test-tools check run clean
+.PHONY: install lint typecheck test test-tools check run bench bench-quick clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -39,8 +39,16 @@ test: install test-tools
 
 check: lint typecheck test
 
+# Every benchmark, full length (about 25 min; peer installs Ray Serve into benchmarks/.ray-venv
+# on first use); the tables are written into docs/benchmarks.md.
+bench: install
+	$(BIN)/python -m benchmarks all --write-doc docs/benchmarks.md
+
+bench-quick: install
+	$(BIN)/python -m benchmarks all --quick
+
 clean:
-	rm -rf $(VENV) *.egg-info .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) *.egg-info .mypy_cache .ruff_cache .pytest_cache benchmarks/.ray-venv
 
 run: install
 	bash scripts/run-demo.sh

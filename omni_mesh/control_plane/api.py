@@ -1,5 +1,6 @@
 """HTTP handlers of the control plane (DESIGN §6): registration, heartbeats, discovery, operator
-actions, health and metrics. The long-poll/SSE watch lives in ``watch.py``.
+actions, suspect reports (probed in ``suspect.py``), health and metrics. The long-poll/SSE
+watch lives in ``watch.py``.
 """
 
 from __future__ import annotations
@@ -29,12 +30,16 @@ from omni_mesh.control_plane.schema import (
     HealthStatus,
     HeartbeatAck,
     HeartbeatRequest,
+    InstanceState,
     IsolateRequest,
     PipelineList,
     PipelineStatus,
+    ProbeOutcome,
     ReadmitRequest,
     RegisterRequest,
     Registration,
+    SuspectRequest,
+    SuspectResult,
 )
 from omni_mesh.control_plane.store import StateAction
 from omni_mesh.observability.metrics import CP_INSTANCE_STATES
@@ -128,7 +133,9 @@ async def heartbeat(request: web.Request) -> web.Response:
     if result is None:
         raise _unknown_instance(instance_id)
     if result.revived:
-        logger.info("instance=%s heartbeats again: healthy (was lease_expired)", instance_id)
+        logger.info(
+            "instance=%s heartbeats again: healthy (was %s)", instance_id, result.previous_reason
+        )
     ack = HeartbeatAck(
         instance_id=instance_id, epoch=result.epoch, state=result.state, reason=result.reason
     )
@@ -193,6 +200,51 @@ async def readmit(request: web.Request) -> web.Response:
     return await _change_state(request, StateAction.READMIT, "")
 
 
+async def suspect(request: web.Request) -> web.Response:
+    """A sender could not connect to the instance: probe it here, isolate it if it is dead."""
+    instance_id = instance_id_param(request)
+    body = await read_model(request, SuspectRequest)
+    app = request.app
+    store = app[appkeys.STORE]
+    info = await store.instance(instance_id)
+    if info is None:
+        raise _unknown_instance(instance_id)
+    app[appkeys.METRICS].suspects.labels(info.pipeline, str(info.stage_id)).inc()
+    logger.info(
+        "suspect instance=%s pipeline=%s stage=%s state=%s reported by %s: %s",
+        instance_id,
+        info.pipeline,
+        info.stage_id,
+        info.state.value,
+        body.reporter or "-",
+        body.reason,
+    )
+    if info.state is not InstanceState.HEALTHY:  # already out of discovery: nothing to probe
+        result = SuspectResult(
+            instance_id=instance_id,
+            isolated=info.state is InstanceState.ISOLATED,
+            probe=ProbeOutcome.SKIPPED,
+            detail=f"instance is {info.state.value} ({info.reason or '-'}): not probed",
+            state=info.state,
+            reason=info.reason,
+        )
+        return _json(result)
+    probe, reused = await app[appkeys.SUSPECTS].check(info)
+    after = await store.instance(instance_id)
+    if after is None:  # it left (deregistered or superseded) meanwhile
+        raise _unknown_instance(instance_id)
+    result = SuspectResult(
+        instance_id=instance_id,
+        isolated=after.state is InstanceState.ISOLATED,
+        probe=probe.outcome,
+        detail=probe.detail,
+        cached=reused,
+        state=after.state,
+        reason=after.reason,
+    )
+    return _json(result)
+
+
 # ---- discovery ------------------------------------------------------------------------------
 
 
@@ -229,6 +281,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/instances/{id}/isolate", isolate)
     app.router.add_post("/v1/instances/{id}/readmit", readmit)
     app.router.add_post("/v1/instances/{id}/drain", drain)
+    app.router.add_post("/v1/instances/{id}/suspect", suspect)
     app.router.add_get("/v1/pipelines", pipelines)
     app.router.add_get("/v1/pipelines/{pipeline}/stages/{stage_id}/instances", pool_instances)
     app.router.add_get("/v1/watch", watch.watch)

@@ -1,7 +1,8 @@
 """The omni-cp aiohttp application: middlewares, routes and resources in ``cleanup_ctx``.
 
-Resources come up in order (Redis client -> store -> change hub -> sweeper) and go down in
-reverse. Several apps may live in one process (tests): each has its own metrics registry.
+Resources come up in order (Redis client -> store -> change hub -> sweeper -> suspect
+prober) and go down in reverse. Several apps may live in one process (tests): each has its
+own metrics registry.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError
@@ -27,22 +28,33 @@ from omni_mesh.control_plane.middleware import (
 )
 from omni_mesh.control_plane.schema import MAX_BODY_BYTES
 from omni_mesh.control_plane.store import InstanceStore
+from omni_mesh.control_plane.suspect import SuspectChecker
 from omni_mesh.control_plane.sweeper import Sweeper
 from omni_mesh.observability.metrics import ControlPlaneMetrics
 
 logger = logging.getLogger(__name__)
 
 
+#: Redis connections per omni-cp; more requests than this wait for one (see connect_redis).
+REDIS_POOL_SIZE = 64
+
+
 def connect_redis(url: str) -> Redis:
-    """A Redis client that fails fast (one quick retry), so the API answers 503 promptly."""
-    return Redis.from_url(
+    """A Redis client that fails fast (one quick retry), so the API answers 503 promptly.
+
+    The pool blocks (up to 2 s) when all its connections are busy: a burst of heartbeats
+    queues for a connection instead of failing with "Too many connections"."""
+    pool = BlockingConnectionPool.from_url(
         url,
+        max_connections=REDIS_POOL_SIZE,
+        timeout=2.0,
         decode_responses=True,
         socket_connect_timeout=1.0,
         socket_timeout=2.0,
         retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), retries=1),
         health_check_interval=10,
     )
+    return Redis(connection_pool=pool)
 
 
 async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -90,6 +102,15 @@ async def _sweeper_ctx(app: web.Application) -> AsyncIterator[None]:
         await sweeper.stop()
 
 
+async def _suspects_ctx(app: web.Application) -> AsyncIterator[None]:
+    checker = SuspectChecker(app[appkeys.STORE], app[appkeys.METRICS])
+    app[appkeys.SUSPECTS] = checker
+    try:
+        yield
+    finally:
+        await checker.close()
+
+
 async def _wake_watchers(app: web.Application) -> None:
     app[appkeys.HUB].begin_shutdown()
 
@@ -115,7 +136,7 @@ def create_app(
     app[appkeys.REDIS_URL] = redis_url
     app[appkeys.KEYS] = keys or KeySchema()
     app[appkeys.METRICS] = metrics
-    app.cleanup_ctx.extend([_redis_ctx, _hub_ctx, _sweeper_ctx])
+    app.cleanup_ctx.extend([_redis_ctx, _hub_ctx, _sweeper_ctx, _suspects_ctx])
     app.on_shutdown.append(_wake_watchers)
     api.add_routes(app)
     return app

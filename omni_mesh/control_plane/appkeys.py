@@ -8,6 +8,7 @@ from omni_mesh.configs.settings import ControlPlaneSettings
 from omni_mesh.control_plane.hub import ChangeHub
 from omni_mesh.control_plane.keys import KeySchema
 from omni_mesh.control_plane.store import InstanceStore
+from omni_mesh.control_plane.suspect import SuspectChecker
 from omni_mesh.control_plane.sweeper import Sweeper
 from omni_mesh.observability.metrics import ControlPlaneMetrics
 
@@ -18,3 +19,4 @@ METRICS = web.AppKey("metrics", ControlPlaneMetrics)
 STORE = web.AppKey("store", InstanceStore)
 HUB = web.AppKey("hub", ChangeHub)
 SWEEPER = web.AppKey("sweeper", Sweeper)
+SUSPECTS = web.AppKey("suspects", SuspectChecker)

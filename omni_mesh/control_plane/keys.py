@@ -39,6 +39,7 @@ INSTANCE_FIELDS: tuple[str, ...] = (
     "registered_at_ms",
     "last_heartbeat_ms",
     "load",  # JSON object (LoadReport), "" until the first heartbeat
+    "isolated_at_ms",  # when a probe isolated it (reason unreachable); absent otherwise
 )
 
 

@@ -21,8 +21,13 @@ MAX_CAPACITY = 65536
 MAX_STAGE_ID = 63
 
 REASON_LEASE_EXPIRED = "lease_expired"
+REASON_UNREACHABLE = "unreachable"
 REASON_OPERATOR = "operator"
 REASON_DRAIN = "drain"
+#: Isolation reasons the control plane gives itself; the instance's next heartbeat readmits it.
+#: Operators cannot use them (an operator's isolation must survive heartbeats).
+AUTOMATIC_REASONS: frozenset[str] = frozenset({REASON_LEASE_EXPIRED, REASON_UNREACHABLE})
+MAX_REASON_CHARS = 128
 
 PipelineNameStr = Annotated[str, StringConstraints(min_length=1, max_length=48)]
 HostId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")]
@@ -30,14 +35,31 @@ LabelKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/\
 LabelValue = Annotated[str, StringConstraints(max_length=256)]
 MetricName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_.:\-]{0,63}$")]
 Reason = Annotated[str, StringConstraints(pattern=r"^[\x20-\x7e]{1,128}$")]
+Reporter = Annotated[str, StringConstraints(pattern=r"^[\x20-\x7e]{1,256}$")]
 MetricValue = Annotated[float, Field(allow_inf_nan=False)]
+
+
+def clean_reason(text: str, limit: int = MAX_REASON_CHARS) -> str:
+    """``text`` made acceptable as a :data:`Reason`: printable ASCII, one line, at most ``limit``
+    characters (an exception's text may be anything)."""
+    flat = " ".join(text.split())
+    printable = "".join(c if " " <= c <= "~" else "?" for c in flat)
+    if len(printable) > limit:
+        printable = printable[: limit - 3] + "..."
+    return printable or "unspecified"
+
+
+def _not_automatic(value: str) -> str:
+    if value in AUTOMATIC_REASONS:
+        raise ValueError(f"{value!r} is reserved for the control plane's own isolations")
+    return value
 
 
 class InstanceState(StrEnum):
     """Routing state of an instance. Only ``healthy`` instances are handed to routers."""
 
     HEALTHY = "healthy"
-    ISOLATED = "isolated"  # lease lapsed (reason lease_expired) or an operator isolated it
+    ISOLATED = "isolated"  # lease lapsed (lease_expired), probe failed (unreachable), or operator
     DRAINING = "draining"  # finishing its work; receives no new requests
 
 
@@ -127,9 +149,7 @@ class IsolateRequest(_Request):
     @field_validator("reason")
     @classmethod
     def _not_reserved(cls, value: str) -> str:
-        if value == REASON_LEASE_EXPIRED:
-            raise ValueError(f"{REASON_LEASE_EXPIRED!r} is reserved for the liveness sweeper")
-        return value
+        return _not_automatic(value)
 
 
 class DrainRequest(_Request):
@@ -140,13 +160,25 @@ class DrainRequest(_Request):
     @field_validator("reason")
     @classmethod
     def _not_reserved(cls, value: str) -> str:
-        if value == REASON_LEASE_EXPIRED:
-            raise ValueError(f"{REASON_LEASE_EXPIRED!r} is reserved for the liveness sweeper")
-        return value
+        return _not_automatic(value)
 
 
 class ReadmitRequest(_Request):
     """``POST /v1/instances/{id}/readmit``: back into the pool (no fields; body optional)."""
+
+
+class SuspectRequest(_Request):
+    """``POST /v1/instances/{id}/suspect``: a sender could not connect to the instance.
+
+    The control plane probes the instance itself and isolates it (reason ``unreachable``) only
+    if its own probe fails at the connection level too: one confused sender cannot take a
+    healthy replica out of the pool.
+    """
+
+    reason: Reason = Field(description="What the sender saw (connection refused, reset...).")
+    reporter: Reporter | None = Field(
+        default=None, description="Who reports (its address or instance id), for the logs."
+    )
 
 
 # ---- responses ---------------------------------------------------------------------------------
@@ -166,6 +198,42 @@ class HeartbeatAck(_Response):
 
     instance_id: str
     epoch: int
+    state: InstanceState
+    reason: str = ""
+
+
+class ProbeOutcome(StrEnum):
+    """How the control plane's own probe (``GET {address}/health``) of a suspect went."""
+
+    ANSWERED = "answered"  # it answered HTTP, whatever the status: the process is alive
+    REFUSED = "refused"  # connection refused: nothing listens there
+    RESET = "reset"  # connection reset or closed without an answer
+    TIMEOUT = "timeout"  # no answer within the probe's timeout
+    UNREACHABLE = "unreachable"  # host unreachable
+    ERROR = "error"  # something else (DNS, TLS...): inconclusive, nothing is done
+    SKIPPED = "skipped"  # not probed: the instance is not healthy (already out of discovery)
+
+    @property
+    def dead(self) -> bool:
+        """Whether the outcome says the process is gone (the instance is isolated)."""
+        return self in _DEAD_OUTCOMES
+
+
+_DEAD_OUTCOMES = frozenset(
+    {ProbeOutcome.REFUSED, ProbeOutcome.RESET, ProbeOutcome.TIMEOUT, ProbeOutcome.UNREACHABLE}
+)
+
+
+class SuspectResult(_Response):
+    """Answer to a suspect report: the probe's outcome and the instance's state after it."""
+
+    instance_id: str
+    isolated: bool = Field(description="The instance is isolated (out of discovery) now.")
+    probe: ProbeOutcome
+    detail: str = Field(default="", description="The probe's answer or error, for a person.")
+    cached: bool = Field(
+        default=False, description="The result of a concurrent or very recent probe, reused."
+    )
     state: InstanceState
     reason: str = ""
 

@@ -71,9 +71,13 @@ return {ms(epoch), ms(version), ms(now), superseded}
 )
 
 # KEYS: inst, leases, evict
-# ARGV: id, load_json, lease_ttl_ms, version_prefix, channel_prefix
-# Returns {0} when unknown, else {1, epoch, state, reason, revived}. An instance isolated only
-# because its lease lapsed is healthy again; operator isolation and draining are kept.
+# ARGV: id, load_json, lease_ttl_ms, version_prefix, channel_prefix, unreachable_reason,
+#       readmit_grace_ms
+# Returns {0} when unknown, else {1, epoch, state, reason, revived, previous_reason}. An instance
+# isolated only because its lease lapsed is healthy again, and so is one isolated because a
+# probe could not reach it, once ``readmit_grace_ms`` have passed since (a heartbeat sent just
+# before the process died may arrive after the isolation: it must not readmit a dead instance).
+# Operator isolation and draining are kept.
 HEARTBEAT = (
     _PRELUDE
     + """
@@ -84,14 +88,22 @@ local now, now_us = clock()
 redis.call('HSET', KEYS[1], 'last_heartbeat_ms', ms(now), 'load', ARGV[2])
 redis.call('ZADD', KEYS[2], ms(now + tonumber(ARGV[3])), ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
-local f = redis.call('HMGET', KEYS[1], 'state', 'reason', 'epoch', 'pipeline')
+local f = redis.call('HMGET', KEYS[1], 'state', 'reason', 'epoch', 'pipeline', 'isolated_at_ms')
 local state, reason, revived = f[1], f[2], 0
-if state == 'isolated' and reason == 'lease_expired' then
+local readmit = false
+if state == 'isolated' then
+  if reason == 'lease_expired' then
+    readmit = true
+  elseif reason == ARGV[6] then
+    readmit = now >= (tonumber(f[5]) or 0) + tonumber(ARGV[7])
+  end
+end
+if readmit then
   redis.call('HSET', KEYS[1], 'state', 'healthy', 'reason', '')
   bump(ARGV[4] .. f[4], ARGV[5] .. f[4], now_us)
   state, reason, revived = 'healthy', '', 1
 end
-return {1, f[3], state, reason, revived}
+return {1, f[3], state, reason, revived, f[2]}
 """
 )
 
@@ -148,6 +160,28 @@ if state ~= f[1] or reason ~= f[2] then
   changed = 1
 end
 return {1, state, reason, changed}
+"""
+)
+
+# KEYS: inst
+# ARGV: id, reason, version_prefix, channel_prefix
+# Returns {0} when unknown, else {1, state, reason, changed}. Isolates the instance with
+# ``reason`` only if it is healthy now (a draining or already isolated instance keeps its state
+# and reason: a probe failure must not overwrite an operator's decision), and notes when.
+ISOLATE_IF_HEALTHY = (
+    _PRELUDE
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return {0}
+end
+local f = redis.call('HMGET', KEYS[1], 'state', 'reason', 'pipeline')
+if f[1] ~= 'healthy' then
+  return {1, f[1], f[2], 0}
+end
+local now, now_us = clock()
+redis.call('HSET', KEYS[1], 'state', 'isolated', 'reason', ARGV[2], 'isolated_at_ms', ms(now))
+bump(ARGV[3] .. f[3], ARGV[4] .. f[3], now_us)
+return {1, 'isolated', ARGV[2], 1}
 """
 )
 

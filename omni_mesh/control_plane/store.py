@@ -22,6 +22,7 @@ from omni_mesh.configs.pipeline import PipelineSpec
 from omni_mesh.control_plane import scripts
 from omni_mesh.control_plane.keys import RECORD_SCHEMA_VERSION, KeySchema
 from omni_mesh.control_plane.schema import (
+    REASON_UNREACHABLE,
     InstanceInfo,
     InstanceState,
     LoadReport,
@@ -30,6 +31,10 @@ from omni_mesh.control_plane.schema import (
     PoolSnapshot,
     RegisterRequest,
 )
+
+#: A heartbeat arriving sooner than this after a probe isolated its instance (``unreachable``)
+#: does not readmit it: it may have been sent just before the process died.
+UNREACHABLE_READMIT_GRACE_MS = 250
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +60,8 @@ class HeartbeatResult:
     epoch: int
     state: InstanceState
     reason: str
-    revived: bool  # was isolated by lease expiry, healthy again
+    revived: bool  # was isolated by lease expiry or an unreachable probe, healthy again
+    previous_reason: str = ""  # the reason it had before this heartbeat
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,15 +134,18 @@ class InstanceStore:
         *,
         lease_ttl_ms: int,
         evict_after_ms: int,
+        readmit_grace_ms: int = UNREACHABLE_READMIT_GRACE_MS,
     ) -> None:
         self.redis = redis
         self.keys = keys or KeySchema()
         self.lease_ttl_ms = lease_ttl_ms
         self.evict_after_ms = evict_after_ms
+        self.readmit_grace_ms = readmit_grace_ms
         self._register = redis.register_script(scripts.REGISTER)
         self._heartbeat = redis.register_script(scripts.HEARTBEAT)
         self._deregister = redis.register_script(scripts.DEREGISTER)
         self._set_state = redis.register_script(scripts.SET_STATE)
+        self._isolate_if_healthy = redis.register_script(scripts.ISOLATE_IF_HEALTHY)
         self._sweep = redis.register_script(scripts.SWEEP)
         self._acquire = redis.register_script(scripts.ACQUIRE_LOCK)
         self._release = redis.register_script(scripts.RELEASE_LOCK)
@@ -193,6 +202,8 @@ class InstanceStore:
                 self.lease_ttl_ms,
                 k.version_prefix,
                 k.channel_prefix,
+                REASON_UNREACHABLE,
+                self.readmit_grace_ms,
             ],
         )
         if int(res[0]) == 0:
@@ -202,6 +213,7 @@ class InstanceStore:
             state=InstanceState(_text(res[2])),
             reason=_text(res[3]),
             revived=bool(int(res[4])),
+            previous_reason=_text(res[5]),
         )
 
     async def deregister(self, instance_id: str) -> DeregisterResult | None:
@@ -221,6 +233,21 @@ class InstanceStore:
         res = await self._set_state(
             keys=[k.instance(instance_id), k.leases],
             args=[instance_id, action.value, reason, k.version_prefix, k.channel_prefix],
+        )
+        if int(res[0]) == 0:
+            return None
+        return StateChangeResult(
+            state=InstanceState(_text(res[1])), reason=_text(res[2]), changed=bool(int(res[3]))
+        )
+
+    async def isolate_unreachable(self, instance_id: str) -> StateChangeResult | None:
+        """Isolate a healthy instance that a probe could not reach (reason ``unreachable``):
+        atomic, bumps the version and publishes. A draining or isolated instance is left as it
+        is (``changed`` False). None when unknown."""
+        k = self.keys
+        res = await self._isolate_if_healthy(
+            keys=[k.instance(instance_id)],
+            args=[instance_id, REASON_UNREACHABLE, k.version_prefix, k.channel_prefix],
         )
         if int(res[0]) == 0:
             return None

@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     import torch  # imported here so that --help stays fast
 
+    from omni_mesh.data_plane.memory import tune_malloc
+
+    tune_malloc()
     torch.set_num_threads(max(1, args.threads))
     pipeline = get_pipeline(args.pipeline)
     ctx = EngineContext(

@@ -42,6 +42,9 @@ CP_DEREGISTRATIONS = "omni_cp_deregistrations"
 CP_LEASE_EXPIRIES = "omni_cp_lease_expiries"
 CP_ISOLATIONS = "omni_cp_isolations"
 CP_EVICTIONS = "omni_cp_evictions"
+CP_SUSPECTS = "omni_cp_suspects"
+CP_PROBES = "omni_cp_probes"
+CP_PROBE_DURATION = "omni_cp_probe_duration_seconds"
 CP_WATCHERS = "omni_cp_watchers"
 CP_SWEEPER_LEADER = "omni_cp_sweeper_leader"
 CP_SWEEP_DURATION = "omni_cp_sweep_duration_seconds"
@@ -82,7 +85,7 @@ class ControlPlaneMetrics:
         )
         self.isolations = Counter(
             CP_ISOLATIONS,
-            "Instance isolations by reason (lease_expired or an operator's reason).",
+            "Instance isolations by reason (lease_expired, unreachable or an operator's reason).",
             ["pipeline", "stage", "reason"],
             registry=registry,
         )
@@ -90,6 +93,24 @@ class ControlPlaneMetrics:
             CP_EVICTIONS,
             "Records of long-dead instances deleted by the sweeper.",
             ["pipeline", "stage"],
+            registry=registry,
+        )
+        self.suspects = Counter(
+            CP_SUSPECTS,
+            "Suspect reports (a sender could not connect to an instance) received.",
+            ["pipeline", "stage"],
+            registry=registry,
+        )
+        self.probes = Counter(
+            CP_PROBES,
+            "Probes of suspect instances by outcome (answered, refused, reset, timeout, ...).",
+            ["pipeline", "stage", "outcome"],
+            registry=registry,
+        )
+        self.probe_duration = Histogram(
+            CP_PROBE_DURATION,
+            "Duration of one probe (GET {address}/health) of a suspect instance.",
+            buckets=HTTP_LATENCY_BUCKETS,
             registry=registry,
         )
         self.watchers = Gauge(

@@ -30,6 +30,7 @@ from omni_mesh.control_plane.client import (
     LoadReport,
     PoolWatcher,
     RegisterRequest,
+    SuspectReporter,
 )
 from omni_mesh.data_plane.messages import StageInput
 from omni_mesh.data_plane.shm import ShmReader, sweep_orphans
@@ -45,6 +46,9 @@ from omni_mesh.sidecar.pod import Pod, connector_for, resolve_secret
 from omni_mesh.sidecar.router import Replica, Router
 
 logger = logging.getLogger(__name__)
+
+#: Socket read size of the HTTP server and client: large bodies arrive in fewer pieces.
+READ_BUFSIZE = 1 << 20
 
 
 class WatchedPools:
@@ -75,7 +79,7 @@ async def build_pod(settings: StageSettings, pipeline: PipelineSpec, deploy: Dep
     router = Router(WatchedPools(None), host_id=settings.host_id)
     reader = ShmReader()
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
-    session = aiohttp.ClientSession(connector=connector)
+    session = aiohttp.ClientSession(connector=connector, read_bufsize=READ_BUFSIZE)
     secret = resolve_secret(settings)
     hop = HopClient(
         session,
@@ -160,6 +164,8 @@ async def _control_plane_ctx(app: web.Application) -> AsyncIterator[None]:
         return
     token = pod.settings.cp_auth_token.get_secret_value() if pod.settings.cp_auth_token else None
     client = ControlPlaneClient(list(pod.settings.control_plane), auth_token=token)
+    suspects = SuspectReporter(client, reporter=pod.settings.address)
+    pod.router.on_eject = suspects  # replicas it cannot connect to: the control plane probes
     watcher = PoolWatcher(client, pod.pipeline.name)
     await watcher.start()
     assert isinstance(pod.router.pools, WatchedPools)
@@ -178,6 +184,8 @@ async def _control_plane_ctx(app: web.Application) -> AsyncIterator[None]:
         lease = InstanceLease(client, request, lambda: _load(pod))
         app[LEASE] = lease
     yield
+    pod.router.on_eject = None
+    await suspects.close()
     if lease is not None:
         await lease.stop()
     await watcher.stop()
@@ -219,7 +227,9 @@ async def serve(pod: Pod) -> int:
     Start-up (engine READY, registration) is raced against the stop signal, so a pod that
     cannot reach its control plane or whose engine dies while starting still stops at once."""
     app = make_app(pod)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, read_bufsize=READ_BUFSIZE
+    )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, pod.stop, 0)

@@ -130,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     import uvloop
 
+    from omni_mesh.data_plane.memory import tune_malloc
+
+    tune_malloc()  # large bodies reuse heap pages instead of page-faulting fresh mappings
+
     from omni_mesh.observability.tracing import TracingExporter, setup_tracing
 
     try:

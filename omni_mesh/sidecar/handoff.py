@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import logging
 import time
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from omni_mesh.data_plane import codec, wire
 from omni_mesh.data_plane.connectors import Connector
 from omni_mesh.data_plane.messages import HopResult, StageError, StageInput
 from omni_mesh.data_plane.shm import ShmReader
-from omni_mesh.sidecar.router import Replica, Router
+from omni_mesh.sidecar.router import Replica, Router, connection_failed
 
 logger = logging.getLogger(__name__)
 
@@ -206,8 +205,9 @@ class HopClient:
             # Downstream stages enforce the same deadline and answer when it passes; the grace
             # lets that answer travel back instead of timing out a healthy replica here.
             timeout = aiohttp.ClientTimeout(total=remaining_s + DEADLINE_GRACE_S)
+            payload = wire.body_payload(body, content_type)
             async with self.session.post(
-                replica.address + path, data=io.BytesIO(body), headers=headers, timeout=timeout
+                replica.address + path, data=payload, headers=headers, timeout=timeout
             ) as resp:
                 if resp.status in _REPLICA_FAILED:
                     text = (await resp.text())[:300]
@@ -216,7 +216,11 @@ class HopClient:
                 data = await wire.read_response(resp, max_bytes=MAX_RESULT_BYTES)
                 return Answer(resp.status, data, resp.content_type, replica)
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, wire.WireError) as exc:
-            self.router.eject(replica.instance_id, f"{type(exc).__name__}: {exc}")
+            self.router.eject(
+                replica.instance_id,
+                f"{type(exc).__name__}: {exc}",
+                connection_level=connection_failed(exc),
+            )
             return None
         except TimeoutError:
             if now_ms() < deadline_ms:

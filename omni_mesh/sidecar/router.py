@@ -3,7 +3,9 @@ edges, and immediate ejection of a replica whose connection failed.
 
 The router reads pools from the control plane's watch cache (which keeps serving the last known
 pools while the control plane is unreachable — invariant 5) and keeps its own view of what it
-has in flight to each replica, which is fresher than any heartbeat.
+has in flight to each replica, which is fresher than any heartbeat. An ``on_eject`` callback
+hears of each ejection (the sidecar reports connection-level ones to the control plane, which
+probes the replica and takes it out of every router's pools if it is dead).
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
+
+import aiohttp
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +38,21 @@ class PoolView(Protocol):
     def replicas(self, stage_id: int) -> Iterable[Replica]: ...
 
 
+#: ``on_eject(instance_id, reason, connection_level)``.
+OnEject = Callable[[str, str, bool], None]
+
+
+def connection_failed(exc: BaseException) -> bool:
+    """Whether a failed call says the replica's process is gone: the connection was refused,
+    reset or closed before the answer ended. Not a timeout (a slow replica may be alive), nor a
+    TLS or DNS error (something answered, or the fault is ours)."""
+    if isinstance(exc, TimeoutError | aiohttp.ClientSSLError | aiohttp.ClientConnectorDNSError):
+        return False
+    return isinstance(
+        exc, aiohttp.ClientOSError | aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError
+    )
+
+
 class Router:
     """Picks a replica of a stage for a hop."""
 
@@ -44,13 +63,16 @@ class Router:
         host_id: str,
         eject_s: float = 5.0,
         rng: random.Random | None = None,
+        on_eject: OnEject | None = None,
     ) -> None:
         self.pools = pools
         self.host_id = host_id
         self.eject_s = eject_s
+        self.on_eject = on_eject
         self._rng = rng or random.Random()
         self._in_flight: dict[str, int] = {}
         self._ejected: dict[str, float] = {}
+        self._reported: set[str] = set()  # ejected for a connection-level failure, told so
 
     def candidates(self, stage_id: int, exclude: set[str]) -> list[Replica]:
         now = time.monotonic()
@@ -63,6 +85,7 @@ class Router:
                 if until > now:
                     continue
                 del self._ejected[r.instance_id]
+                self._reported.discard(r.instance_id)
             out.append(r)
         return out
 
@@ -94,13 +117,27 @@ class Router:
         else:
             self._in_flight.pop(instance_id, None)
 
-    def eject(self, instance_id: str, reason: str) -> None:
+    def eject(self, instance_id: str, reason: str, *, connection_level: bool = False) -> None:
         """Take a replica out of this router's pools at once (a failed connection says more,
-        sooner, than a missed lease); it comes back after ``eject_s`` if still discovered."""
+        sooner, than a missed lease); it comes back after ``eject_s`` if still discovered.
+
+        ``on_eject`` is called when the replica becomes newly ejected, and once more if the
+        ejection began for another failure (a 503, a timeout) and a connection-level one
+        follows: at most one connection-level call per ejection."""
         now = time.monotonic()
-        if self._ejected.get(instance_id, 0.0) <= now:  # log once per ejection, not per caller
+        newly = self._ejected.get(instance_id, 0.0) <= now
+        if newly:  # log once per ejection, not per caller
+            self._reported.discard(instance_id)
             logger.warning("ejecting instance=%s for %.1fs: %s", instance_id, self.eject_s, reason)
         self._ejected[instance_id] = now + self.eject_s
+        notify = newly or (connection_level and instance_id not in self._reported)
+        if connection_level:
+            self._reported.add(instance_id)
+        if notify and self.on_eject is not None:
+            try:
+                self.on_eject(instance_id, reason, connection_level)
+            except Exception:  # a reporting bug must not break routing
+                logger.exception("on_eject callback failed for instance=%s", instance_id)
 
     def in_flight(self, instance_id: str) -> int:
         return self._in_flight.get(instance_id, 0)

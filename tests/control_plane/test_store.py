@@ -190,6 +190,84 @@ async def test_readmitting_a_dead_instance_waits_for_its_heartbeat(
     assert hb is not None and hb.state is InstanceState.HEALTHY
 
 
+async def test_isolate_unreachable_is_atomic_versioned_and_published(
+    redis_client: redis.asyncio.Redis,
+) -> None:
+    store = make_store(redis_client)
+    spec = get_pipeline("tiny-omni")
+    res = await store.register(req())
+    before = await store.snapshot(spec)
+    pubsub = redis_client.pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe(KEYS.channel("tiny-omni"))
+    try:
+        out = await store.isolate_unreachable(res.instance_id)
+        assert out is not None and out.changed
+        assert (out.state, out.reason) == (InstanceState.ISOLATED, "unreachable")
+        message = None
+        async with asyncio.timeout(5):
+            while message is None:
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+    finally:
+        await pubsub.aclose()
+    after = await store.snapshot(spec)
+    assert after.healthy(1) == () and int(message["data"]) == after.version > before.version
+    again = await store.isolate_unreachable(res.instance_id)
+    assert again is not None and not again.changed
+    assert (await store.snapshot(spec)).version == after.version, "no change, no bump"
+    assert await store.isolate_unreachable("nope") is None
+
+
+async def test_isolate_unreachable_leaves_other_states_alone(
+    redis_client: redis.asyncio.Redis,
+) -> None:
+    store = make_store(redis_client)
+    a = await store.register(req(port=9001))
+    b = await store.register(req(port=9002))
+    await store.set_state(a.instance_id, StateAction.ISOLATE, "bad gpu")
+    await store.set_state(b.instance_id, StateAction.DRAIN, "drain")
+    for instance_id, state, reason in (
+        (a.instance_id, InstanceState.ISOLATED, "bad gpu"),
+        (b.instance_id, InstanceState.DRAINING, "drain"),
+    ):
+        out = await store.isolate_unreachable(instance_id)
+        assert out is not None and not out.changed and (out.state, out.reason) == (state, reason)
+
+
+async def test_heartbeat_readmits_an_unreachable_instance_after_the_grace(
+    redis_client: redis.asyncio.Redis,
+) -> None:
+    store = make_store(redis_client)
+    store.readmit_grace_ms = 200
+    res = await store.register(req())
+    await store.isolate_unreachable(res.instance_id)
+    early = await store.heartbeat(res.instance_id, LoadReport())
+    assert early is not None and not early.revived, "a heartbeat sent before the death"
+    assert (early.state, early.reason) == (InstanceState.ISOLATED, "unreachable")
+    await asyncio.sleep(0.25)
+    hb = await store.heartbeat(res.instance_id, LoadReport())
+    assert hb is not None and hb.revived and hb.previous_reason == "unreachable"
+    assert hb.state is InstanceState.HEALTHY
+    healthy = await store.pool("tiny-omni", 1, healthy_only=True)
+    assert [i.instance_id for i in healthy.instances] == [res.instance_id]
+
+
+async def test_an_unreachable_instance_keeps_its_reason_when_its_lease_lapses(
+    redis_client: redis.asyncio.Redis,
+) -> None:
+    store = make_store(redis_client, lease_ttl_ms=50)
+    store.readmit_grace_ms = 0
+    res = await store.register(req())
+    await store.isolate_unreachable(res.instance_id)
+    assert await store.try_acquire_sweeper_lock("t", 5000)
+    await asyncio.sleep(0.1)
+    assert (await store.sweep("t", 5000)).events == (), "already isolated: no expiry event"
+    info = await store.instance(res.instance_id)
+    assert info is not None and (info.state, info.reason) == (InstanceState.ISOLATED, "unreachable")
+    assert await redis_client.zscore(KEYS.evict, res.instance_id) is not None, "evicted later"
+    hb = await store.heartbeat(res.instance_id, LoadReport())
+    assert hb is not None and hb.revived, "a heartbeat still brings it back"
+
+
 async def test_dead_records_are_evicted(redis_client: redis.asyncio.Redis) -> None:
     store = make_store(redis_client, lease_ttl_ms=50, evict_after_ms=0)
     res = await store.register(req())

@@ -3,6 +3,8 @@
 - :class:`ControlPlaneClient` - one method per API route, fails over between omni-cp URLs.
 - :class:`InstanceLease` - registration + heartbeats of one instance, re-registers on 404.
 - :class:`PoolWatcher` - a local cache of a pipeline's healthy pools fed by the watch API.
+- :class:`SuspectReporter` - reports replicas a router could not connect to (a router's
+  ``on_eject`` callback).
 
 Request/response models and errors are re-exported from ``schema`` and ``errors``.
 """
@@ -10,6 +12,7 @@ Request/response models and errors are re-exported from ``schema`` and ``errors`
 from omni_mesh.control_plane.client.backoff import Backoff
 from omni_mesh.control_plane.client.http import ControlPlaneClient
 from omni_mesh.control_plane.client.lease import InstanceLease
+from omni_mesh.control_plane.client.suspects import SuspectReporter
 from omni_mesh.control_plane.client.watcher import ChangeListener, PoolWatcher
 from omni_mesh.control_plane.errors import (
     ControlPlaneAuthError,
@@ -28,8 +31,10 @@ from omni_mesh.control_plane.schema import (
     PipelineSnapshot,
     PipelineStatus,
     PoolSnapshot,
+    ProbeOutcome,
     RegisterRequest,
     Registration,
+    SuspectResult,
 )
 
 __all__ = [
@@ -52,6 +57,9 @@ __all__ = [
     "PipelineStatus",
     "PoolSnapshot",
     "PoolWatcher",
+    "ProbeOutcome",
     "RegisterRequest",
     "Registration",
+    "SuspectReporter",
+    "SuspectResult",
 ]

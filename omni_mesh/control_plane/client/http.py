@@ -40,6 +40,9 @@ from omni_mesh.control_plane.schema import (
     PoolSnapshot,
     RegisterRequest,
     Registration,
+    SuspectRequest,
+    SuspectResult,
+    clean_reason,
 )
 
 logger = logging.getLogger(__name__)
@@ -121,6 +124,19 @@ class ControlPlaneClient:
     async def readmit(self, instance_id: str) -> InstanceInfo:
         path = f"/v1/instances/{instance_id}/readmit"
         return _parse(InstanceInfo, await self._call("POST", path, instance=True))
+
+    async def suspect(
+        self, instance_id: str, reason: str, *, reporter: str | None = None
+    ) -> SuspectResult:
+        """Report that a connection to the instance failed. The control plane probes it and
+        isolates it (reason ``unreachable``) only if its own probe fails too. ``reason`` may be
+        any text (an exception's): it is flattened and truncated to what the API accepts."""
+        req = SuspectRequest(
+            reason=clean_reason(reason),
+            reporter=None if reporter is None else clean_reason(reporter, 256),
+        )
+        path = f"/v1/instances/{instance_id}/suspect"
+        return _parse(SuspectResult, await self._call("POST", path, body=req, instance=True))
 
     async def instances(self, pipeline: str, stage_id: int, all: bool = False) -> PoolSnapshot:
         """Healthy instances of one stage pool (``all=True``: any state)."""

@@ -1,0 +1,17 @@
+"""omni-mesh benchmarks: the fabric's cost against the physical limit and against Ray Serve.
+
+``python -m benchmarks NAME [--quick]`` runs one (``all`` runs every one; ``make bench`` runs
+them all and rewrites the generated part of ``docs/benchmarks.md``). Each prints markdown
+tables; each figure is the median of several runs, and every comparison is a ratio measured in
+the same run. Every process a benchmark starts is stopped at its end, also on error or Ctrl-C.
+
+| name | module | what |
+|---|---|---|
+| hop | :mod:`benchmarks.hop` | latency/throughput of 1-3 stage no-op chains vs raw aiohttp |
+| handoff | :mod:`benchmarks.handoff` | 1/16/64 MiB hand-offs over shm and http vs memcpy |
+| scaling | :mod:`benchmarks.scaling` | 1:N:1 with a 50 ms middle stage, N = 1, 2, 4, 8 |
+| control-plane | :mod:`benchmarks.control_plane` | heartbeats, watch propagation, kill -9 |
+| peer | :mod:`benchmarks.peer` | the same pipelines on Ray Serve (separate venv) |
+"""
+
+NAMES = ("hop", "handoff", "scaling", "control-plane", "peer")
