@@ -32,9 +32,10 @@ def admitted(pod: Pod, request_id: str, route: str) -> Iterator[None]:
         pod.metrics.rejected.labels(*labels, "duplicate").inc()
         raise ApiError(409, f"request {request_id} is already running here", type_="conflict")
     pod.in_flight += 1
-    pod.metrics.in_flight.labels(*labels).set(pod.in_flight)
+    gauge = pod.in_flight_gauge
+    gauge.inc()
     try:
         yield
     finally:
         pod.in_flight -= 1
-        pod.metrics.in_flight.labels(*labels).set(pod.in_flight)
+        gauge.dec()

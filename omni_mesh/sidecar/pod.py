@@ -10,6 +10,7 @@ import secrets
 from dataclasses import dataclass, field
 
 import aiohttp
+from prometheus_client import Gauge
 
 from omni_mesh.configs.deploy import DeployConfig, StageDeployConfig
 from omni_mesh.configs.pipeline import PipelineSpec
@@ -54,9 +55,14 @@ class Pod:
     def stage_id(self) -> int:
         return self.settings.stage_id
 
-    @property
+    @functools.cached_property
     def stage_config(self) -> StageDeployConfig:
         return self.deploy.stage(self.settings.stage_id)
+
+    @functools.cached_property
+    def in_flight_gauge(self) -> Gauge:
+        """This pod's in-flight gauge child (label lookups cost µs on every request)."""
+        return self.metrics.in_flight.labels(self.pipeline.name, str(self.stage_id))
 
     @property
     def has_engine(self) -> bool:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from omni_mesh.configs.pipeline import OutputKind, get_pipeline
 from omni_mesh.data_plane import codec
@@ -262,6 +262,11 @@ class FakeStageConfig:
 
 
 @dataclass
+class FakeSettings:
+    api_max_inflight: int = 3
+
+
+@dataclass
 class FakePod:
     """The attributes of :class:`~omni_mesh.sidecar.pod.Pod` that admission reads."""
 
@@ -272,6 +277,7 @@ class FakePod:
     engine: FakeEngine | None = field(default_factory=FakeEngine)
     draining: bool = False
     in_flight: int = 0
+    settings: FakeSettings = field(default_factory=lambda: FakeSettings())
 
     def sample(self, name: str, **labels: str) -> float:
         value = self.metrics.registry.get_sample_value(
@@ -282,8 +288,12 @@ class FakePod:
     def rejected(self, reason: str) -> float:
         return self.sample(f"{SC_REJECTED}_total", reason=reason)
 
-    def in_flight_gauge(self) -> float:
+    def in_flight_value(self) -> float:
         return self.sample(SC_IN_FLIGHT)
+
+    @property
+    def in_flight_gauge(self) -> Gauge:
+        return self.metrics.in_flight.labels("synthetic", "1")
 
 
 @pytest.fixture
@@ -293,13 +303,13 @@ def pod() -> FakePod:
 
 def test_admitted_counts_in_flight_and_releases_on_exit(pod: FakePod) -> None:
     with admitted(pod, "r1", "hop"):  # type: ignore[arg-type]
-        assert pod.in_flight == 1 and pod.in_flight_gauge() == 1
+        assert pod.in_flight == 1 and pod.in_flight_value() == 1
         with admitted(pod, "r2", "run"):  # type: ignore[arg-type]
-            assert pod.in_flight == 2 and pod.in_flight_gauge() == 2
-    assert pod.in_flight == 0 and pod.in_flight_gauge() == 0
+            assert pod.in_flight == 2 and pod.in_flight_value() == 2
+    assert pod.in_flight == 0 and pod.in_flight_value() == 0
     with pytest.raises(RuntimeError), admitted(pod, "r3", "hop"):  # type: ignore[arg-type]
         raise RuntimeError("handler failed")
-    assert pod.in_flight == 0 and pod.in_flight_gauge() == 0
+    assert pod.in_flight == 0 and pod.in_flight_value() == 0
 
 
 def test_a_draining_pod_answers_503(pod: FakePod) -> None:
