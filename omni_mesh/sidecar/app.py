@@ -1,6 +1,6 @@
 """The sidecar's aiohttp application and its lifecycle.
 
-Start-up, each step a ``cleanup_ctx`` (torn down in reverse): HTTP client session → engine
+Start-up, each step a ``cleanup_ctx`` (torn down in reverse): hop HTTP client → engine
 process (HELLO/READY) → control-plane client and pool watcher → registration and heartbeats
 (only after READY). On SIGTERM the pod drains: it leaves the pool first, finishes what is in
 flight, then stops the engine. When the engine dies the pod leaves the pool and exits non-zero
@@ -16,7 +16,6 @@ import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterable
 
-import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
@@ -41,6 +40,7 @@ from omni_mesh.sidecar.chain import StageRunner
 from omni_mesh.sidecar.engine_client import EngineClient
 from omni_mesh.sidecar.errors import api_metrics_middleware, error_middleware
 from omni_mesh.sidecar.handoff import HOP_TOKEN_HEADER, HopClient, HopStats
+from omni_mesh.sidecar.hop_http import HopHttpClient
 from omni_mesh.sidecar.keys import POD
 from omni_mesh.sidecar.pod import Pod, connector_for, resolve_secret
 from omni_mesh.sidecar.router import Replica, Router
@@ -78,11 +78,10 @@ async def build_pod(settings: StageSettings, pipeline: PipelineSpec, deploy: Dep
     metrics = SidecarMetrics(CollectorRegistry())
     router = Router(WatchedPools(None), host_id=settings.host_id)
     reader = ShmReader()
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
-    session = aiohttp.ClientSession(connector=connector, read_bufsize=READ_BUFSIZE)
+    http = HopHttpClient()
     secret = resolve_secret(settings)
     hop = HopClient(
-        session,
+        http,
         router,
         lambda a, b: connector_for(deploy, a, b),
         reader,
@@ -98,7 +97,7 @@ async def build_pod(settings: StageSettings, pipeline: PipelineSpec, deploy: Dep
         secret=secret,
         router=router,
         hop=hop,
-        session=session,
+        http=http,
         reader=reader,
     )
 
@@ -128,7 +127,7 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     janitor.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await janitor
-    await pod.session.close()
+    await pod.http.close()
     pod.reader.close()
 
 

@@ -16,14 +16,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import aiohttp
 import msgspec
 
 from omni_mesh.data_plane import codec, wire
 from omni_mesh.data_plane.connectors import Connector
 from omni_mesh.data_plane.messages import HopResult, StageError, StageInput
 from omni_mesh.data_plane.shm import ShmReader
-from omni_mesh.sidecar.router import Replica, Router, connection_failed
+from omni_mesh.sidecar.hop_http import HopConnectionError, HopHttpClient
+from omni_mesh.sidecar.router import Replica, Router
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class HopClient:
 
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        http: HopHttpClient,
         router: Router,
         connector_for: Callable[[int, int], Connector],
         reader: ShmReader,
@@ -90,7 +90,7 @@ class HopClient:
         auth_header: dict[str, str] | None = None,
         on_hop: Callable[[StageInput, HopStats], None] | None = None,
     ) -> None:
-        self.session = session
+        self.http = http
         self.router = router
         self.connector_for = connector_for
         self.reader = reader
@@ -204,22 +204,24 @@ class HopClient:
         try:
             # Downstream stages enforce the same deadline and answer when it passes; the grace
             # lets that answer travel back instead of timing out a healthy replica here.
-            timeout = aiohttp.ClientTimeout(total=remaining_s + DEADLINE_GRACE_S)
-            payload = wire.body_payload(body, content_type)
-            async with self.session.post(
-                replica.address + path, data=payload, headers=headers, timeout=timeout
-            ) as resp:
-                if resp.status in _REPLICA_FAILED:
-                    text = (await resp.text())[:300]
-                    self.router.eject(replica.instance_id, f"status {resp.status}: {text}")
-                    return None
-                data = await wire.read_response(resp, max_bytes=MAX_RESULT_BYTES)
-                return Answer(resp.status, data, resp.content_type, replica)
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, wire.WireError) as exc:
+            resp = await self.http.post(
+                replica.address,
+                path,
+                body,
+                headers,
+                timeout_s=remaining_s + DEADLINE_GRACE_S,
+                max_bytes=MAX_RESULT_BYTES,
+            )
+            if resp.status in _REPLICA_FAILED:
+                text = bytes(resp.body[:300]).decode(errors="replace")
+                self.router.eject(replica.instance_id, f"status {resp.status}: {text}")
+                return None
+            return Answer(resp.status, resp.body, resp.content_type, replica)
+        except (HopConnectionError, wire.WireError) as exc:
             self.router.eject(
                 replica.instance_id,
                 f"{type(exc).__name__}: {exc}",
-                connection_level=connection_failed(exc),
+                connection_level=isinstance(exc, HopConnectionError),
             )
             return None
         except TimeoutError:

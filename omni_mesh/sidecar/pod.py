@@ -9,7 +9,6 @@ import logging
 import secrets
 from dataclasses import dataclass, field
 
-import aiohttp
 from prometheus_client import Gauge
 
 from omni_mesh.configs.deploy import DeployConfig, StageDeployConfig
@@ -22,6 +21,7 @@ from omni_mesh.observability.metrics import SidecarMetrics
 from omni_mesh.sidecar.chain import StageRunner
 from omni_mesh.sidecar.engine_client import EngineClient
 from omni_mesh.sidecar.handoff import HopClient
+from omni_mesh.sidecar.hop_http import HopHttpClient
 from omni_mesh.sidecar.router import Router
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class Pod:
     secret: bytes
     router: Router
     hop: HopClient
-    session: aiohttp.ClientSession
+    http: HopHttpClient
     reader: ShmReader
     engine: EngineClient | None = None
     runner: StageRunner | None = None

@@ -17,8 +17,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-import aiohttp
-
 logger = logging.getLogger(__name__)
 
 
@@ -40,17 +38,6 @@ class PoolView(Protocol):
 
 #: ``on_eject(instance_id, reason, connection_level)``.
 OnEject = Callable[[str, str, bool], None]
-
-
-def connection_failed(exc: BaseException) -> bool:
-    """Whether a failed call says the replica's process is gone: the connection was refused,
-    reset or closed before the answer ended. Not a timeout (a slow replica may be alive), nor a
-    TLS or DNS error (something answered, or the fault is ours)."""
-    if isinstance(exc, TimeoutError | aiohttp.ClientSSLError | aiohttp.ClientConnectorDNSError):
-        return False
-    return isinstance(
-        exc, aiohttp.ClientOSError | aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError
-    )
 
 
 class Router:

@@ -10,7 +10,6 @@ control plane probes the replica and isolates it if it is dead.
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import logging
 import os
@@ -22,16 +21,15 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
-import aiohttp
 import pytest
 from aiohttp import web
 
-from omni_mesh.data_plane import wire
 from omni_mesh.data_plane.connectors import HttpConnector
 from omni_mesh.data_plane.messages import Payload, StageInput
 from omni_mesh.data_plane.shm import ShmReader
 from omni_mesh.sidecar.handoff import HOP_PATH, HopClient, HopUnavailable
-from omni_mesh.sidecar.router import Replica, Router, connection_failed
+from omni_mesh.sidecar.hop_http import HopHttpClient
+from omni_mesh.sidecar.router import Replica, Router
 from tests.sidecar.topology import Topology, http_get, post_json
 
 logger = logging.getLogger(__name__)
@@ -110,19 +108,6 @@ def test_router_without_callback() -> None:
     assert router.candidates(STAGE, set()) == []
 
 
-@pytest.mark.unit
-def test_connection_failed_classification() -> None:
-    reset = aiohttp.ClientOSError(errno.ECONNRESET, "Connection reset by peer")
-    assert connection_failed(reset)
-    assert connection_failed(aiohttp.ServerDisconnectedError())
-    assert connection_failed(aiohttp.ClientPayloadError("Response payload is not completed"))
-    assert not connection_failed(TimeoutError())
-    assert not connection_failed(aiohttp.SocketTimeoutError("Timeout on reading data"))
-    assert not connection_failed(aiohttp.ConnectionTimeoutError("Connection timeout"))
-    assert not connection_failed(wire.WireError("bad body"))
-    assert not connection_failed(ValueError("x"))
-
-
 # ---- HopClient tells the router what kind of failure it was ----------------------------------
 
 
@@ -194,10 +179,13 @@ async def test_hop_failures_are_reported_with_their_kind(
         payload=Payload(fields={"prompt": "p"}),
     )
     with ShmReader() as reader:
-        async with aiohttp.ClientSession() as session:
-            hop = HopClient(session, router, lambda a, b: HttpConnector(), reader, retries=0)
+        http = HopHttpClient()
+        try:
+            hop = HopClient(http, router, lambda a, b: HttpConnector(), reader, retries=0)
             with pytest.raises(HopUnavailable):
                 await hop.send(si)
+        finally:
+            await http.close()
     if kind == "slow":  # slower than the request's deadline: not the replica's fault
         assert seen.calls == []
     else:

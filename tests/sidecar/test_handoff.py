@@ -13,7 +13,6 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 
-import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
@@ -30,6 +29,7 @@ from omni_mesh.data_plane.messages import (
 from omni_mesh.data_plane.shm import ShmArena, ShmReader
 from omni_mesh.data_plane.tensors import array_from_tensor
 from omni_mesh.sidecar.handoff import HOP_PATH, HopClient, HopStats, HopUnavailable
+from omni_mesh.sidecar.hop_http import HopHttpClient
 from omni_mesh.sidecar.router import Replica, Router
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -168,9 +168,10 @@ async def dropping_server() -> AsyncIterator[DroppingServer]:
 
 
 @pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
+async def session() -> AsyncIterator[HopHttpClient]:
+    http = HopHttpClient()
+    yield http
+    await http.close()
 
 
 @pytest.fixture
@@ -184,7 +185,7 @@ class Hops:
 
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        session: HopHttpClient,
         reader: ShmReader,
         *replicas: Replica,
         retries: int = 2,
@@ -213,7 +214,7 @@ MakeHops = Callable[..., Hops]
 
 
 @pytest.fixture
-def make_hops(session: aiohttp.ClientSession, reader: ShmReader) -> MakeHops:
+def make_hops(session: HopHttpClient, reader: ShmReader) -> MakeHops:
     def make(*replicas: Replica, **kwargs: object) -> Hops:
         return Hops(session, reader, *replicas, **kwargs)  # type: ignore[arg-type]
 
