@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import ctypes.util
 import logging
 import os
 import re
@@ -30,18 +28,17 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import IO
 
+from omni_mesh.procutil import die_with_parent
+
 logger = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 DIR_PREFIX = "omni-cp-redis-"
 _OWNED_DIR = re.compile(rf"^{re.escape(DIR_PREFIX)}(\d+)-")
 _LOG_PID = re.compile(rb"^(\d+):[CMSX] ", re.MULTILINE)
@@ -128,21 +125,6 @@ def sweep_stale_dirs(tmp_dir: str | Path | None = None) -> list[Path]:
     if removed:
         logger.info("removed %d stale embedded-redis director(ies) in %s", len(removed), root)
     return removed
-
-
-def _die_with_parent_preexec() -> Callable[[], None] | None:
-    """A preexec_fn that makes the child receive SIGKILL when this process dies (Linux)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    parent = os.getpid()
-
-    def preexec() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return preexec
 
 
 def _ping(host: str, port: int) -> bool:
@@ -296,7 +278,7 @@ class EmbeddedRedis:
                 stdout=self._log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # a terminal's Ctrl-C reaches omni-cp, which stops redis
-                preexec_fn=_die_with_parent_preexec(),
+                preexec_fn=die_with_parent(signal.SIGKILL),
             )
         except OSError as exc:
             self._remove_dir()

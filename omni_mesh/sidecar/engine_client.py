@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import signal
 import sys
@@ -41,6 +40,7 @@ from omni_mesh.data_plane.shm import (
     externalize,
     unlink_prefix,
 )
+from omni_mesh.procutil import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +57,6 @@ class EngineBusyError(RuntimeError):
 
 class EngineStartError(RuntimeError):
     """The engine failed to start (load error or handshake timeout)."""
-
-
-def _pdeathsig() -> None:  # runs in the child between fork and exec
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class EngineClient:
@@ -121,7 +116,7 @@ class EngineClient:
             self.log_level,
         ]
         self._proc = await asyncio.create_subprocess_exec(
-            *argv, pass_fds=(child_sock.fileno(),), preexec_fn=_pdeathsig
+            *argv, pass_fds=(child_sock.fileno(),), preexec_fn=die_with_parent(signal.SIGTERM)
         )
         child_sock.close()
         self.engine_pid = self._proc.pid

@@ -30,7 +30,6 @@ synchronous test fixture, not from inside an event loop.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import http.client
 import logging
 import os
@@ -43,15 +42,16 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from urllib.parse import urlsplit
 
+from omni_mesh.procutil import die_with_parent
+
 logger = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 _NAME = re.compile(r"^[A-Za-z0-9][\w.\-]{0,63}$")
 TAIL_LINES = 20
 _PROBE_INTERVAL_S = 0.25  # readiness probes of a restarted child
@@ -555,23 +555,6 @@ def _format_tail(path: Path, tail: str) -> str:
     return f"; last lines of {path}:\n{lines}"
 
 
-def _die_with_parent_hook() -> Callable[[], None]:
-    """A ``preexec_fn`` that makes the child get SIGTERM when this thread dies.
-
-    libc is resolved here, before the fork; the hook itself only calls into it. If the parent
-    is already gone when the hook runs (a race prctl cannot see), the child ends itself.
-    """
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    parent = os.getpid()
-
-    def hook() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return hook
-
-
 def _signal_pid(pid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
@@ -590,7 +573,7 @@ def _spawn(
             env=None if env is None else dict(env),
             cwd=cwd,
             process_group=0,
-            preexec_fn=_die_with_parent_hook(),
+            preexec_fn=die_with_parent(signal.SIGTERM),
         )
 
 
