@@ -25,35 +25,59 @@ PDEATHSIG or EOF) can still clean up; whatever of its process group is still run
 
 Blocking by design (``subprocess`` + short HTTP probes): use it from a CLI's main thread or a
 synchronous test fixture, not from inside an event loop.
+
+One child's process handling (spawning, signalling, its log, the restart bookkeeping) lives in
+:mod:`omni_mesh.sidecar.supervised_child`, the port and HTTP checks in
+:mod:`omni_mesh.sidecar.local_net`; their public names are re-exported here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import http.client
 import logging
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
 import time
-from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from urllib.parse import urlsplit
 
-from omni_mesh.procutil import die_with_parent
+from omni_mesh.sidecar.local_net import free_port, http_ok, port_in_use
+from omni_mesh.sidecar.supervised_child import (
+    TAIL_LINES,
+    Child,
+    RestartPolicy,
+    describe_exit,
+    format_tail,
+    group_members,
+    signal_pid,
+    spawn,
+)
+
+__all__ = [
+    "TAIL_LINES",
+    "Child",
+    "ChildExitedError",
+    "ReadinessTimeoutError",
+    "RestartLimitError",
+    "RestartPolicy",
+    "Supervisor",
+    "SupervisorError",
+    "describe_exit",
+    "free_port",
+    "group_members",
+    "http_ok",
+    "port_in_use",
+]
 
 logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^[A-Za-z0-9][\w.\-]{0,63}$")
-TAIL_LINES = 20
 _PROBE_INTERVAL_S = 0.25  # readiness probes of a restarted child
 _POLL_S = 0.05
 
@@ -71,7 +95,7 @@ class ChildExitedError(SupervisorError):
         self.log_tail = child.log_tail()
         super().__init__(
             f"process {child.name!r} (pid {child.pid}) {describe_exit(self.returncode)}{detail}"
-            f"{_format_tail(child.log_path, self.log_tail)}"
+            f"{format_tail(child.log_path, self.log_tail)}"
         )
 
 
@@ -89,78 +113,8 @@ class ReadinessTimeoutError(SupervisorError):
         super().__init__(
             f"process {child.name!r} (pid {child.pid}) did not answer GET {child.ready_url} "
             f"with 200 within {timeout_s:g}s (raise the ready timeout if it is only slow)"
-            f"{_format_tail(child.log_path, self.log_tail)}"
+            f"{format_tail(child.log_path, self.log_tail)}"
         )
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    """How a child that died is started again: after ``backoff_initial_s``, doubling per recent
-    failure up to ``backoff_max_s``; never after ``max_failures`` failures within
-    ``window_s``; a restarted child must answer its ready URL within ``ready_timeout_s``."""
-
-    backoff_initial_s: float = 0.5
-    backoff_max_s: float = 10.0
-    max_failures: int = 5
-    window_s: float = 60.0
-    ready_timeout_s: float = 180.0
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.backoff_initial_s <= self.backoff_max_s:
-            raise ValueError("RestartPolicy: need 0 <= backoff_initial_s <= backoff_max_s")
-        if self.max_failures < 1 or self.window_s <= 0 or self.ready_timeout_s <= 0:
-            raise ValueError("RestartPolicy: max_failures, window_s, ready_timeout_s must be > 0")
-
-    def backoff_s(self, failures: int) -> float:
-        """The delay before restarting a child that has failed ``failures`` times recently."""
-        return min(self.backoff_max_s, self.backoff_initial_s * 2.0 ** max(0, failures - 1))
-
-
-@dataclass(eq=False)
-class Child:
-    """One supervised process (across its restarts: ``process`` is the current one)."""
-
-    name: str
-    argv: tuple[str, ...]
-    log_path: Path
-    ready_url: str | None
-    process: subprocess.Popen[bytes] = field(repr=False)
-    env: dict[str, str] | None = field(default=None, repr=False)
-    cwd: Path | None = None
-    stop_rank: int = 0
-    restart: RestartPolicy | None = None
-    ready: bool = False  # the current process answered its ready URL (or there is none)
-    ever_ready: bool = False
-    restarts: int = 0
-    started_at: float = field(default_factory=time.monotonic)
-    failures: deque[float] = field(default_factory=deque, repr=False)  # recent, monotonic
-    unready_deaths: int = 0  # exits in a row before the process was ready
-    restart_at: float | None = None  # a restart is due then (the process is dead)
-    # Process groups of earlier processes (pgid, when the leader died): an engine that lost
-    # its sidecar may still be cleaning up in there.
-    old_groups: list[tuple[int, float]] = field(default_factory=list, repr=False)
-    next_probe: float = field(default=0.0, repr=False)
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    @property
-    def returncode(self) -> int | None:
-        """The exit status once the child has exited (negative: killed by that signal)."""
-        return self.process.poll()
-
-    def log_tail(self, lines: int = TAIL_LINES) -> str:
-        """The last ``lines`` lines of the child's log (decoded leniently)."""
-        try:
-            with self.log_path.open("rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 64 * 1024))
-                data = f.read()
-        except OSError as exc:
-            return f"(log unreadable: {exc})"
-        text = data.decode("utf-8", errors="replace").rstrip("\n")
-        return "\n".join(text.splitlines()[-lines:])
 
 
 class Supervisor:
@@ -223,7 +177,7 @@ class Supervisor:
             raise ValueError(f"a process named {name!r} is already supervised")
         log_path = self.log_dir / f"{name}.log"
         child_env = None if env is None else dict(env)
-        process = _spawn(argv, log_path, child_env, cwd)
+        process = spawn(argv, log_path, child_env, cwd)
         child = Child(
             name,
             tuple(argv),
@@ -278,12 +232,7 @@ class Supervisor:
             pause = min(pause * 2, 0.5)
 
     def _mark_ready(self, child: Child) -> None:
-        if child.ready:
-            return
-        child.ready = True
-        child.ever_ready = True
-        child.unready_deaths = 0
-        if child.restarts:
+        if child.mark_ready() and child.restarts:
             logger.warning(
                 "process=%s pid=%d is ready again (restart %d)",
                 child.name,
@@ -322,46 +271,25 @@ class Supervisor:
             raise ChildExitedError(child)
         if not child.ever_ready:
             raise ChildExitedError(child, " before it was ever ready (not restarting it)")
-        child.failures.append(now)
-        while child.failures and child.failures[0] < now - policy.window_s:
-            child.failures.popleft()
-        child.unready_deaths = 0 if child.ready else child.unready_deaths + 1
-        failures = len(child.failures)
-        if failures >= policy.max_failures:
-            raise RestartLimitError(
-                child, f": it failed {failures} times within {policy.window_s:g}s, giving up"
-            )
-        if child.unready_deaths >= policy.max_failures:
-            raise RestartLimitError(
-                child,
-                f": it failed {child.unready_deaths} times in a row before it was ready again,"
-                " giving up",
-            )
-        delay = policy.backoff_s(failures)
-        child.restart_at = now + delay
-        child.old_groups.append((child.pid, now))
+        give_up = child.record_failure(policy, now)
+        if give_up is not None:
+            raise RestartLimitError(child, give_up)
+        delay = policy.backoff_s(len(child.failures))
         logger.warning(
             "process=%s pid=%d %s; restarting it in %.1fs (failure %d within %gs)",
             child.name,
             child.pid,
             describe_exit(child.returncode),
             delay,
-            failures,
+            len(child.failures),
             policy.window_s,
         )
 
     def _respawn(self, child: Child) -> None:
-        child.restart_at = None
-        with contextlib.suppress(OSError), child.log_path.open("ab") as log:
-            log.write(f"---- supervisor: restart {child.restarts + 1} ----\n".encode())
         try:
-            child.process = _spawn(child.argv, child.log_path, child.env, child.cwd)
+            child.respawn()
         except OSError as exc:
             raise SupervisorError(f"cannot restart process {child.name!r}: {exc}") from exc
-        child.restarts += 1
-        child.started_at = time.monotonic()
-        child.ready = child.ready_url is None
-        child.next_probe = 0.0
         logger.warning(
             "restarted process=%s pid=%d (restart %d)", child.name, child.pid, child.restarts
         )
@@ -412,7 +340,7 @@ class Supervisor:
         live = [c for c in group if c.returncode is None]
         for child in live:
             logger.info("stopping process=%s pid=%d", child.name, child.pid)
-            _signal_pid(child.pid, signal.SIGTERM)
+            signal_pid(child.pid, signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s
         for child in live:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -427,7 +355,7 @@ class Supervisor:
         what = f"{child.name} (pid {child.pid}) {why}"
         logger.warning("SIGKILL to %s", what)
         self.killed.append(what)
-        _signal_pid(child.pid, signal.SIGKILL)
+        signal_pid(child.pid, signal.SIGKILL)
         child.process.wait()
 
     def _clear_groups(self, children: list[Child], wait_s: float) -> None:
@@ -490,107 +418,3 @@ class Supervisor:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-# ---- helpers -----------------------------------------------------------------------------------
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (another process may still take it)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def port_in_use(host: str, port: int) -> bool:
-    """True when binding ``host:port`` fails with EADDRINUSE-like errors."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-        return False
-
-
-def http_ok(url: str, timeout_s: float = 1.0) -> bool:
-    """True when ``GET url`` answers 200 (no proxies, no redirects)."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"bad readiness URL {url!r}")
-    conn_cls = (
-        http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    )
-    conn = conn_cls(parts.hostname, parts.port, timeout=timeout_s)
-    try:
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        conn.request("GET", target)
-        response = conn.getresponse()
-        response.read()
-        return response.status == 200
-    except (OSError, http.client.HTTPException):
-        return False
-    finally:
-        conn.close()
-
-
-def describe_exit(returncode: int | None) -> str:
-    if returncode is None:
-        return "is still running"
-    if returncode < 0:
-        try:
-            return f"was killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"was killed by signal {-returncode}"
-    return f"exited with code {returncode}"
-
-
-def _format_tail(path: Path, tail: str) -> str:
-    if not tail:
-        return f"; its log {path} is empty"
-    lines = "\n".join(f"    {line}" for line in tail.splitlines())
-    return f"; last lines of {path}:\n{lines}"
-
-
-def _signal_pid(pid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, sig)
-
-
-def _spawn(
-    argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None, cwd: Path | None
-) -> subprocess.Popen[bytes]:
-    """Start ``argv`` in a process group of its own, output appended to ``log_path``."""
-    with log_path.open("ab") as log:
-        return subprocess.Popen(
-            list(argv),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=None if env is None else dict(env),
-            cwd=cwd,
-            process_group=0,
-            preexec_fn=die_with_parent(signal.SIGTERM),
-        )
-
-
-def group_members(pgids: Iterable[int]) -> dict[int, list[int]]:
-    """The running (not zombie) processes of each process group in ``pgids`` (scans /proc)."""
-    wanted = set(pgids)
-    out: dict[int, list[int]] = {pgid: [] for pgid in wanted}
-    if not wanted:
-        return out
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if len(fields) > 2 and fields[0] not in (b"Z", b"X") and int(fields[2]) in wanted:
-            out[int(fields[2])].append(int(entry.name))
-    return out
