@@ -82,6 +82,22 @@ def pid_alive(pid: int) -> bool:
     return fields is not None and fields[0] not in ("Z", "X")
 
 
+def descendants(pid: int) -> set[int]:
+    """Every live descendant of ``pid``: children, grandchildren, … (Linux)."""
+    out: set[int] = set()
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except OSError:
+            continue
+        for k in map(int, kids):
+            out.add(k)
+            todo.append(k)
+    return out
+
+
 def child_pids(pid: int) -> list[int]:
     """Live direct children of ``pid`` (scans /proc; Linux)."""
     children = []

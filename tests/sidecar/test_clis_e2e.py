@@ -13,25 +13,10 @@ from pathlib import Path
 import pytest
 
 from omni_mesh.sidecar import media
-from tests.procs import ManagedProcess, clean_env, free_port, pid_alive
+from tests.procs import ManagedProcess, clean_env, descendants, free_port, pid_alive
 from tests.sidecar.topology import SECRET, Topology, post_json, shm_segments
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
-
-
-def _descendants(pid: int) -> set[int]:
-    out: set[int] = set()
-    todo = [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
-        except OSError:
-            continue
-        for k in map(int, kids):
-            out.add(k)
-            todo.append(k)
-    return out
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
@@ -46,7 +31,7 @@ def test_omni_up_serves_and_leaves_nothing(tmp_path: Path, sig: signal.Signals) 
     try:
         up.wait_for_output(r"omni-up ready: http://127\.0\.0\.1:\d+", timeout=120)
         assert re.search(r"control plane\s+http://", up.stdout)
-        children = _descendants(up.pid)
+        children = descendants(up.pid)
         assert len(children) >= 5  # omni-cp (+ redis), 3 pods (+ engines), API server
         status, body = post_json(
             f"http://127.0.0.1:{port}/v1/audio/speech",

@@ -22,7 +22,15 @@ from pathlib import Path
 import pytest
 
 from omni_mesh.sidecar import cli_up, local_deploy, media
-from tests.procs import ManagedProcess, clean_env, free_port, http_status, pid_alive, wait_until
+from tests.procs import (
+    ManagedProcess,
+    clean_env,
+    descendants,
+    free_port,
+    http_status,
+    pid_alive,
+    wait_until,
+)
 from tests.sidecar.topology import post_json, shm_segments
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -34,21 +42,6 @@ def _omni_up(tmp_path: Path, port: int, *args: str) -> ManagedProcess:
     argv = [sys.executable, "-m", "omni_mesh.sidecar.cli_up", "--pipeline", "tiny-tts",
             "--port", str(port), *args]  # fmt: skip
     return ManagedProcess(argv, name="omni-up", env=clean_env(), log_dir=tmp_path).start()
-
-
-def _descendants(pid: int) -> set[int]:
-    out: set[int] = set()
-    todo = [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
-        except OSError:
-            continue
-        for k in map(int, kids):
-            out.add(k)
-            todo.append(k)
-    return out
 
 
 def _stage_pods(up: ManagedProcess, stage_id: int) -> dict[int, int]:
@@ -95,7 +88,7 @@ def test_ctrl_c_under_load_drains_every_request_in_pipeline_order(tmp_path: Path
     up = _omni_up(tmp_path, port, "--replicas", "1:2")
     try:
         up.wait_for_output(READY, timeout=90)
-        children = _descendants(up.pid)
+        children = descendants(up.pid)
         results: dict[int, object] = {}
         sent = [threading.Event() for _ in range(8)]
 
@@ -178,7 +171,7 @@ def test_a_replica_killed_with_minus_9_is_restarted_on_its_port(tmp_path: Path) 
         for i in range(3):
             status, body = _speech(port, f"after the restart {i}")
             assert status == 200 and media.read_wav(body)[1] == 24000
-        children = _descendants(up.pid)
+        children = descendants(up.pid)
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0, up.describe()
         assert [p for p in children if pid_alive(p)] == []
