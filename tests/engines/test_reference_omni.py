@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
-
 import numpy as np
 import pytest
 import torch
@@ -16,7 +13,6 @@ from omni_mesh.engines.base import (
     EngineContext,
     EngineInputError,
     EngineRequest,
-    EngineResult,
     StageData,
     StageEngine,
     import_object,
@@ -26,33 +22,11 @@ from omni_mesh.engines.reference.common import VOICES
 from omni_mesh.engines.reference.processors import talker_to_code2wav, thinker_to_talker
 from omni_mesh.engines.reference.talker import TalkerEngine
 from omni_mesh.engines.reference.thinker import HIDDEN, ThinkerEngine
+from tests.engines.helpers import make_engine, run_one
 
 pytestmark = pytest.mark.unit
 
 PARAGRAPH = ("The quick brown fox jumps over the lazy dog while the band plays on. " * 9)[:600]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-def make_engine(pipeline: str, stage_id: int, **extras: Any) -> StageEngine:
-    spec = get_pipeline(pipeline)
-    stage = spec.stage(stage_id)
-    config = StageDeployConfig(stage_id=stage_id, engine_extras=extras)
-    engine: StageEngine = import_object(stage.engine)(EngineContext(spec, stage, config))
-    engine.load()
-    return engine
-
-
-def run_one(engine: StageEngine, data: StageData, seed: int = 7, **kw: Any) -> EngineResult:
-    (result,) = engine.execute([EngineRequest("req-1", seed, data, **kw)])
-    assert result.error is None
-    return result
 
 
 @pytest.fixture(scope="module")
