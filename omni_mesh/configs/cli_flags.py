@@ -42,6 +42,7 @@ STAGE_FLAG_FIELDS: tuple[str, ...] = (
     "step_latency_ms",
     "per_item_latency_ms",
     "output_bytes",
+    "output_chunks",
 )
 
 

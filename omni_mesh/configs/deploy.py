@@ -182,6 +182,12 @@ class StageDeployConfig(BaseModel):
         le=MAX_OUTPUT_BYTES,
         description="Synthetic engine: payload bytes each request outputs.",
     )
+    output_chunks: int = Field(
+        default=1,
+        ge=1,
+        le=1024,
+        description="Synthetic engine: chunks a whole input's output is streamed in (async_chunk).",
+    )
     engine_extras: dict[str, Any] = Field(
         default_factory=dict,
         max_length=256,

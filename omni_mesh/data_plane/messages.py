@@ -99,13 +99,28 @@ class StageInput(Struct, kw_only=True):
     request_id: RequestId
     stage_id: StageId  # the receiver
     from_stage: int = -1  # -1: built from the client's prompt
-    chunk: int = 0
+    chunk: int = 0  # index of this input in the sender's stream of chunks (async_chunk)
+    last: bool = True  # False: more chunks of the same transfer follow
     attempt: int = 0
     deadline_ms: int  # absolute, Unix epoch milliseconds
     seed: int
     traceparent: str = ""  # W3C trace context of the request
     sampling: SamplingParams | None = None
     payload: Payload = msgspec.field(default_factory=Payload)
+
+
+def is_whole(si: StageInput) -> bool:
+    """Whether ``si`` is a whole output of its sender (not a chunk of a stream). A stage may
+    stream chunks for a whole input; a chunk gets exactly one output (with its index)."""
+    return si.chunk == 0 and si.last
+
+
+def transfer_key(si: StageInput) -> str:
+    """What names one piece of work on a stage: the request for a whole input, the request
+    and the chunk for a chunk of an upstream stream (several chunks of one request may run on
+    one replica at once). The sidecar⇄engine messages and the engine's shared-memory slots are
+    keyed by it."""
+    return si.request_id if is_whole(si) else f"{si.request_id}/{si.chunk}"
 
 
 class StageTiming(Struct):
@@ -133,6 +148,8 @@ class StageOutput(Struct, kw_only=True):
 
     request_id: str
     stage_id: int
+    chunk: int = 0  # which chunk of the request's output this is (0 for a whole output)
+    last: bool = True  # False: the engine emits more chunks for this request
     final: Payload | None = None
     next: list[StageInput] = []
     error: StageError | None = None
@@ -142,12 +159,19 @@ class StageOutput(Struct, kw_only=True):
 
 class HopResult(Struct, kw_only=True):
     """The answer to a hop: the merged final outputs of every stage at or after the receiver,
-    so the client's connection travels along one chain (DESIGN §4)."""
+    so the client's connection travels along one chain (DESIGN §4).
+
+    With ``async_chunk`` an answer may be a stream of these *frames*: every frame but the
+    last has ``more=True``; a frame's outputs are the chunks ``chunks[stage]`` (0 when absent)
+    of each stage's final output, and a receiver assembles them by (stage, chunk). Timings
+    accumulate over the frames; an error ends the stream."""
 
     request_id: str
     outputs: dict[int, Payload] = {}
+    chunks: dict[int, int] = {}
     timings: list[StageTiming] = []
     error: StageError | None = None
+    more: bool = False
 
 
 # ---- sidecar ⇄ engine ------------------------------------------------------------------------
@@ -169,28 +193,30 @@ class Ready(Struct, tag="ready"):
 
 
 class Submit(Struct, tag="submit"):
-    """Sidecar → engine: run one request. Tensors reference the sidecar's shm slots."""
+    """Sidecar → engine: run one request (or one chunk of it: the work is named by
+    :func:`transfer_key`). Tensors reference the sidecar's shm slots."""
 
     stage_input: StageInput
 
 
 class Abort(Struct, tag="abort"):
-    """Sidecar → engine: drop a request (client gone, deadline passed)."""
+    """Sidecar → engine: drop a piece of work (client gone, deadline passed)."""
 
-    request_id: str
+    key: str  # transfer_key of the submitted input
 
 
 class Release(Struct, tag="release"):
-    """Sidecar → engine: the engine's output slots for this request are no longer needed."""
+    """Sidecar → engine: the engine's output slots for this work are no longer needed."""
 
-    request_id: str
+    key: str  # transfer_key of the submitted input
 
 
 class Result(Struct, tag="result"):
-    """Engine → sidecar: the outcome of one request. Output tensors reference engine slots,
-    owned by the engine until the sidecar sends :class:`Release`."""
+    """Engine → sidecar: one output of a piece of work (its only one, or one of its chunks).
+    Output tensors reference engine slots, owned by the engine until :class:`Release`."""
 
     output: StageOutput
+    key: str  # transfer_key of the input it answers
 
 
 class Stats(Struct, tag="stats"):
@@ -274,6 +300,7 @@ class RunResponse(Struct, omit_defaults=True):
 
     stage_id: int
     request_id: str
+    chunk: int = 0  # the chunk of the request this call ran (async_chunk streams)
     next_stage_id: int | None = None
     stage_input: str | None = None
     next: list[NextInput] | None = None
@@ -284,6 +311,7 @@ class RunResponse(Struct, omit_defaults=True):
 class RunResponseBin(Struct, omit_defaults=True):
     stage_id: int
     request_id: str
+    chunk: int = 0  # the chunk of the request this call ran (async_chunk streams)
     next_stage_id: int | None = None
     stage_input: bytes | None = None
     next: list[NextInputBin] | None = None

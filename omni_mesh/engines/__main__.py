@@ -26,6 +26,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config-json", required=True, help="StageDeployConfig as JSON")
     p.add_argument("--peer-shm-prefix", default=None)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument(
+        "--async-chunk",
+        action="store_true",
+        help="the pipeline streams chunks between stages: engines may emit their output in chunks",
+    )
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -47,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         pipeline=pipeline,
         stage=pipeline.stage(args.stage_id),
         config=StageDeployConfig.model_validate_json(args.config_json),
+        async_chunk=args.async_chunk,
     )
     sock = socket.socket(fileno=args.channel_fd)
     return EngineProc(ctx, BlockingChannel(sock), peer_shm_prefix=args.peer_shm_prefix).run()

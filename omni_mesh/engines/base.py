@@ -3,15 +3,31 @@
 An engine is pure model execution. It never sees sockets, shared memory, HTTP or Redis: the
 host loop (``engines/host.py``) hands it a batch of :class:`EngineRequest` (tensors already
 resolved to numpy arrays) and turns its :class:`EngineResult` list into outputs and next-stage
-inputs. Lifecycle: ``__init__(ctx)`` (cheap) → ``load()`` (weights) → ``execute(batch)``
-repeatedly → ``close()``.
+inputs. Lifecycle: ``__init__(ctx)`` (cheap) → ``load()`` (weights) → ``execute(batch)`` or
+``open(batch)`` repeatedly → ``close()``.
+
+Streams (``async_chunk``). The core drives an engine through :meth:`StageEngine.open`: one
+iterator of results per request, in the batch's order. Each ``next()`` produces the request's
+next chunk; a result with ``last=True`` (or an ``error``) ends the stream, and ending without one
+is an engine error. The core keeps the streams it has opened across its steps (continuous
+batching at chunk granularity): every step it calls :meth:`StageEngine.before_step` once with
+the number of streams it is about to advance, then ``next()`` once on each, and closes a stream
+(``close()`` on a generator) that is aborted or expires. A stream may do its compute in
+``open`` (the default: ``execute`` runs there, the iterators only hand the results out) or
+lazily in each ``next()`` (the reference engines), where an exception fails only its request.
+
+An engine should stream only when ``ctx.async_chunk`` is on and the request's input is whole
+(:attr:`EngineRequest.whole`); for a chunk of an upstream stream it gives exactly one result.
+The core numbers the outputs (see ``engines/core.py``), so results carry no chunk index.
+Several chunks of one request may sit in one batch: ``request_id`` is then not unique, and
+``execute`` must return their results in the batch's order.
 """
 
 from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -48,12 +64,22 @@ class StageData:
 @dataclass
 class EngineRequest:
     """One request for one execution. ``data`` holds the stage's input; for the entry stage
-    ``data.fields`` holds the client's prompt fields (``prompt``, ``voice``, ``size``, …)."""
+    ``data.fields`` holds the client's prompt fields (``prompt``, ``voice``, ``size``, …).
+
+    ``chunk`` / ``last`` say which piece of an upstream stream the input is: a whole input is
+    chunk 0 with ``last=True``."""
 
     request_id: str
     seed: int
     data: StageData
     sampling: SamplingParams | None = None
+    chunk: int = 0
+    last: bool = True
+
+    @property
+    def whole(self) -> bool:
+        """The input is complete (not one chunk of an upstream stream): the engine may stream."""
+        return self.chunk == 0 and self.last
 
 
 @dataclass
@@ -62,12 +88,14 @@ class EngineResult:
 
     ``output`` feeds the downstream stages (through their processors); ``final`` is this
     stage's contribution to the client's answer (only for stages with a ``final_output``);
-    ``error`` makes it a failed request (as data: the engine keeps serving)."""
+    ``error`` makes it a failed request (as data: the engine keeps serving). In a stream,
+    ``last=False`` says more chunks follow for this request."""
 
     request_id: str
     output: StageData = field(default_factory=StageData)
     final: StageData | None = None
     error: str | None = None
+    last: bool = True
 
 
 @dataclass(frozen=True)
@@ -78,6 +106,7 @@ class EngineContext:
     stage: StageSpec
     config: StageDeployConfig
     device: str = "cpu"
+    async_chunk: bool = False  # the pipeline streams chunks between stages (engines may stream)
 
 
 class StageEngine(ABC):
@@ -94,6 +123,26 @@ class StageEngine(ABC):
     def execute(self, batch: Sequence[EngineRequest]) -> list[EngineResult]:
         """Run one batch; return one result per request, in any order. Deterministic for a
         request's seed whatever else is in the batch."""
+
+    def open(self, batch: Sequence[EngineRequest]) -> list[Iterator[EngineResult]]:
+        """Start one stream of results per request, in the batch's order (module docstring).
+
+        The default runs :meth:`execute` now and hands each result out as a one-item stream
+        (an empty stream for a request ``execute`` left out). Exceptions raised here fail the
+        whole batch, as those of ``execute`` do."""
+        pending: dict[str, list[EngineResult]] = {}
+        for result in self.execute(batch):
+            pending.setdefault(result.request_id, []).append(result)
+        streams: list[Iterator[EngineResult]] = []
+        for request in batch:  # results of one request id are handed out in order
+            results = pending.get(request.request_id)
+            streams.append(iter([results.pop(0)] if results else []))
+        return streams
+
+    def before_step(self, streams: int) -> None:  # noqa: B027 - optional hook
+        """Called once per core step, just before ``streams`` streams are advanced by one
+        ``next()`` each. An engine that models a per-step cost (the synthetic one) spends it
+        here."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources; called once on shutdown."""

@@ -4,13 +4,30 @@ It turns a batch of :class:`StageInput` into :class:`StageOutput`: resolve input
 engine, apply the downstream stages' processors, and build every next-stage input with the
 same request identity (invariants 1 and 2). How tensors are materialised (shared memory in the
 process wrapper, plain bytes in tests) is injected as two callables.
+
+Streams (``async_chunk``): the core opens one stream of results per admitted input
+(:meth:`StageEngine.open`) and keeps the unfinished ones between steps, vLLM-style continuous
+batching at chunk granularity: each :meth:`EngineCore.step` admits a new batch, then advances
+every running stream by one chunk. Chunk numbering rule:
+
+* a *whole* input (chunk 0, ``last``) may stream: its outputs are chunks 0, 1, 2, … and only
+  the final one has ``last=True``;
+* a *chunk* of an upstream stream gets exactly one output, with the input's ``chunk`` and
+  ``last`` (an engine result with ``last=False`` for it is an ``engine_error``);
+* every next-stage input built from output chunk c carries ``chunk=c`` and the output's
+  ``last``.
+
+A stream that stops without a ``last`` result, or raises in ``next()``, fails its request alone
+(``engine_error``); an error output always ends the stream. Running streams whose deadline
+passes are closed and answered with a ``deadline`` error; :meth:`EngineCore.abort` closes one.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,6 +38,7 @@ from omni_mesh.data_plane.messages import (
     StageInput,
     StageOutput,
     Tensor,
+    transfer_key,
 )
 from omni_mesh.engines.base import (
     EngineContext,
@@ -38,8 +56,36 @@ logger = logging.getLogger(__name__)
 
 #: Resolves a payload tensor into a numpy array (zero-copy view where possible).
 ArrayReader = Callable[[Tensor], np.ndarray]
-#: Turns an output array into a wire tensor, owned on behalf of ``request_id``.
+#: Turns an output array into a wire tensor, owned on behalf of a work key (``transfer_key``).
 ArrayWriter = Callable[[np.ndarray, str], Tensor]
+
+
+@dataclass(eq=False)
+class _Stream:
+    """One admitted input and the engine's stream of results for it."""
+
+    si: StageInput
+    results: Iterator[EngineResult]
+    queue_ms: float  # the input's wait before admission, reported on its first output
+    emitted: int = 0  # results turned into outputs so far
+
+    @property
+    def whole(self) -> bool:
+        return self.si.chunk == 0 and self.si.last
+
+    @property
+    def next_chunk(self) -> int:
+        """The chunk index the stream's next output gets (the chunk numbering rule)."""
+        return self.emitted if self.whole else self.si.chunk
+
+    def close(self) -> None:
+        close = getattr(self.results, "close", None)
+        if close is None:
+            return
+        try:
+            close()
+        except Exception:  # a stream that fails to close must not take the engine down
+            logger.exception("closing a stream failed request_id=%s", self.si.request_id)
 
 
 class EngineCore:
@@ -56,6 +102,7 @@ class EngineCore:
             s.stage_id: (import_object(s.processor) if s.processor else None)
             for s in self.downstream
         }
+        self._running: list[_Stream] = []
 
     @classmethod
     def build(cls, ctx: EngineContext) -> EngineCore:
@@ -64,72 +111,176 @@ class EngineCore:
             raise TypeError(f"{ctx.stage.engine!r} is not a StageEngine subclass")
         return cls(ctx.pipeline, ctx.stage, engine_cls(ctx))
 
+    @property
+    def running(self) -> int:
+        """Streams open between steps (requests whose engine has more chunks to give)."""
+        return len(self._running)
+
+    def abort(self, key: str) -> StageInput | None:
+        """Close the running stream of the work ``key`` names (its input's ``transfer_key``:
+        the request id, as only whole inputs stream); its input, or None when none runs."""
+        hit = [s for s in self._running if transfer_key(s.si) == key]
+        self._running = [s for s in self._running if transfer_key(s.si) != key]
+        for stream in hit:
+            stream.close()
+        return hit[0].si if hit else None
+
     def step(
         self,
         batch: Sequence[tuple[StageInput, float]],
         read: ArrayReader,
         write: ArrayWriter,
     ) -> list[StageOutput]:
-        """Execute one batch of (input, enqueue time); one output per input, same order."""
-        # 1) Resolve every input; a bad one fails alone, as data.
-        requests: list[EngineRequest] = []
-        outputs: dict[str, StageOutput] = {}
-        queued_at: dict[str, float] = {}
-        inputs: dict[str, StageInput] = {}
-        for si, t_enqueued in batch:
-            inputs[si.request_id] = si
-            queued_at[si.request_id] = t_enqueued
-            try:
-                requests.append(self._to_request(si, read))
-            except (EngineInputError, ValueError) as exc:
-                outputs[si.request_id] = self._error(si, "bad_input", str(exc))
-        # 2) Run the engine on what is left.
+        """Admit a batch of (input, enqueue time), then advance every stream by one chunk.
+
+        Returns the outputs of this step: deadline errors of running streams, then the next
+        chunk of each stream admitted earlier (in admission order), then exactly one output per
+        input of ``batch`` in its order (its first chunk, or its error). A whole-output engine
+        thus answers each request in the step that admits it, as before streaming existed."""
+        return [out for _, out in self.advance(batch, read, write)]
+
+    def advance(
+        self,
+        batch: Sequence[tuple[StageInput, float]],
+        read: ArrayReader,
+        write: ArrayWriter,
+    ) -> list[tuple[StageInput, StageOutput]]:
+        """:meth:`step`, with the input each output answers (its ``transfer_key`` names the
+        work to the sidecar)."""
+        outputs = self._expire(time.time() * 1000.0)
         t0 = time.monotonic()
-        results = self._execute(requests, outputs, inputs)
-        engine_ms = (time.monotonic() - t0) * 1000.0
-        # 3) Build outputs and next-stage inputs.
-        for result in results:
-            si = inputs[result.request_id]
-            queue_ms = max(0.0, (t0 - queued_at[si.request_id]) * 1000.0)
+        # 1) Resolve every input; a bad one fails alone, as data.
+        resolved: list[tuple[StageInput, StageOutput] | None] = []  # an error, or None: admitted
+        fresh: list[tuple[StageInput, EngineRequest, float]] = []
+        for si, t_enqueued in batch:
             try:
-                outputs[si.request_id] = self._to_output(si, result, write, engine_ms, queue_ms)
-            except OutputCapacityError as exc:
-                outputs[si.request_id] = self._error(si, "unavailable", str(exc))
-        return [outputs[si.request_id] for si, _ in batch]
+                request = self._to_request(si, read)
+            except (EngineInputError, ValueError) as exc:
+                resolved.append((si, self._error(si, "bad_input", str(exc))))
+                continue
+            resolved.append(None)
+            fresh.append((si, request, max(0.0, (t0 - t_enqueued) * 1000.0)))
+        # 2) Open the new streams, then advance every stream by one chunk.
+        opened = iter(self._open(fresh))
+        slots = [next(opened) if slot is None else slot for slot in resolved]
+        earlier = self._running
+        streams = earlier + [s for s in slots if isinstance(s, _Stream)]
+        results = self._advance_all(streams)
+        engine_ms = (time.monotonic() - t0) * 1000.0
+        # 3) Build outputs and next-stage inputs; keep the streams that have more to give.
+        produced: dict[int, StageOutput] = {}
+        self._running = []
+        for stream, result in zip(streams, results, strict=True):
+            out = self._emit(stream, result, write, engine_ms)
+            produced[id(stream)] = out
+            if out.error is None and stream.whole and not out.last:  # a chunk's one output ends it
+                self._running.append(stream)
+            else:
+                stream.close()
+        outputs += [(s.si, produced[id(s)]) for s in earlier]
+        outputs += [
+            slot if isinstance(slot, tuple) else (slot.si, produced[id(slot)]) for slot in slots
+        ]
+        return outputs
 
     # ---- helpers -------------------------------------------------------------------------
 
-    def _execute(
-        self,
-        requests: list[EngineRequest],
-        outputs: dict[str, StageOutput],
-        inputs: dict[str, StageInput],
-    ) -> list[EngineResult]:
-        if not requests:
+    def _expire(self, now_ms: float) -> list[tuple[StageInput, StageOutput]]:
+        """Close the running streams whose deadline passed; answer each with the reason."""
+        expired = [s for s in self._running if s.si.deadline_ms < now_ms]
+        if not expired:
+            return []
+        self._running = [s for s in self._running if s.si.deadline_ms >= now_ms]
+        outputs = []
+        for stream in expired:
+            stream.close()
+            message = "the request's deadline passed while the engine was streaming its output"
+            outputs.append(
+                (stream.si, self._error(stream.si, "deadline", message, stream.next_chunk))
+            )
+        return outputs
+
+    def _open(
+        self, fresh: list[tuple[StageInput, EngineRequest, float]]
+    ) -> list[tuple[StageInput, StageOutput] | _Stream]:
+        """One stream per request (or, when the engine refuses the batch, one error each)."""
+        if not fresh:
             return []
         try:
-            results = self.engine.execute(requests)
+            iterators = self.engine.open([request for _, request, _ in fresh])
+            if len(iterators) != len(fresh):
+                raise RuntimeError(
+                    f"open() gave {len(iterators)} streams for {len(fresh)} requests"
+                )
         except EngineInputError as exc:
             # The engine could not say which request was bad: fail the batch as bad input.
-            for req in requests:
-                outputs[req.request_id] = self._error(inputs[req.request_id], "bad_input", str(exc))
-            return []
+            return [(si, self._error(si, "bad_input", str(exc))) for si, _, _ in fresh]
         except Exception as exc:
             # A failed step fails its batch, as data; the engine keeps serving the next one.
             logger.exception(
-                "engine step failed stage=%d batch=%d", self.stage.stage_id, len(requests)
+                "engine step failed stage=%d batch=%d", self.stage.stage_id, len(fresh)
             )
             message = f"{type(exc).__name__}: {exc}"
-            for req in requests:
-                outputs[req.request_id] = self._error(
-                    inputs[req.request_id], "engine_error", message
-                )
+            return [(si, self._error(si, "engine_error", message)) for si, _, _ in fresh]
+        return [
+            _Stream(si, it, queue_ms)
+            for (si, _, queue_ms), it in zip(fresh, iterators, strict=True)
+        ]
+
+    def _advance_all(self, streams: list[_Stream]) -> list[EngineResult | StageOutput]:
+        if not streams:
             return []
-        by_id = {r.request_id: r for r in results}
-        missing = [r.request_id for r in requests if r.request_id not in by_id]
-        for rid in missing:
-            outputs[rid] = self._error(inputs[rid], "engine_error", "engine returned no result")
-        return [by_id[r.request_id] for r in requests if r.request_id in by_id]
+        try:
+            self.engine.before_step(len(streams))
+        except Exception as exc:
+            logger.exception("engine before_step failed stage=%d", self.stage.stage_id)
+            message = f"{type(exc).__name__}: {exc}"
+            return [self._error(s.si, "engine_error", message, s.next_chunk) for s in streams]
+        return [self._advance(stream) for stream in streams]
+
+    def _advance(self, stream: _Stream) -> EngineResult | StageOutput:
+        """The stream's next result, or the error that ends it (as data, for it alone)."""
+        si, chunk = stream.si, stream.next_chunk
+        try:
+            result = next(stream.results)
+        except StopIteration:
+            if stream.emitted == 0:
+                return self._error(si, "engine_error", "engine returned no result")
+            message = f"engine's stream ended after chunk {chunk - 1} without a last result"
+            return self._error(si, "engine_error", message, chunk)
+        except EngineInputError as exc:
+            return self._error(si, "bad_input", str(exc), chunk)
+        except Exception as exc:
+            logger.exception(
+                "engine stream failed request_id=%s stage=%d chunk=%d",
+                si.request_id,
+                self.stage.stage_id,
+                chunk,
+            )
+            return self._error(si, "engine_error", f"{type(exc).__name__}: {exc}", chunk)
+        if result.error is None and not stream.whole and not result.last:
+            message = f"engine gave more than one result for chunk {si.chunk} of an upstream stream"
+            return self._error(si, "engine_error", message, chunk)
+        return result
+
+    def _emit(
+        self,
+        stream: _Stream,
+        result: EngineResult | StageOutput,
+        write: ArrayWriter,
+        engine_ms: float,
+    ) -> StageOutput:
+        """Number the result per the chunk rule (module docstring) and build its output."""
+        if isinstance(result, StageOutput):
+            return result
+        si = stream.si
+        chunk, last = (stream.emitted, result.last) if stream.whole else (si.chunk, si.last)
+        queue_ms = stream.queue_ms if stream.emitted == 0 else 0.0
+        stream.emitted += 1
+        try:
+            return self._to_output(si, result, write, engine_ms, queue_ms, chunk, last)
+        except OutputCapacityError as exc:
+            return self._error(si, "unavailable", str(exc), chunk)
 
     def _to_request(self, si: StageInput, read: ArrayReader) -> EngineRequest:
         arrays = {}
@@ -142,7 +293,12 @@ class EngineCore:
                 ) from None
         data = StageData(fields=dict(si.payload.fields), arrays=arrays)
         return EngineRequest(
-            request_id=si.request_id, seed=si.seed, data=data, sampling=si.sampling
+            request_id=si.request_id,
+            seed=si.seed,
+            data=data,
+            sampling=si.sampling,
+            chunk=si.chunk,
+            last=si.last,
         )
 
     def _to_output(
@@ -152,9 +308,12 @@ class EngineCore:
         write: ArrayWriter,
         engine_ms: float,
         queue_ms: float,
+        chunk: int,
+        last: bool,
     ) -> StageOutput:
         if result.error is not None:
-            return self._error(si, "bad_input", result.error)
+            return self._error(si, "bad_input", result.error, chunk)
+        owner = transfer_key(si)  # the sidecar releases the slots by the work's key
         # One slot per array, however many consumers. The arrays are kept alive with their
         # tensors: a freed array's id() may be reused by the next processor's new array.
         written: dict[int, tuple[np.ndarray, Tensor]] = {}
@@ -164,7 +323,7 @@ class EngineCore:
             for name, arr in data.arrays.items():
                 key = id(arr)
                 if key not in written:
-                    written[key] = (arr, write(arr, si.request_id))
+                    written[key] = (arr, write(arr, owner))
                 tensors[name] = written[key][1]
             return Payload(fields=dict(data.fields), tensors=tensors)
 
@@ -182,6 +341,7 @@ class EngineCore:
                     si,
                     "engine_error",
                     f"processor for stage {spec.stage_id}: {type(exc).__name__}: {exc}",
+                    chunk,
                 )
             nexts.append(
                 StageInput(
@@ -189,7 +349,8 @@ class EngineCore:
                     request_id=si.request_id,
                     stage_id=spec.stage_id,
                     from_stage=self.stage.stage_id,
-                    chunk=0,
+                    chunk=chunk,
+                    last=last,
                     attempt=0,
                     deadline_ms=si.deadline_ms,
                     seed=si.seed,
@@ -201,22 +362,32 @@ class EngineCore:
         return StageOutput(
             request_id=si.request_id,
             stage_id=self.stage.stage_id,
+            chunk=chunk,
+            last=last,
             final=final,
             next=nexts,
             engine_ms=engine_ms,
             queue_ms=queue_ms,
         )
 
-    def _error(self, si: StageInput, code: str, message: str) -> StageOutput:
+    def _error(
+        self, si: StageInput, code: str, message: str, chunk: int | None = None
+    ) -> StageOutput:
+        """A failed output; it ends the request's stream (``last``). ``chunk`` defaults to the
+        input's own (the first output of a whole input is chunk 0)."""
+        chunk = si.chunk if chunk is None else chunk
         logger.info(
-            "request failed request_id=%s stage=%d code=%s: %s",
+            "request failed request_id=%s stage=%d chunk=%d code=%s: %s",
             si.request_id,
             self.stage.stage_id,
+            chunk,
             code,
             message,
         )
         return StageOutput(
             request_id=si.request_id,
             stage_id=self.stage.stage_id,
+            chunk=chunk,
+            last=True,
             error=StageError(code=code, message=message, stage_id=self.stage.stage_id),  # type: ignore[arg-type]
         )

@@ -4,7 +4,15 @@ It owns the control channel to its sidecar (a Unix socket: headers and wake-ups 
 shared-memory arena its outputs are written into, and the process's shutdown. Tensors never go
 through the socket except tiny ones (≤ ``INLINE_MAX`` bytes) carried inline in the header.
 
-Shutdown states: RUNNING → DRAINING (Shutdown received: finish queued work) → STOPPED.
+Shutdown states: RUNNING → DRAINING (Shutdown received: finish queued work and running
+streams) → STOPPED.
+
+With streams (``async_chunk``) a request may stay in the engine core for several steps, sending
+one Result per chunk; running streams count against ``max_num_seqs``, and the loop only peeks
+at the channel while any runs. Work is named by the input's ``transfer_key`` (the request id for
+a whole input, ``request/chunk`` for a chunk of an upstream stream): Results carry it, Abort
+and Release name it, and every output tensor of the work (all of a stream's chunks) is owned
+by it in the arena until the sidecar's Release.
 If the sidecar disappears (EOF on the socket, or SIGTERM from PDEATHSIG) the engine unlinks its
 own segments *and* its sidecar's, then exits: no ``/dev/shm`` segment survives either death.
 """
@@ -37,6 +45,7 @@ from omni_mesh.data_plane.messages import (
     Stats,
     Submit,
     Tensor,
+    transfer_key,
 )
 from omni_mesh.data_plane.shm import (
     ShmArena,
@@ -79,6 +88,7 @@ class EngineProc:
         self.reader = ShmReader()
         self.state = State.RUNNING
         self._waiting: deque[tuple[StageInput, float]] = deque()
+        self._core: EngineCore | None = None
         self._steps = 0
         self._last_step_ms = 0.0
         self._last_batch = 0
@@ -106,6 +116,7 @@ class EngineProc:
                     load_seconds=time.monotonic() - t0,
                 )
             )
+            self._core = core
             self._serve(core)
             core.engine.close()
             return 0
@@ -150,14 +161,18 @@ class EngineProc:
         if isinstance(msg, Submit):
             self._waiting.append((msg.stage_input, time.monotonic()))
         elif isinstance(msg, Abort):
-            # Only a waiting request can be dropped; one already answered (its Abort crossed
-            # the Result on the wire) is left alone, so a later resubmission is not swallowed.
-            before = len(self._waiting)
-            self._waiting = deque(w for w in self._waiting if w[0].request_id != msg.request_id)
-            if len(self._waiting) != before:
-                logger.info("aborted request_id=%s stage=%d", msg.request_id, self.stage_id)
+            # Waiting work is dropped and a running stream closed, each answered with a last
+            # "aborted" Result: only then does the sidecar reuse the work's input slots. Work
+            # already answered (its Abort crossed the last Result on the wire) is left alone,
+            # so a later resubmission is not swallowed.
+            dropped = [w[0] for w in self._waiting if transfer_key(w[0]) == msg.key]
+            self._waiting = deque(w for w in self._waiting if transfer_key(w[0]) != msg.key)
+            closed = self._core.abort(msg.key) if self._core is not None else None
+            for si in [*dropped, *([closed] if closed is not None else [])]:
+                logger.info("aborted key=%s stage=%d", msg.key, self.stage_id)
+                self.channel.send(Result(output=self._aborted(si), key=msg.key))
         elif isinstance(msg, Release):
-            self.arena.free_owner(msg.request_id)
+            self.arena.free_owner(msg.key)
         elif isinstance(msg, Shutdown):
             self.state = State.DRAINING
         else:
@@ -169,19 +184,20 @@ class EngineProc:
         """One thread, no queue hand-offs: the channel is polled between steps."""
         last_stats = 0.0
         while self.state is not State.STOPPED:
-            # 1) Poll the channel: block while idle, only peek while work is waiting.
-            self._poll(0.0 if self._waiting else STATS_INTERVAL_S)
-            # 2) Take a batch, answering what expired while it waited.
-            batch = self._next_batch()
-            # 3) Step the engine core and emit the outputs.
-            if batch:
+            # 1) Poll the channel: block while idle, only peek while work waits or streams run.
+            self._poll(0.0 if self._waiting or core.running else STATS_INTERVAL_S)
+            # 2) Take a batch (room left beside the running streams), answering what expired.
+            batch = self._next_batch(self.max_num_seqs - core.running)
+            # 3) Step the engine core (new batch + one chunk of every stream), emit the outputs.
+            if batch or core.running:
                 t0 = time.monotonic()
-                outputs = core.step(batch, self._read, self._write)
+                advanced = len(batch) + core.running
+                outputs = core.advance(batch, self._read, self._write)
                 self._last_step_ms = (time.monotonic() - t0) * 1000.0
-                self._last_batch = len(batch)
+                self._last_batch = advanced
                 self._steps += 1
-                for out in outputs:
-                    self.channel.send(Result(output=out))
+                for si, out in outputs:
+                    self.channel.send(Result(output=out, key=transfer_key(si)))
             # 4) Report load now and then (not per step: that would double the IPC per request).
             now = time.monotonic()
             if now - last_stats >= STATS_INTERVAL_S:
@@ -190,23 +206,24 @@ class EngineProc:
                 self.channel.send(
                     Stats(
                         queued=len(self._waiting),
-                        running=len(batch),
+                        running=core.running,
                         batch_size=self._last_batch,
                         step_ms=self._last_step_ms,
                         steps=self._steps,
                     )
                 )
-            if self.state is State.DRAINING and not self._waiting:
+            if self.state is State.DRAINING and not self._waiting and not core.running:
                 self.state = State.STOPPED
 
-    def _next_batch(self) -> list[tuple[StageInput, float]]:
+    def _next_batch(self, room: int) -> list[tuple[StageInput, float]]:
+        """Up to ``room`` waiting inputs, oldest first; expired ones are answered instead."""
         now_ms = time.time() * 1000.0
         batch: list[tuple[StageInput, float]] = []
-        while self._waiting and len(batch) < self.max_num_seqs:
+        while self._waiting and len(batch) < room:
             si, t = self._waiting.popleft()
             if si.deadline_ms < now_ms:  # the sidecar waits: answer with the reason
                 logger.info("deadline passed request_id=%s stage=%d", si.request_id, self.stage_id)
-                self.channel.send(Result(output=self._deadline_error(si)))
+                self.channel.send(Result(output=self._deadline_error(si), key=transfer_key(si)))
             else:
                 batch.append((si, t))
         return batch
@@ -216,14 +233,18 @@ class EngineProc:
         return self.ctx.stage.stage_id
 
     def _deadline_error(self, si: StageInput) -> StageOutput:
+        message = "the request's deadline passed while it waited for the engine"
+        return self._failed(si, "deadline", message)
+
+    def _aborted(self, si: StageInput) -> StageOutput:
+        return self._failed(si, "aborted", "aborted by the sidecar")
+
+    def _failed(self, si: StageInput, code: str, message: str) -> StageOutput:
         return StageOutput(
             request_id=si.request_id,
             stage_id=self.stage_id,
-            error=StageError(
-                code="deadline",
-                message="the request's deadline passed while it waited for the engine",
-                stage_id=self.stage_id,
-            ),
+            chunk=si.chunk,
+            error=StageError(code=code, message=message, stage_id=self.stage_id),  # type: ignore[arg-type]
         )
 
     # ---- tensors -------------------------------------------------------------------------

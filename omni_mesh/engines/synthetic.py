@@ -5,6 +5,15 @@ once (simulating accelerator time without burning CPU) and gives every request a
 of ``output_bytes`` uint8 bytes, deterministic for the request's seed and stage (a seeded 4 KiB
 block, tiled). Incoming fields pass through to ``output``; as a final stage
 (``stage.final_output`` set) the same array is the final output, ``final.arrays["data"]``.
+
+Under the engine core (``open``), the streams compute nothing slow: the core calls
+``before_step(k)`` once per step, which sleeps ``a + b*k`` ms for the ``k`` streams it is about
+to advance, so a step costs what the latency model says however many streams it carries. With
+``ctx.async_chunk`` and a whole input, a request's output is ``output_chunks`` chunks, one per
+step, of ``output_bytes // output_chunks`` bytes (the first ``output_bytes % output_chunks``
+one byte more). The data of chunk ``c`` is :func:`chunk_bytes` of (seed, stage, c): chunk 0 of
+a one-chunk output is the whole output of ``execute``, byte for byte. A chunk of an upstream
+stream gets one output of ``output_bytes`` bytes keyed by the input's chunk index.
 """
 
 from __future__ import annotations
@@ -12,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -33,6 +42,18 @@ def synthetic_bytes(seed: int, salt: str, nbytes: int) -> np.ndarray:
     block = hashlib.shake_256(f"{salt}\x1f{seed}".encode()).digest(min(nbytes, BLOCK_BYTES))
     data = np.frombuffer(block, dtype=np.uint8)
     return data.copy() if nbytes <= BLOCK_BYTES else np.resize(data, nbytes)
+
+
+def chunk_bytes(seed: int, salt: str, chunk: int, nbytes: int) -> np.ndarray:
+    """The data of output chunk ``chunk``: :func:`synthetic_bytes` salted with the chunk index
+    (chunk 0 keeps the stage's plain salt, so a whole output is unchanged)."""
+    return synthetic_bytes(seed, salt if chunk == 0 else f"{salt}#{chunk}", nbytes)
+
+
+def chunk_sizes(nbytes: int, chunks: int) -> list[int]:
+    """``chunks`` sizes summing to ``nbytes``, the first ``nbytes % chunks`` one byte larger."""
+    base, extra = divmod(nbytes, chunks)
+    return [base + (1 if c < extra else 0) for c in range(chunks)]
 
 
 class SyntheticEngine(StageEngine):
@@ -66,8 +87,29 @@ class SyntheticEngine(StageEngine):
             time.sleep(remaining)
         return results
 
-    def _result(self, request: EngineRequest) -> EngineResult:
-        data = synthetic_bytes(request.seed, self.salt, self.ctx.config.output_bytes)
+    def open(self, batch: Sequence[EngineRequest]) -> list[Iterator[EngineResult]]:
+        return [self._stream(request) for request in batch]
+
+    def before_step(self, streams: int) -> None:
+        """The modelled cost of a step that advances ``streams`` streams, slept once."""
+        seconds = self.step_seconds(streams)
+        if seconds > 0:
+            time.sleep(seconds)
+
+    def _stream(self, request: EngineRequest) -> Iterator[EngineResult]:
+        config = self.ctx.config
+        if not (self.ctx.async_chunk and request.whole) or config.output_chunks == 1:
+            yield self._result(request, request.chunk, config.output_bytes)
+            return
+        sizes = chunk_sizes(config.output_bytes, config.output_chunks)
+        for chunk, nbytes in enumerate(sizes):
+            yield self._result(request, chunk, nbytes, last=chunk == len(sizes) - 1)
+
+    def _result(
+        self, request: EngineRequest, chunk: int = 0, nbytes: int | None = None, last: bool = True
+    ) -> EngineResult:
+        size = self.ctx.config.output_bytes if nbytes is None else nbytes
+        data = chunk_bytes(request.seed, self.salt, chunk, size)
         output = StageData(fields=dict(request.data.fields), arrays={"data": data})
         final = StageData(arrays={"data": data}) if self.ctx.stage.final_output else None
-        return EngineResult(request.request_id, output=output, final=final)
+        return EngineResult(request.request_id, output=output, final=final, last=last)

@@ -159,6 +159,9 @@ SC_ENGINE_QUEUE = "omni_stage_engine_queued"
 SC_ENGINE_STEP = "omni_stage_engine_step_seconds"
 SC_API_REQUESTS = "omni_api_requests"
 SC_API_DURATION = "omni_api_request_duration_seconds"
+SC_CHUNKS = "omni_stage_output_chunks"
+SC_HOP_FRAMES = "omni_stage_hop_frames"
+SC_API_FIRST_CHUNK = "omni_api_first_chunk_seconds"
 
 # Latency buckets (seconds) for whole stage executions and pipelines: 1 ms .. 2 min.
 STAGE_LATENCY_BUCKETS: tuple[float, ...] = (
@@ -252,6 +255,26 @@ class SidecarMetrics:
         self.api_duration = Histogram(
             SC_API_DURATION,
             "Client API latency by route.",
+            ["route"],
+            buckets=STAGE_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.output_chunks = Counter(
+            SC_CHUNKS,
+            "Output chunks this stage's engine emitted (async_chunk): chunks of its own stream "
+            "or its outputs for chunks of an upstream one; whole outputs are not counted.",
+            ["pipeline", "stage"],
+            registry=registry,
+        )
+        self.hop_frames = Counter(
+            SC_HOP_FRAMES,
+            "Frames sent in streamed hop answers (async_chunk).",
+            ["pipeline", "stage"],
+            registry=registry,
+        )
+        self.api_first_chunk = Histogram(
+            SC_API_FIRST_CHUNK,
+            "Streaming client API: time from the request to its first output bytes sent.",
             ["route"],
             buckets=STAGE_LATENCY_BUCKETS,
             registry=registry,

@@ -10,7 +10,10 @@ from omni_mesh.sidecar.pod import Pod
 
 
 @contextlib.contextmanager
-def admitted(pod: Pod, request_id: str, route: str) -> Iterator[None]:
+def admitted(pod: Pod, key: str, route: str) -> Iterator[None]:
+    """Count one piece of work in; ``key`` names it (the request id, or the
+    :func:`~omni_mesh.data_plane.messages.transfer_key` of a stage input) so that the same
+    work sent twice to one pod is refused (409) while it runs."""
     labels = (pod.pipeline.name, str(pod.stage_id))
     if pod.draining:
         pod.metrics.rejected.labels(*labels, "draining").inc()
@@ -28,9 +31,9 @@ def admitted(pod: Pod, request_id: str, route: str) -> Iterator[None]:
             type_="rate_limit",
             headers={"Retry-After": "0"},
         )
-    if pod.engine is not None and pod.engine.is_running(request_id):
+    if pod.engine is not None and pod.engine.is_running(key):
         pod.metrics.rejected.labels(*labels, "duplicate").inc()
-        raise ApiError(409, f"request {request_id} is already running here", type_="conflict")
+        raise ApiError(409, f"request {key} is already running here", type_="conflict")
     pod.in_flight += 1
     gauge = pod.in_flight_gauge
     gauge.inc()

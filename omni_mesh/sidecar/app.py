@@ -145,12 +145,16 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
         pod.stage_config,
         threads=pod.settings.engine_threads,
         log_level=pod.settings.log_level,
+        async_chunk=pod.deploy.async_chunk,
         on_death=lambda reason: pod.stop(1),
     )
     await engine.start(timeout_s=pod.settings.engine_start_timeout_s)
     pod.engine = engine
     pod.hop.reader = engine.reader
-    pod.runner = StageRunner(pod.pipeline, pod.stage_id, engine, pod.hop, lambda: pod.instance_id)
+    chunks = pod.metrics.output_chunks.labels(pod.pipeline.name, str(pod.stage_id))
+    pod.runner = StageRunner(
+        pod.pipeline, pod.stage_id, engine, pod.hop, lambda: pod.instance_id, on_chunk=chunks.inc
+    )
     yield
     await engine.stop(timeout_s=max(5.0, pod.settings.drain_timeout_s))
 

@@ -1,9 +1,15 @@
 """Running a request from this stage onward.
 
-``run_chain`` is the orchestrated path: execute the local stage, hand each next-stage input to
-a replica of that stage (fan-out in parallel), and merge the final outputs that come back.
-``executed`` is the ``/v1/run`` path: execute the local stage only and let the caller turn the
-next-stage inputs into opaque envelopes. Both run the same engine call (invariant 1).
+``run_stream`` is the orchestrated path: execute the local stage, hand each next-stage input to
+a replica of that stage (fan-out and chunks in parallel), and pass the final outputs that come
+back upstream as :class:`HopResult` frames. ``executed`` is the ``/v1/run`` path: execute the
+local stage only and let the caller turn the next-stage inputs into opaque envelopes. Both run
+the same engine call (invariant 1).
+
+A whole output with at most one next stage — every hop unless ``async_chunk`` is on — takes a
+straight path: one downstream call, and its answer merged with this stage's into one frame.
+Chunks and fan-out go through a :class:`FrameMerger`: one task per engine stream and per
+downstream hop, their frames passed on as they arrive.
 """
 
 from __future__ import annotations
@@ -12,7 +18,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from typing import Any
 
 import msgspec
 
@@ -25,12 +32,14 @@ from omni_mesh.data_plane.messages import (
     StageOutput,
     StageTiming,
     Tensor,
+    is_whole,
+    transfer_key,
 )
 from omni_mesh.data_plane.shm import ShmReader, inline
 from omni_mesh.data_plane.tensors import payload_nbytes
 from omni_mesh.observability.tracing import stage_span
 from omni_mesh.sidecar.engine_client import EngineClient
-from omni_mesh.sidecar.handoff import HopClient
+from omni_mesh.sidecar.handoff import HopClient, HopUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -54,17 +63,21 @@ class StageRunner:
         engine: EngineClient,
         hop: HopClient,
         instance_id: Callable[[], str],
+        on_chunk: Callable[[], None] | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.stage_id = stage_id
         self.engine = engine
         self.hop = hop
         self.instance_id = instance_id
+        self.on_chunk = on_chunk  # called for every output chunk (not for whole outputs)
 
     @contextlib.asynccontextmanager
-    async def executed(self, si: StageInput) -> AsyncIterator[StageOutput]:
-        """Run the local engine inside this stage's span; the output's tensors stay valid
-        inside the block, and the next-stage inputs carry this span as their parent."""
+    async def _engine_outputs(
+        self, si: StageInput
+    ) -> AsyncIterator[AsyncGenerator[StageOutput, None]]:
+        """The local engine's outputs for ``si`` inside this stage's span; their tensors stay
+        valid inside the block, and next-stage inputs carry this span as their parent."""
         name = f"stage {self.stage_id} {self.pipeline.stage(self.stage_id).name}"
         attributes: dict[str, str | int] = {
             "omni.request_id": si.request_id,
@@ -73,35 +86,207 @@ class StageRunner:
             "omni.attempt": si.attempt,
             "omni.instance_id": self.instance_id(),
         }
+        holds_slots = False
+
+        async def outputs(traceparent: str) -> AsyncGenerator[StageOutput, None]:
+            nonlocal holds_slots
+            async with contextlib.aclosing(self.engine.stream(si)) as stream:
+                async for out in stream:
+                    holds_slots = holds_slots or out.error is not None or _holds_slots(out)
+                    if self.on_chunk is not None and not (out.last and out.chunk == 0):
+                        self.on_chunk()
+                    if traceparent != si.traceparent:
+                        out.next = [
+                            msgspec.structs.replace(n, traceparent=traceparent) for n in out.next
+                        ]
+                    yield out
+
         with stage_span(name, si.traceparent, attributes) as traceparent:
-            out = await self.engine.execute(si)
-            if traceparent != si.traceparent:
-                out.next = [msgspec.structs.replace(n, traceparent=traceparent) for n in out.next]
+            stream = outputs(traceparent)
             try:
-                yield out
+                yield stream
             finally:
-                if out.error is not None or _holds_slots(out):
-                    self.engine.release(si.request_id)  # one IPC message, only when needed
+                await stream.aclose()
+                if holds_slots:
+                    self.engine.release(transfer_key(si))  # one IPC message, only when needed
+
+    @contextlib.asynccontextmanager
+    async def executed(self, si: StageInput) -> AsyncIterator[list[StageOutput]]:
+        """Run the local stage only: every output chunk, in order (a whole output is a list
+        of one; a failed chunk ends the list). Tensors stay valid inside the block."""
+        async with self._engine_outputs(si) as stream:
+            yield [out async for out in stream]
 
     async def run_chain(self, si: StageInput) -> HopResult:
+        """The whole answer as one frame (for callers that know nothing streams)."""
+        frames = [frame async for frame in self.run_stream(si)]
+        if len(frames) != 1:
+            raise RuntimeError(f"the answer to {si.request_id} streamed; use run_stream()")
+        return frames[0]
+
+    async def run_stream(self, si: StageInput) -> AsyncGenerator[HopResult, None]:
+        """The orchestrated path from this stage on, as frames (the last has ``more=False``;
+        an error frame is the last). Close it (``aclosing``) to abandon the request."""
         t0 = time.monotonic()
-        async with self.executed(si) as out:
+        timing = StageTiming(self.stage_id, self.instance_id(), 0.0, 0.0, 0.0)
+        async with self._engine_outputs(si) as outputs:
+            first = await anext(outputs)
+            if (first.last or not is_whole(si)) and len(first.next) <= 1:  # one output
+                async for frame in self._straight(si, first, timing, t0):
+                    yield frame
+                return
+            async with FrameMerger(si.request_id) as merger:
+                merger.spawn(self._feed(si, first, outputs, timing, merger))
+                async with contextlib.aclosing(merger.frames()) as frames:
+                    async for frame in frames:
+                        yield frame
+            if not merger.failed:
+                timing.total_ms = (time.monotonic() - t0) * 1000.0
+                yield HopResult(request_id=si.request_id, timings=[timing, *merger.timings])
+
+    async def _straight(
+        self, si: StageInput, out: StageOutput, timing: StageTiming, t0: float
+    ) -> AsyncGenerator[HopResult, None]:
+        """A whole output and at most one next stage: no tasks, one frame when nothing
+        downstream streams (the common case, and the fast one)."""
+        if out.error is not None:
+            yield HopResult(request_id=si.request_id, error=out.error)
+            return
+        own = self._own_frame(si, out, timing, more=False)
+        if not out.next:
+            timing.total_ms = (time.monotonic() - t0) * 1000.0
+            own.timings = [timing]
+            yield own
+            return
+        try:
+            async with contextlib.aclosing(self.hop.stream(out.next[0])) as downstream:
+                async for frame in downstream:
+                    if frame.more:  # downstream streams: pass our part on first, then relay
+                        if own.outputs:
+                            yield msgspec.structs.replace(own, more=True)
+                            own = HopResult(request_id=si.request_id)
+                        yield frame
+                        continue
+                    timing.total_ms = (time.monotonic() - t0) * 1000.0
+                    yield _merge(own, frame, timing)
+                    return
+        except HopUnavailable as exc:
+            yield _unavailable(si, exc)
+
+    async def _feed(
+        self,
+        si: StageInput,
+        out: StageOutput,
+        outputs: AsyncIterator[StageOutput],
+        timing: StageTiming,
+        merger: FrameMerger,
+    ) -> None:
+        """Pass each engine output on as it comes: our final part as a frame, each next-stage
+        input to a relay task of its own."""
+        while True:
             if out.error is not None:
-                return HopResult(request_id=si.request_id, error=out.error)
-            outputs: dict[int, Payload] = {}
-            if out.final is not None:
-                outputs[self.stage_id] = owned(out.final, self.engine.reader)
-            timing = StageTiming(
-                stage_id=self.stage_id,
-                instance_id=self.instance_id(),
-                engine_ms=out.engine_ms,
-                queue_ms=out.queue_ms,
-                total_ms=0.0,
-                output_bytes=sum(payload_nbytes(n.payload) for n in out.next),
+                merger.put(HopResult(request_id=si.request_id, error=out.error))
+                return
+            frame = self._own_frame(si, out, timing, more=True)
+            if frame.outputs:
+                merger.put(frame)
+            for n in out.next:
+                merger.spawn(self._relay(n, merger))
+            nxt = await anext(outputs, None)  # the engine stream ends after its last output
+            if nxt is None:
+                return
+            out = nxt
+
+    async def _relay(self, n: StageInput, merger: FrameMerger) -> None:
+        try:
+            async with contextlib.aclosing(self.hop.stream(n)) as downstream:
+                async for frame in downstream:
+                    merger.put(frame)
+        except HopUnavailable as exc:
+            merger.put(_unavailable(n, exc))
+
+    def _own_frame(
+        self, si: StageInput, out: StageOutput, timing: StageTiming, *, more: bool
+    ) -> HopResult:
+        """This stage's final part of ``out`` (if it has one; no timings: the last frame
+        carries them); adds ``out`` to ``timing``."""
+        timing.engine_ms += out.engine_ms
+        timing.queue_ms += out.queue_ms
+        timing.output_bytes += sum(payload_nbytes(n.payload) for n in out.next)
+        frame = HopResult(request_id=si.request_id, more=more)
+        if out.final is not None:
+            frame.outputs = {self.stage_id: owned(out.final, self.engine.reader)}
+            if out.chunk:
+                frame.chunks = {self.stage_id: out.chunk}
+        return frame
+
+
+class FrameMerger:
+    """Frames from several producer tasks, in arrival order, until every producer is done.
+
+    The first error frame ends the merge (the other producers are cancelled). Timings of
+    passed-on frames are kept for the final frame; frames are passed on with ``more=True``."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.timings: list[StageTiming] = []
+        self._queue: asyncio.Queue[HopResult | None] = asyncio.Queue()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._failed = False
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def put(self, frame: HopResult) -> None:
+        self._queue.put_nowait(frame)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            logger.error("request_id=%s: a branch failed: %r", self.request_id, exc)
+            message = f"{type(exc).__name__}: {exc}"
+            self.put(
+                HopResult(
+                    request_id=self.request_id,
+                    error=StageError(code="engine_error", message=message),
+                )
             )
-            results = await asyncio.gather(*(self.hop.send(n) for n in out.next))
-        timing = msgspec.structs.replace(timing, total_ms=(time.monotonic() - t0) * 1000.0)
-        return merge(si.request_id, outputs, timing, results)
+        if not self._tasks:
+            self._queue.put_nowait(None)
+
+    async def frames(self) -> AsyncGenerator[HopResult, None]:
+        while not self._failed:
+            frame = await self._queue.get()
+            if frame is None:
+                if self._tasks:  # a sentinel from an earlier lull; producers remain
+                    continue
+                return
+            if frame.error is not None:
+                self._failed = True
+                self.timings.extend(frame.timings)
+                yield msgspec.structs.replace(frame, more=False)
+                return
+            self.timings.extend(frame.timings)
+            if frame.outputs:
+                yield msgspec.structs.replace(frame, timings=[], more=True)
+
+    @property
+    def failed(self) -> bool:
+        return self._failed
+
+    async def __aenter__(self) -> FrameMerger:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
 
 def _holds_slots(out: StageOutput) -> bool:
@@ -112,18 +297,21 @@ def _holds_slots(out: StageOutput) -> bool:
     return any(t.shm is not None for p in payloads for t in p.tensors.values())
 
 
-def merge(
-    request_id: str,
-    outputs: dict[int, Payload],
-    timing: StageTiming,
-    downstream: list[HopResult],
-) -> HopResult:
-    """Merge this stage's outputs with what came back from every branch; first error wins."""
-    timings = [timing]
-    error: StageError | None = None
-    for r in downstream:
-        outputs.update(r.outputs)
-        timings.extend(r.timings)
-        if r.error is not None and error is None:
-            error = r.error
-    return HopResult(request_id=request_id, outputs=outputs, timings=timings, error=error)
+def _merge(own: HopResult, downstream: HopResult, timing: StageTiming) -> HopResult:
+    """This stage's frame and the downstream's last one, as one last frame."""
+    outputs = {**own.outputs, **downstream.outputs}
+    chunks = {**own.chunks, **downstream.chunks}
+    return HopResult(
+        request_id=own.request_id,
+        outputs=outputs,
+        chunks=chunks,
+        timings=[timing, *downstream.timings],
+        error=downstream.error,
+    )
+
+
+def _unavailable(si: StageInput, exc: HopUnavailable) -> HopResult:
+    return HopResult(
+        request_id=si.request_id,
+        error=StageError(code="unavailable", message=str(exc), stage_id=exc.stage_id),
+    )

@@ -5,7 +5,9 @@
     omni-run --pipeline tiny-image --control-plane http://127.0.0.1:7700 --size 64 --msgpack
 
 Parses the flags, prints one line per stage call and the text outputs, writes media outputs;
-the loop itself is :class:`omni_mesh.sidecar.run_client.RunClient`.
+the loop itself is :class:`omni_mesh.sidecar.run_client.RunClient`. A stage that streams
+(``async_chunk``) hands on one input per chunk: each chunk's call gets its own line
+(``code2wav chunk 3``), and the written output is the stage's chunks joined (one WAV).
 """
 
 from __future__ import annotations
@@ -140,12 +142,21 @@ def describe_output(out: RunOutputBin) -> str:
 def format_call(call: StageCall, stages: int) -> str:
     parts = [f"{call.seconds:.2f}s"]
     parts += [describe_output(out) for _, out in sorted(call.outputs.items())]
+    targets = sorted({k for k, _ in call.next_inputs})
+    size = format_bytes(call.next_input_bytes)
     if len(call.next_inputs) == 1:
-        parts.append(f"{format_bytes(call.next_input_bytes)} stage_input")
+        parts.append(f"{size} stage_input")
+    elif len(targets) == 1:
+        parts.append(
+            f"{size} in {len(call.next_inputs)} stage_inputs (chunks) to stage {targets[0]}"
+        )
     elif call.next_inputs:
         to = ", ".join(str(k) for k, _ in call.next_inputs)
-        parts.append(f"{format_bytes(call.next_input_bytes)} stage_inputs to stages {to}")
-    head = f"[{call.index}/{stages}] {call.stage_name} @ {call.url}"
+        parts.append(f"{size} stage_inputs to stages {to}")
+    if call.streamed:  # one of a stream's chunk calls: more calls than stages
+        head = f"[{call.index}] {call.stage_name} chunk {call.chunk} @ {call.url}"
+    else:
+        head = f"[{call.index}/{stages}] {call.stage_name} @ {call.url}"
     return f"{head} {', '.join(parts)}"
 
 

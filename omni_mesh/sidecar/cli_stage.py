@@ -117,11 +117,6 @@ def main(argv: list[str] | None = None) -> int:
             stage_overrides=args.stage_overrides,
             target_stages=[settings.stage_id],
         )
-        if deploy.async_chunk:
-            raise ValueError(
-                "async_chunk: chunked streaming between stages is not supported yet; "
-                "set async_chunk: false (each hop carries a whole stage output)"
-            )
     except (ValidationError, DeployConfigError, PipelineError, ValueError) as exc:
         p.exit(2, f"omni-stage: error: {exc}\n")
     logging.basicConfig(

@@ -1,9 +1,11 @@
 """The sidecar's side of its co-located engine process.
 
 Spawns ``python -m omni_mesh.engines``, runs the HELLO/READY handshake, submits requests with
-their tensors in the sidecar's shared-memory arena, and turns a dead engine into one typed
-:class:`EngineDeadError` for every waiter. Engine death is noticed at once (the child's exit and
-the socket's EOF are both watched), its segments are unlinked, and ``on_death`` is called.
+their tensors in the sidecar's shared-memory arena, hands back each request's outputs as the
+engine emits them (one whole output, or its chunks under ``async_chunk``), and turns a dead
+engine into one typed :class:`EngineDeadError` for every waiter. Engine death is noticed at
+once (the child's exit and the socket's EOF are both watched), its segments are unlinked, and
+``on_death`` is called.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -31,6 +34,8 @@ from omni_mesh.data_plane.messages import (
     StageOutput,
     Stats,
     Submit,
+    is_whole,
+    transfer_key,
 )
 from omni_mesh.data_plane.shm import (
     ShmArena,
@@ -59,6 +64,19 @@ class EngineStartError(RuntimeError):
     """The engine failed to start (load error or handshake timeout)."""
 
 
+@dataclass
+class _Work:
+    """One submitted input: its outputs in order (or the error that ended it) in ``mailbox``.
+    A whole input may stream several chunks; a chunk of an upstream stream gets one output."""
+
+    whole: bool
+    mailbox: asyncio.Queue[StageOutput | BaseException] = field(default_factory=asyncio.Queue)
+    answered: bool = False  # its last output came (the engine is done with its inputs)
+
+    def ends_with(self, out: StageOutput) -> bool:
+        return out.error is not None or out.last or not self.whole
+
+
 class EngineClient:
     """Owns one engine process and the shared memory between it and the sidecar."""
 
@@ -70,11 +88,13 @@ class EngineClient:
         *,
         threads: int = 1,
         log_level: str = "INFO",
+        async_chunk: bool = False,
         on_death: Callable[[str], None] | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.stage_id = stage_id
         self.config = config
+        self.async_chunk = async_chunk
         self.threads = threads
         self.log_level = log_level
         self.on_death = on_death
@@ -86,7 +106,10 @@ class EngineClient:
         self.engine_prefix: str | None = None
         self._proc: asyncio.subprocess.Process | None = None
         self._chan: AsyncChannel | None = None
-        self._pending: dict[str, asyncio.Future[StageOutput]] = {}
+        self._pending: dict[str, _Work] = {}  # by transfer key
+        # Work left early, aborted on the engine: its input slots are reused (and its output
+        # slots released) once its last Result says the engine let go of them.
+        self._abandoned: dict[str, _Work] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self.dead = asyncio.Event()
@@ -114,6 +137,7 @@ class EngineClient:
             str(self.threads),
             "--log-level",
             self.log_level,
+            *(["--async-chunk"] if self.async_chunk else []),
         ]
         self._proc = await asyncio.create_subprocess_exec(
             *argv, pass_fds=(child_sock.fileno(),), preexec_fn=die_with_parent(signal.SIGTERM)
@@ -215,20 +239,27 @@ class EngineClient:
                     self._died("engine closed its channel")
                 return
             if isinstance(msg, Result):
-                self._on_result(msg.output)
+                self._on_result(msg.key, msg.output)
             elif isinstance(msg, Stats):
                 self.stats = msg
             elif isinstance(msg, Fatal):
                 self._died(f"engine fatal error: {msg.message}")
                 return
 
-    def _on_result(self, out: StageOutput) -> None:
-        self.arena.free_owner(out.request_id)  # the engine has read our input slots
-        fut = self._pending.pop(out.request_id, None)
-        if fut is None or fut.done():
-            self.release(out.request_id)  # nobody waits (aborted): free its slots
+    def _on_result(self, key: str, out: StageOutput) -> None:
+        work = self._pending.get(key)
+        if work is None:
+            abandoned = self._abandoned.get(key)
+            if abandoned is None or abandoned.ends_with(out):
+                self._abandoned.pop(key, None)
+                self.arena.free_owner(key)  # the engine is done with our input slots
+                self.release(key)  # and nobody will read its outputs
             return
-        fut.set_result(out)
+        if work.ends_with(out):
+            work.answered = True
+            del self._pending[key]
+            self.arena.free_owner(key)  # the engine is done with our input slots
+        work.mailbox.put_nowait(out)
 
     def _died(self, reason: str) -> None:
         if self.dead.is_set():
@@ -243,9 +274,9 @@ class EngineClient:
 
     def _fail_all(self, reason: str) -> None:
         pending, self._pending = self._pending, {}
-        for fut in pending.values():
-            if not fut.done():
-                fut.set_exception(EngineDeadError(f"stage {self.stage_id}: {reason}"))
+        self._abandoned.clear()
+        for work in pending.values():
+            work.mailbox.put_nowait(EngineDeadError(f"stage {self.stage_id}: {reason}"))
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -253,49 +284,74 @@ class EngineClient:
     def in_flight(self) -> int:
         return len(self._pending)
 
-    def is_running(self, request_id: str) -> bool:
-        return request_id in self._pending
+    def is_running(self, key: str) -> bool:
+        """Whether the work named ``key`` (:func:`transfer_key`) is running here."""
+        return key in self._pending
 
     async def execute(self, si: StageInput) -> StageOutput:
-        """Run one request on the engine. The caller must :meth:`release` the request once
-        it no longer needs the output tensors (they live in the engine's slots)."""
+        """Run one request whose output is whole (one chunk); see :meth:`stream`."""
+        outputs = [out async for out in self.stream(si)]
+        if len(outputs) != 1:
+            raise RuntimeError(f"request {si.request_id} gave {len(outputs)} chunks; use stream()")
+        return outputs[0]
+
+    async def stream(self, si: StageInput) -> AsyncGenerator[StageOutput, None]:
+        """Run one request on the engine; yield its outputs as the engine emits them: one
+        whole output, or its chunks in order (the last has ``last=True``; an error ends it).
+
+        The caller must :meth:`release` ``transfer_key(si)`` once it no longer needs the
+        output tensors (they live in the engine's slots). Leaving early (``aclose``,
+        cancellation) aborts the work on the engine and frees its input slots."""
         if self.dead.is_set() or self._stopping or self._chan is None:
             reason = self.death_reason or ("stopped" if self._stopping else "not started")
             raise EngineDeadError(f"stage {self.stage_id}: {reason}")
-        rid = si.request_id
+        key = transfer_key(si)
         try:
-            payload = externalize(si.payload, self.arena, rid, threshold=INLINE_MAX)
+            payload = externalize(si.payload, self.arena, key, threshold=INLINE_MAX)
         except ShmArenaFull as exc:
             raise EngineBusyError(f"stage {self.stage_id}: shared memory full: {exc}") from None
         si = msgspec.structs.replace(si, payload=payload)
-        fut: asyncio.Future[StageOutput] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = fut
+        work = _Work(whole=is_whole(si))
+        self._pending[key] = work
+        ended = False
         try:
             await self._chan.send(Submit(stage_input=si))
-            return await fut
-        except asyncio.CancelledError:
-            # Client gone or deadline: tell the engine, free our input slots.
-            self._pending.pop(rid, None)
-            self.arena.free_owner(rid)
-            if not self.dead.is_set():
-                with contextlib.suppress(OSError, ConnectionError, ChannelError):
-                    await self._chan.send(Abort(request_id=rid))
-            raise
-        except BaseException:
-            self._pending.pop(rid, None)
-            self.arena.free_owner(rid)
-            raise
+            while not ended:
+                item = await work.mailbox.get()
+                if isinstance(item, BaseException):
+                    ended = True
+                    raise item
+                ended = work.ends_with(item)
+                yield item
+        finally:
+            if not ended:
+                self._leave(key, work)
 
-    def release(self, request_id: str) -> None:
-        """The engine's output slots for ``request_id`` may be reused."""
+    def _leave(self, key: str, work: _Work) -> None:
+        """The caller left before the last output (client gone, deadline, a failed branch)."""
+        self._pending.pop(key, None)
+        if self.dead.is_set() or self._chan is None:
+            return  # its shared memory went with the engine
+        if work.answered:  # the last output came but was not read: free what it holds
+            self.release(key)
+            return
+        # Abort it on the engine, which answers with a last Result; only then are its input
+        # slots reused (the engine may be reading them in the step it is running now).
+        self._abandoned[key] = work
+        self._send_soon(Abort(key=key))
+
+    def release(self, key: str) -> None:
+        """The engine's output slots of the work ``key`` (:func:`transfer_key`) may be
+        reused."""
+        self._send_soon(Release(key=key))
+
+    def _send_soon(self, msg: Abort | Release) -> None:
         if self._chan is None or self.dead.is_set():
             return
-        task = asyncio.get_running_loop().create_task(
-            self._send_quiet(Release(request_id=request_id))
-        )
+        task = asyncio.get_running_loop().create_task(self._send_quiet(msg))
         task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
 
-    async def _send_quiet(self, msg: Release) -> None:
+    async def _send_quiet(self, msg: Abort | Release) -> None:
         assert self._chan is not None
         with contextlib.suppress(OSError, ConnectionError, ChannelError):
             await self._chan.send(msg)

@@ -126,9 +126,16 @@ _API_ROUTES = frozenset(
 )
 
 
+#: Request keys the metrics middleware and the streaming routes share.
+API_ROUTE = web.RequestKey("omni_api_route", str)  # the route template, for labels
+API_STARTED = web.RequestKey("omni_api_started", float)  # time.monotonic() at arrival
+STREAM_FAILED = web.RequestKey("omni_stream_failed", bool)  # broke off after its 200
+
+
 def api_metrics_middleware(metrics: SidecarMetrics) -> Any:
     """Client API requests by route template and status (outermost, so it sees the status
-    the error middleware chose)."""
+    the error middleware chose). A streamed answer that failed after its 200 went out counts
+    as status 500: its client got an incomplete answer."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -137,10 +144,12 @@ def api_metrics_middleware(metrics: SidecarMetrics) -> Any:
         if route not in _API_ROUTES:
             return await handler(request)
         t0 = time.monotonic()
+        request[API_ROUTE] = route
+        request[API_STARTED] = t0
         status = 500
         try:
             response = await handler(request)
-            status = response.status
+            status = 500 if request.get(STREAM_FAILED) else response.status
             return response
         except web.HTTPException as exc:
             status = exc.status

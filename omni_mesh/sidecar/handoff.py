@@ -5,6 +5,11 @@ before an answer — connection refused or reset, a 5xx, a replica that vanished
 replayed on another replica, within the retry budget and the request's deadline. A full replica
 (429) is not a failure: the next one is tried, and when every replica is full the hop waits,
 bounded by the deadline. The same goes for an empty pool (stages started in any order).
+
+A receiver that streams (``async_chunk``) answers with frames; the sender keeps custody until
+the last frame. A stream that breaks off is replayed on another replica, which regenerates the
+same chunks (engines are deterministic for a seed): the chunks already passed on are dropped,
+so the caller sees every (stage, chunk) exactly once.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -22,7 +27,7 @@ from omni_mesh.data_plane import codec, wire
 from omni_mesh.data_plane.connectors import Connector
 from omni_mesh.data_plane.messages import HopResult, StageError, StageInput
 from omni_mesh.data_plane.shm import ShmReader
-from omni_mesh.sidecar.hop_http import HopConnectionError, HopHttpClient
+from omni_mesh.sidecar.hop_http import FrameReader, HopConnectionError, HopHttpClient
 from omni_mesh.sidecar.router import Replica, Router
 
 logger = logging.getLogger(__name__)
@@ -71,6 +76,7 @@ class Answer:
     body: bytearray
     content_type: str
     replica: Replica
+    frames: FrameReader | None = None  # a streamed answer; the replica stays "in flight"
 
 
 BodyFor = Callable[[Replica, int], bytes]
@@ -101,10 +107,21 @@ class HopClient:
     # ---- the hop -------------------------------------------------------------------------
 
     async def send(self, si: StageInput) -> HopResult:
-        """Hand ``si`` to a replica of its stage; the answer carries the downstream result."""
+        """Hand ``si`` to a replica whose answer is one frame (nothing downstream streams)."""
+        frames = [frame async for frame in self.stream(si)]
+        if len(frames) != 1:
+            raise RuntimeError(f"the answer to {si.request_id} streamed; use stream()")
+        return frames[0]
+
+    async def stream(self, si: StageInput) -> AsyncGenerator[HopResult, None]:
+        """Hand ``si`` to a replica of its stage and yield the answer's frames: one frame for a
+        whole answer, or a stream (every frame but the last has ``more=True``). Replays on
+        replica failure, mid-stream included, yielding each (stage, chunk) once."""
         stats = HopStats()
         t0 = time.monotonic()
         connector = self.connector_for(si.from_stage, si.stage_id)
+        seen: set[tuple[int, int]] = set()
+        failures = 0
 
         def body_for(replica: Replica, attempt: int) -> bytes:
             same_host = replica.host_id == self.router.host_id
@@ -112,17 +129,60 @@ class HopClient:
             return codec.encode(msgspec.structs.replace(si, payload=payload, attempt=attempt))
 
         try:
-            answer = await self.call(
-                si.stage_id,
-                HOP_PATH,
-                body_for,
-                content_type=wire.MSGPACK,
-                deadline_ms=si.deadline_ms,
-                prefer_same_host=connector.prefers_same_host,
-                stats=stats,
-                first_attempt=si.attempt,
-            )
-            return _hop_result(si, answer)
+            while True:
+                answer = await self.call(
+                    si.stage_id,
+                    HOP_PATH,
+                    body_for,
+                    content_type=wire.MSGPACK,
+                    deadline_ms=si.deadline_ms,
+                    prefer_same_host=connector.prefers_same_host,
+                    stats=stats,
+                    first_attempt=si.attempt + failures,
+                    failures=failures,
+                    stream_type=wire.HOP_FRAMES,
+                )
+                if answer.frames is None:
+                    yield _unseen(_hop_result(si, answer), seen)
+                    return
+                replica = answer.replica
+                try:
+                    async with answer.frames as frames:
+                        async for raw in frames:
+                            frame = _unseen(codec.decode(raw, HopResult), seen)
+                            if not frame.more:
+                                yield frame
+                                return
+                            if frame.outputs or frame.timings:  # not all replayed
+                                yield frame
+                    raise HopConnectionError("the stream ended before its last frame")
+                except (HopConnectionError, wire.WireError, ValueError, TimeoutError) as exc:
+                    # Broke off mid-stream: the replica failed; replay what is missing.
+                    if now_ms() < si.deadline_ms or not isinstance(exc, TimeoutError):
+                        self.router.eject(
+                            replica.instance_id,
+                            f"stream broke off: {type(exc).__name__}: {exc}",
+                            connection_level=isinstance(exc, HopConnectionError),
+                        )
+                    failures = stats.retries + 1  # those spent inside call() count too
+                    if failures > self.retries or now_ms() >= si.deadline_ms:
+                        raise HopUnavailable(
+                            si.stage_id,
+                            f"stage {si.stage_id}: streamed answer from {replica.instance_id} "
+                            f"broke off ({type(exc).__name__}: {exc}); retry budget "
+                            f"({self.retries}) or deadline spent",
+                        ) from exc
+                    stats.retries += 1
+                    logger.info(
+                        "replaying streamed hop request_id=%s stage=%d after %s: %d chunk(s) "
+                        "already delivered",
+                        si.request_id,
+                        si.stage_id,
+                        replica.instance_id,
+                        len(seen),
+                    )
+                finally:
+                    self.router.end(replica.instance_id)
         finally:
             stats.seconds = time.monotonic() - t0
             if self.on_hop is not None:
@@ -141,14 +201,20 @@ class HopClient:
         prefer_same_host: bool = False,
         stats: HopStats | None = None,
         first_attempt: int = 0,
+        failures: int = 0,
+        stream_type: str | None = None,
     ) -> Answer:
         """POST to ``path`` on a replica of ``stage_id``. A replica failure (connection
         refused/reset, 502/503/504, a timeout before the deadline, an unreadable answer) is
         replayed on another replica within the retry budget; busy replicas (409/429) are
-        skipped; an empty or all-busy pool is waited on. Raises :class:`HopUnavailable`."""
+        skipped; an empty or all-busy pool is waited on. Raises :class:`HopUnavailable`.
+
+        An answer of ``stream_type`` comes back unread (:attr:`Answer.frames`), its replica
+        still counted in flight: the caller reads the frames and calls ``router.end``.
+        ``failures`` is how much of the retry budget earlier calls of this hop spent."""
         stats = stats or HopStats()
         busy: set[str] = set()
-        failures = 0
+        first_attempt -= failures
         backoff = 0.005
         while True:
             remaining_s = (deadline_ms - now_ms()) / 1000.0
@@ -168,7 +234,7 @@ class HopClient:
                 continue
             body = body_for(replica, first_attempt + failures)
             answer = await self._attempt(
-                replica, path, body, content_type, deadline_ms, remaining_s, stats
+                replica, path, body, content_type, deadline_ms, remaining_s, stats, stream_type
             )
             if answer is not None and answer.status not in _BUSY:
                 return answer
@@ -193,6 +259,7 @@ class HopClient:
         deadline_ms: int,
         remaining_s: float,
         stats: HopStats,
+        stream_type: str | None = None,
     ) -> Answer | None:
         """One try; ``None`` when the replica failed (it is ejected)."""
         stats.attempts += 1
@@ -201,6 +268,7 @@ class HopClient:
         stats.replica = replica.instance_id
         headers = {"Content-Type": content_type, **self.auth_header}
         self.router.begin(replica.instance_id)
+        streaming = False
         try:
             # Downstream stages enforce the same deadline and answer when it passes; the grace
             # lets that answer travel back instead of timing out a healthy replica here.
@@ -211,12 +279,14 @@ class HopClient:
                 headers,
                 timeout_s=remaining_s + DEADLINE_GRACE_S,
                 max_bytes=MAX_RESULT_BYTES,
+                stream_type=stream_type,
             )
             if resp.status in _REPLICA_FAILED:
                 text = bytes(resp.body[:300]).decode(errors="replace")
                 self.router.eject(replica.instance_id, f"status {resp.status}: {text}")
                 return None
-            return Answer(resp.status, resp.body, resp.content_type, replica)
+            streaming = resp.frames is not None
+            return Answer(resp.status, resp.body, resp.content_type, replica, resp.frames)
         except (HopConnectionError, wire.WireError) as exc:
             self.router.eject(
                 replica.instance_id,
@@ -229,7 +299,25 @@ class HopClient:
                 self.router.eject(replica.instance_id, "timed out")
             return None
         finally:
-            self.router.end(replica.instance_id)
+            if not streaming:
+                self.router.end(replica.instance_id)
+
+
+def _unseen(frame: HopResult, seen: set[tuple[int, int]]) -> HopResult:
+    """``frame`` without the (stage, chunk) outputs already passed on (a replayed stream
+    regenerates them); records the rest as seen."""
+    if not frame.outputs:
+        return frame
+    fresh = {}
+    for stage_id, payload in frame.outputs.items():
+        key = (stage_id, frame.chunks.get(stage_id, 0))
+        if key not in seen:
+            seen.add(key)
+            fresh[stage_id] = payload
+    if len(fresh) == len(frame.outputs):
+        return frame
+    chunks = {k: v for k, v in frame.chunks.items() if k in fresh}
+    return msgspec.structs.replace(frame, outputs=fresh, chunks=chunks)
 
 
 def _hop_result(si: StageInput, answer: Answer) -> HopResult:

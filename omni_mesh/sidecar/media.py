@@ -3,6 +3,8 @@
 Float waveforms are clipped to [-1, 1] and written as 16-bit signed little-endian PCM. The PNG
 encoder writes 8-bit RGB/RGBA/grey, filter type 0, zlib-compressed — enough for model outputs
 without Pillow. ``read_wav``, ``read_png`` and ``read_png_size`` read back what these write.
+A streamed WAV is :func:`wav_stream_header` followed by PCM as it is produced; chunked audio is
+joined with :func:`join_wavs` (the PCM of every part, in order, under one header).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import io
 import struct
 import wave
 import zlib
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -57,13 +60,63 @@ def wav_bytes(waveform: np.ndarray, sample_rate: int) -> bytes:
     return buffer.getvalue()
 
 
-def read_wav(data: bytes) -> tuple[np.ndarray, int]:
-    """(float32 waveform in [-1, 1), sample rate) of a 16-bit PCM mono WAV file."""
+#: The size fields of a WAV whose length is not known when its header is sent (streaming).
+WAV_UNKNOWN_SIZE = 0xFFFFFFFF
+
+
+def wav_stream_header(sample_rate: int) -> bytes:
+    """The 44-byte header of a 16-bit PCM mono WAV of unknown length: the RIFF and data sizes
+    are ``0xFFFFFFFF``, as streaming TTS servers send them; the PCM follows as it is made."""
+    _check_rate(sample_rate)
+    fmt = struct.pack("<HHIIHH", 1, 1, sample_rate, 2 * sample_rate, 2, 16)
+    return b"".join(
+        (
+            b"RIFF",
+            struct.pack("<I", WAV_UNKNOWN_SIZE),
+            b"WAVE",
+            b"fmt ",
+            struct.pack("<I", len(fmt)),
+            fmt,
+            b"data",
+            struct.pack("<I", WAV_UNKNOWN_SIZE),
+        )
+    )
+
+
+def wav_pcm(data: bytes) -> tuple[bytes, int]:
+    """(raw 16-bit PCM frames, sample rate) of a 16-bit PCM mono WAV file."""
     with wave.open(io.BytesIO(data), "rb") as reader:
         if reader.getnchannels() != 1 or reader.getsampwidth() != 2:
             raise ValueError("only 16-bit mono WAV is supported")
-        frames = reader.readframes(reader.getnframes())
-        rate = reader.getframerate()
+        return reader.readframes(reader.getnframes()), reader.getframerate()
+
+
+def join_wavs(parts: Sequence[bytes]) -> bytes:
+    """One WAV holding the PCM of every part in order (the same sample rate throughout);
+    the PCM is copied, not re-quantised, so the bytes match a WAV of the whole waveform."""
+    if not parts:
+        raise ValueError("no WAV parts to join")
+    pcm: list[bytes] = []
+    rate = 0
+    for i, part in enumerate(parts):
+        frames, part_rate = wav_pcm(part)
+        if rate and part_rate != rate:
+            raise ValueError(f"WAV part {i} has sample rate {part_rate}, the first {rate}")
+        rate = part_rate
+        pcm.append(frames)
+    _check_rate(rate)
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as writer:
+        writer.setnchannels(1)
+        writer.setsampwidth(2)
+        writer.setframerate(rate)
+        writer.writeframes(b"".join(pcm))
+    return buffer.getvalue()
+
+
+def read_wav(data: bytes) -> tuple[np.ndarray, int]:
+    """(float32 waveform in [-1, 1), sample rate) of a 16-bit PCM mono WAV file."""
+    frames, rate = wav_pcm(data)
     return np.frombuffer(frames, dtype="<i2").astype(np.float32) / 32768.0, rate
 
 

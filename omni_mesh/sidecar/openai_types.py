@@ -23,6 +23,10 @@ class AudioParams(Struct):
     format: Literal["wav", "pcm16"] = "wav"
 
 
+class StreamOptions(Struct):
+    include_usage: bool = False
+
+
 class ChatRequest(Struct):
     model: str
     messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=256)]
@@ -33,6 +37,7 @@ class ChatRequest(Struct):
     max_completion_tokens: Annotated[int, Meta(ge=1, le=8192)] | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
 
 
 class SpeechRequest(Struct):
@@ -40,6 +45,7 @@ class SpeechRequest(Struct):
     input: Annotated[str, Meta(min_length=1, max_length=32_768)]
     voice: str = "default"
     response_format: Literal["wav", "pcm"] = "wav"
+    stream_format: Literal["audio", "sse"] = "audio"  # "sse": base64 PCM16 delta events
     speed: Annotated[float, Meta(ge=0.25, le=4.0)] = 1.0
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
 

@@ -1,14 +1,31 @@
-"""Final outputs as a client sees them: text, WAV audio, PNG images, raw data."""
+"""Final outputs as a client sees them: text, WAV audio, PNG images, raw data.
+
+With ``async_chunk`` a request's answer arrives as :class:`HopResult` frames, each carrying
+some chunks of some stages' final outputs; :class:`ChunkAssembler` collects them by
+(stage, chunk), hands each stage's chunks on in order as soon as they are contiguous (for
+streaming routes) and joins them into one :class:`FinalOutput` per stage at the end (so the
+unary routes answer the same with ``async_chunk`` on or off). :func:`join_run_outputs` is the
+client-side join of ``/v1/run`` chunk outputs (``omni-run``), giving the same bytes.
+"""
 
 from __future__ import annotations
 
 import base64
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from omni_mesh.configs.pipeline import OutputKind, PipelineSpec
-from omni_mesh.data_plane.messages import Payload, RunOutput, RunOutputBin, Scalar
+from omni_mesh.data_plane.messages import (
+    HopResult,
+    Payload,
+    RunOutput,
+    RunOutputBin,
+    Scalar,
+    StageError,
+    StageTiming,
+)
 from omni_mesh.data_plane.tensors import array_from_tensor
 from omni_mesh.sidecar import media
 
@@ -81,3 +98,163 @@ def final_output(pipeline: PipelineSpec, stage_id: int, payload: Payload) -> Fin
 
 def final_outputs(pipeline: PipelineSpec, outputs: dict[int, Payload]) -> list[FinalOutput]:
     return [final_output(pipeline, sid, outputs[sid]) for sid in sorted(outputs)]
+
+
+# ---- chunked outputs -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OutputChunk:
+    """Chunk ``chunk`` of stage ``stage_id``'s final output, decoded (a whole output: chunk 0)."""
+
+    stage_id: int
+    chunk: int
+    output: FinalOutput
+
+    @property
+    def kind(self) -> OutputKind:
+        return self.output.kind
+
+    @property
+    def sample_rate(self) -> int:
+        fields = self.output.fields or {}
+        return int(fields.get("sample_rate") or 24000)
+
+
+def join_outputs(parts: Sequence[FinalOutput]) -> FinalOutput:
+    """One stage's output chunks, in chunk order, as one output: audio → one WAV of the
+    concatenated waveforms, text → the concatenated text, data → the concatenated bytes; an
+    image cannot be chunked. A single part is returned as it is (the bytes of a whole output)."""
+    if not parts:
+        raise ValueError("no output chunks to join")
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    fields: dict[str, Scalar] = {}
+    for part in parts:
+        fields.update(part.fields or {})
+    kind = first.kind
+    if kind is OutputKind.TEXT:
+        return FinalOutput(
+            first.stage_id, kind, text="".join(p.text or "" for p in parts), fields=fields
+        )
+    if kind is OutputKind.AUDIO:
+        rates = {int((p.fields or {}).get("sample_rate") or 24000) for p in parts}
+        if len(rates) != 1:
+            raise ValueError(f"stage {first.stage_id}: audio chunks at several rates {rates}")
+        wave = np.concatenate([np.asarray(p.array).reshape(-1) for p in parts])
+        return FinalOutput(
+            first.stage_id,
+            kind,
+            data=media.wav_bytes(wave, rates.pop()),
+            mime_type="audio/wav",
+            fields=fields,
+            array=wave,
+        )
+    if kind is OutputKind.IMAGE:
+        raise ValueError(f"stage {first.stage_id}: an image output cannot come in chunks")
+    return FinalOutput(
+        first.stage_id,
+        kind,
+        data=b"".join(p.data or b"" for p in parts),
+        mime_type=first.mime_type,
+        fields=fields,
+    )
+
+
+@dataclass
+class ChunkAssembler:
+    """Collects a request's final outputs from its answer frames (see module docstring).
+
+    :meth:`add` returns the chunks that became contiguous, stage by stage in chunk order;
+    duplicates (a replayed hop answering a chunk twice) are dropped. The first error frame
+    ends the stream; :meth:`end` checks that it ended properly; :meth:`joined` joins."""
+
+    pipeline: PipelineSpec
+    error: StageError | None = None
+    done: bool = False
+    streamed: bool = False  # a frame with more=True arrived: the answer is a stream
+    timings: list[StageTiming] = field(default_factory=list)
+    duplicates: int = 0
+    _chunks: dict[int, dict[int, FinalOutput]] = field(default_factory=dict)
+    _next: dict[int, int] = field(default_factory=dict)
+
+    def add(self, frame: HopResult) -> list[OutputChunk]:
+        if self.done:
+            return []
+        self.timings.extend(frame.timings)
+        if frame.error is not None:
+            self.error, self.done = frame.error, True
+            return []
+        self.streamed = self.streamed or frame.more
+        ready: list[OutputChunk] = []
+        for stage_id in sorted(frame.outputs):
+            chunk = frame.chunks.get(stage_id, 0)
+            have = self._chunks.setdefault(stage_id, {})
+            if chunk in have:
+                self.duplicates += 1
+                continue
+            have[chunk] = final_output(self.pipeline, stage_id, frame.outputs[stage_id])
+            ready.extend(self._contiguous(stage_id))
+        if not frame.more:
+            self.done = True
+            self.end()
+        return ready
+
+    def _contiguous(self, stage_id: int) -> list[OutputChunk]:
+        have, out = self._chunks[stage_id], []
+        n = self._next.get(stage_id, 0)
+        while n in have:
+            out.append(OutputChunk(stage_id, n, have[n]))
+            n += 1
+        self._next[stage_id] = n
+        return out
+
+    def end(self) -> StageError | None:
+        """The stream's error, after checking that it ended with its last frame and that no
+        stage's chunks have a gap."""
+        if self.error is not None:
+            return self.error
+        if not self.done:
+            self.error = StageError(
+                code="engine_error", message="the answer stream ended before its last frame"
+            )
+        for stage_id, have in sorted(self._chunks.items()):
+            n = self._next.get(stage_id, 0)
+            if len(have) != n and self.error is None:
+                self.error = StageError(
+                    code="engine_error",
+                    message=f"chunk {n} of the output never arrived (got chunks {sorted(have)})",
+                    stage_id=stage_id,
+                )
+        self.done = True
+        return self.error
+
+    def joined(self) -> list[FinalOutput]:
+        """Every stage's final output, its chunks joined, in stage order."""
+        return [
+            join_outputs([have[c] for c in sorted(have)])
+            for _, have in sorted(self._chunks.items())
+        ]
+
+
+def join_run_outputs(parts: Sequence[RunOutputBin]) -> RunOutputBin:
+    """One stage's output chunks, in chunk order, as one output: WAV audio → one WAV of the
+    concatenated PCM (the bytes of the orchestrated path's joined audio), text and raw data
+    concatenated; an image cannot come in chunks. One part is returned as it is."""
+    if not parts:
+        raise ValueError("no output chunks to join")
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    fields: dict[str, Scalar] = {}
+    for part in parts:
+        fields.update(part.fields)
+    if first.kind == "image":
+        raise ValueError("an image output cannot come in chunks")
+    if first.text is not None and first.data is None:
+        text = "".join(p.text or "" for p in parts)
+        return RunOutputBin(first.kind, text=text, mime_type=first.mime_type, fields=fields)
+    blobs = [p.data or b"" for p in parts]
+    data = media.join_wavs(blobs) if first.mime_type == "audio/wav" else b"".join(blobs)
+    return RunOutputBin(first.kind, first.text, data, first.mime_type, fields)

@@ -2,6 +2,11 @@
 
 ``/v1/generate`` runs the whole pipeline on a prompt object and returns the final outputs; the
 OpenAI-compatible routes adapt it. ``/health`` and ``/metrics`` are served by every instance.
+
+With ``async_chunk`` the answer may stream (see ``streaming.py``): ``/v1/audio/speech`` sends
+audio as it comes (chunked WAV/PCM, or OpenAI's ``stream_format: "sse"``),
+``/v1/chat/completions`` with ``stream: true`` sends ``chat.completion.chunk`` events and
+``/v1/generate?stream=true`` one event per output chunk. Unary answers are unchanged.
 """
 
 from __future__ import annotations
@@ -17,16 +22,24 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from omni_mesh.configs.pipeline import OutputKind
 from omni_mesh.data_plane import wire
-from omni_mesh.data_plane.messages import HopResult, Prompt, SamplingParams
-from omni_mesh.observability.tracing import stage_span
-from omni_mesh.sidecar.admission import admitted
-from omni_mesh.sidecar.deadlines import request_timeout
-from omni_mesh.sidecar.errors import ApiError, bad_request, from_stage_error
-from omni_mesh.sidecar.inputs import BadPrompt, entry_input
+from omni_mesh.data_plane.messages import Prompt, SamplingParams
+from omni_mesh.sidecar.errors import ApiError, bad_request
 from omni_mesh.sidecar.keys import POD
 from omni_mesh.sidecar.openai_types import ChatRequest, ImageRequest, SpeechRequest
-from omni_mesh.sidecar.outputs import FinalOutput, final_outputs
+from omni_mesh.sidecar.outputs import FinalOutput
 from omni_mesh.sidecar.pod import Pod
+from omni_mesh.sidecar.streaming import (
+    ChatEvents,
+    GenerateEvents,
+    Sink,
+    SpeechAudio,
+    SpeechEvents,
+    collect,
+    entry,
+    final_stage,
+    request_frames,
+    respond,
+)
 
 MAX_API_BODY = 1 << 20
 
@@ -54,29 +67,9 @@ def _check_model(pod: Pod, model: str | None) -> None:
 async def generate_outputs(
     pod: Pod, request: web.Request, prompt: Prompt, sampling: SamplingParams | None = None
 ) -> list[FinalOutput]:
-    """The orchestrated path: the stage-0 input, run locally or handed to the stage-0 pool."""
-    try:
-        si = entry_input(
-            pod.pipeline,
-            prompt,
-            timeout_s=request_timeout(pod, request),
-            sampling=sampling,
-            traceparent=request.headers.get("traceparent", ""),
-        )
-    except BadPrompt as exc:
-        raise bad_request(str(exc)) from None
-    attributes = {"omni.request_id": si.request_id, "omni.pipeline": pod.pipeline.name}
-    with stage_span(f"{request.method} {request.path}", si.traceparent, attributes) as tp:
-        si = msgspec.structs.replace(si, traceparent=tp)
-        result: HopResult
-        with admitted(pod, si.request_id, "api"):  # counted, so a drain waits for it
-            if pod.runner is not None and pod.stage_id == pod.pipeline.entry_stage_id:
-                result = await pod.runner.run_chain(si)
-            else:
-                result = await pod.hop.send(si)
-    if result.error is not None:
-        raise from_stage_error(result.error)
-    return final_outputs(pod.pipeline, result.outputs)
+    """The orchestrated path, its outputs joined (the same answer with async_chunk on or off)."""
+    si = entry(pod, request, prompt, sampling)
+    return await collect(pod.pipeline, request_frames(pod, request, si))
 
 
 def _pick(outputs: list[FinalOutput], kind: OutputKind) -> FinalOutput | None:
@@ -86,9 +79,13 @@ def _pick(outputs: list[FinalOutput], kind: OutputKind) -> FinalOutput | None:
 # ---- routes ----------------------------------------------------------------------------------
 
 
-async def generate(request: web.Request) -> web.Response:
+async def generate(request: web.Request) -> web.StreamResponse:
     pod = request.app[POD]
     prompt = await _body(request, Prompt)
+    if request.query.get("stream", "false").lower() in ("1", "true"):
+        si = entry(pod, request, prompt)
+        sink = GenerateEvents(pod.pipeline)
+        return await respond(request, pod.pipeline, request_frames(pod, request, si), sink)
     outputs = await generate_outputs(pod, request, prompt)
     body = {
         "pipeline": pod.pipeline.name,
@@ -109,22 +106,22 @@ async def models(request: web.Request) -> web.Response:
     )
 
 
-async def speech(request: web.Request) -> web.Response:
+async def speech(request: web.Request) -> web.StreamResponse:
     pod = request.app[POD]
     req: SpeechRequest = await _body(request, SpeechRequest)
     _check_model(pod, req.model)
-    if OutputKind.AUDIO not in {s.final_output for s in pod.pipeline.stages}:
+    audio_stage = final_stage(pod.pipeline, OutputKind.AUDIO)
+    if audio_stage is None:
         raise bad_request(f"pipeline {pod.pipeline.name!r} produces no audio", "model")
     fields = _voice_field(pod, req.voice)
     prompt = Prompt(prompt=req.input, seed=req.seed, **fields)
-    audio = _pick(await generate_outputs(pod, request, prompt), OutputKind.AUDIO)
-    assert audio is not None and audio.data is not None and audio.array is not None
-    if req.response_format == "pcm":
-        from omni_mesh.sidecar import media
-
-        rate = int(audio.fields.get("sample_rate") or 24000) if audio.fields else 24000
-        return web.Response(body=media.pcm_bytes(audio.array, rate), content_type="audio/pcm")
-    return web.Response(body=audio.data, content_type="audio/wav")
+    si = entry(pod, request, prompt)
+    sink: Sink
+    if req.stream_format == "sse":
+        sink = SpeechEvents(audio_stage)
+    else:
+        sink = SpeechAudio(audio_stage, req.response_format)
+    return await respond(request, pod.pipeline, request_frames(pod, request, si), sink)
 
 
 def _voice_field(pod: Pod, voice: str | None) -> dict[str, Any]:
@@ -145,12 +142,10 @@ def _chat_prompt(req: ChatRequest) -> str:
     raise bad_request("messages: no user message with text content", "messages")
 
 
-async def chat(request: web.Request) -> web.Response:
+async def chat(request: web.Request) -> web.StreamResponse:
     pod = request.app[POD]
     req: ChatRequest = await _body(request, ChatRequest)
     _check_model(pod, req.model)
-    if req.stream:
-        raise bad_request("stream: streaming is not supported yet", "stream")
     want_audio = "audio" in (req.modalities or ())
     fields: dict[str, Any] = {}
     if want_audio:
@@ -160,6 +155,11 @@ async def chat(request: web.Request) -> web.Response:
         fields["max_tokens"] = max_tokens
     prompt = Prompt(prompt=_chat_prompt(req), seed=req.seed, **fields)
     sampling = SamplingParams(temperature=req.temperature) if req.temperature is not None else None
+    if req.stream:
+        si = entry(pod, request, prompt, sampling)
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        sink = ChatEvents(pod.pipeline, want_audio=want_audio, include_usage=include_usage)
+        return await respond(request, pod.pipeline, request_frames(pod, request, si), sink)
     outputs = await generate_outputs(pod, request, prompt, sampling)
     text = _pick(outputs, OutputKind.TEXT)
     message: dict[str, Any] = {"role": "assistant", "content": text.text if text else None}

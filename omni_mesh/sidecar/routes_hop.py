@@ -1,7 +1,13 @@
-"""``POST /v1/hop``: the orchestrated hand-off between stage sidecars (msgpack both ways)."""
+"""``POST /v1/hop``: the orchestrated hand-off between stage sidecars (msgpack both ways).
+
+The answer is one msgpack :class:`HopResult` when the request's outputs from this stage on are
+whole, and a chunked stream of length-prefixed frames (``application/x-omni-hop-frames``) when
+something downstream emits chunks (``async_chunk``): each frame is sent as soon as it exists.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import time
@@ -9,7 +15,7 @@ import time
 from aiohttp import web
 
 from omni_mesh.data_plane import codec, wire
-from omni_mesh.data_plane.messages import HopResult, StageError, StageInput
+from omni_mesh.data_plane.messages import HopResult, StageError, StageInput, transfer_key
 from omni_mesh.sidecar.admission import admitted
 from omni_mesh.sidecar.errors import ApiError, bad_request
 from omni_mesh.sidecar.handoff import HOP_PATH, HOP_TOKEN_HEADER, HopUnavailable
@@ -18,7 +24,7 @@ from omni_mesh.sidecar.keys import POD
 logger = logging.getLogger(__name__)
 
 
-async def hop(request: web.Request) -> web.Response:
+async def hop(request: web.Request) -> web.StreamResponse:
     pod = request.app[POD]
     if pod.runner is None:
         raise ApiError(404, "this instance runs no engine: hops go to stage pods")
@@ -43,18 +49,45 @@ async def hop(request: web.Request) -> web.Response:
         )
     t0 = time.monotonic()
     labels = (pod.pipeline.name, str(pod.stage_id))
-    with admitted(pod, si.request_id, "hop"):
+    response: web.StreamResponse | None = None
+    outcome = "ok"
+    with admitted(pod, transfer_key(si), "hop"):
         try:
-            result = await pod.runner.run_chain(si)
-        except HopUnavailable as exc:
-            result = HopResult(
-                request_id=si.request_id,
-                error=StageError(code="unavailable", message=str(exc), stage_id=exc.stage_id),
+            async with contextlib.aclosing(pod.runner.run_stream(si)) as frames:
+                async for frame in frames:
+                    if frame.error is not None:
+                        outcome = frame.error.code
+                    if response is None and not frame.more:  # whole: one answer, as ever
+                        response = web.Response(body=codec.encode(frame), content_type=wire.MSGPACK)
+                        break
+                    if response is None:
+                        response = web.StreamResponse(headers={"Content-Type": wire.HOP_FRAMES})
+                        response.enable_chunked_encoding()
+                        await response.prepare(request)
+                    await response.write(_frame_bytes(frame))
+                    pod.metrics.hop_frames.labels(*labels).inc()
+        except HopUnavailable as exc:  # before the first frame: one error answer
+            error = StageError(code="unavailable", message=str(exc), stage_id=exc.stage_id)
+            response = web.Response(
+                body=codec.encode(HopResult(request_id=si.request_id, error=error)),
+                content_type=wire.MSGPACK,
             )
-    outcome = result.error.code if result.error else "ok"
+            outcome = "unavailable"
+        if response is None:
+            raise ApiError(500, f"stage {pod.stage_id}: the answer ended without a frame")
+        if response.prepared:
+            await response.write_eof()
     pod.metrics.requests.labels(*labels, "hop", outcome).inc()
     pod.metrics.request_duration.labels(*labels, "hop").observe(time.monotonic() - t0)
-    return web.Response(body=codec.encode(result), content_type=wire.MSGPACK)
+    return response
+
+
+def _frame_bytes(frame: HopResult) -> bytearray:
+    """``[length][msgpack frame]`` in one buffer (encoded in place: no copy of the body)."""
+    buf = bytearray(wire.FRAME_HEADER)
+    size = codec.encode_into(frame, buf, wire.FRAME_HEADER) - wire.FRAME_HEADER
+    buf[: wire.FRAME_HEADER] = size.to_bytes(wire.FRAME_HEADER, "big")
+    return buf
 
 
 def add_routes(app: web.Application) -> None:

@@ -3,6 +3,11 @@
 A headless instance of stage k accepts calls for stage k; an API server accepts calls for any
 stage of its pipeline and forwards them to a replica of that stage, so one URL serves a
 client's whole loop. The opaque ``stage_input`` is a sealed, HMAC-tagged envelope.
+
+With ``async_chunk`` a stage may stream its output in chunks: the answer then lists every
+chunk's next-stage input in chunk order (``next: [...]``, one per chunk per next stage), and
+``chunk`` says which chunk of the request the call ran; the client runs each and joins the
+final stage's outputs in chunk order.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from omni_mesh.sidecar.deadlines import request_timeout
 from omni_mesh.sidecar.errors import bad_request, from_stage_error
 from omni_mesh.sidecar.inputs import BadPrompt, entry_input
 from omni_mesh.sidecar.keys import POD
-from omni_mesh.sidecar.outputs import final_output
+from omni_mesh.sidecar.outputs import final_output, join_outputs
 from omni_mesh.sidecar.pod import Pod
 
 logger = logging.getLogger(__name__)
@@ -132,18 +137,22 @@ async def _run_local(
     labels = (pod.pipeline.name, str(pod.stage_id))
     t0 = time.monotonic()
     with admitted(pod, si.request_id, "run"):
-        async with pod.runner.executed(si) as out:
-            if out.error is not None:
-                pod.metrics.requests.labels(*labels, "run", out.error.code).inc()
-                raise from_stage_error(out.error)
-            body = _response(pod, si, out, binary)
+        async with pod.runner.executed(si) as outs:
+            error = next((o.error for o in outs if o.error is not None), None)
+            if error is not None:
+                pod.metrics.requests.labels(*labels, "run", error.code).inc()
+                raise from_stage_error(error)
+            body = _response(pod, si, outs, binary)
     pod.metrics.requests.labels(*labels, "run", "ok").inc()
     pod.metrics.request_duration.labels(*labels, "run").observe(time.monotonic() - t0)
     content_type = wire.MSGPACK if binary else "application/json"
     return web.Response(body=body, content_type=content_type)
 
 
-def _response(pod: Pod, si: StageInput, out: StageOutput, binary: bool) -> bytes:
+def _response(pod: Pod, si: StageInput, outs: list[StageOutput], binary: bool) -> bytes:
+    """The answer to one call: every output chunk's next-stage inputs, in chunk order (one
+    per chunk per next stage), and the call's final output (its chunks joined: the output
+    for the input the call ran)."""
     assert pod.engine is not None
     reader = pod.engine.reader
     sealed = [
@@ -151,13 +160,17 @@ def _response(pod: Pod, si: StageInput, out: StageOutput, binary: bool) -> bytes
             n.stage_id,
             seal(msgspec.structs.replace(n, payload=inline(n.payload, reader)), pod.secret),
         )
+        for out in outs
         for n in out.next
     ]
-    final = (
-        final_output(pod.pipeline, pod.stage_id, inline(out.final, reader)) if out.final else None
-    )
+    finals = [
+        final_output(pod.pipeline, pod.stage_id, inline(out.final, reader))
+        for out in outs
+        if out.final is not None
+    ]
+    final = join_outputs(finals) if finals else None
     if binary:
-        rb = RunResponseBin(stage_id=pod.stage_id, request_id=si.request_id)
+        rb = RunResponseBin(stage_id=pod.stage_id, request_id=si.request_id, chunk=si.chunk)
         if final is not None:
             rb.output = final.to_run_output_bin()
         if len(sealed) == 1:
@@ -165,7 +178,7 @@ def _response(pod: Pod, si: StageInput, out: StageOutput, binary: bool) -> bytes
         elif sealed:
             rb.next = [NextInputBin(stage_id=j, stage_input=b) for j, b in sealed]
         return msgspec.msgpack.encode(rb)
-    rj = RunResponse(stage_id=pod.stage_id, request_id=si.request_id)
+    rj = RunResponse(stage_id=pod.stage_id, request_id=si.request_id, chunk=si.chunk)
     if final is not None:
         rj.output = final.to_run_output()
     b64 = [(j, base64.urlsafe_b64encode(b).decode()) for j, b in sealed]

@@ -5,6 +5,12 @@ The client sends the entry stage the prompt object, then follows each answer: ``
 outputs remain. It never looks inside the opaque ``stage_input``; it hands it back as it came
 (a base64 string in JSON mode, raw bytes in msgpack mode).
 
+With ``async_chunk`` a stage that streams answers one next input per output chunk (several
+``next`` entries for the same stage). The client runs all of them concurrently, at most
+:data:`MAX_PARALLEL_CALLS` calls of a run at a time, and joins each stage's outputs in the
+order of the ``chunk`` its calls report: the PCM of audio chunks into one WAV, text and data
+concatenated (:func:`omni_mesh.sidecar.outputs.join_run_outputs`).
+
 Where each call goes is a :class:`StageResolver`: :class:`FixedUrls` (API servers, which accept
 every stage and forward), :class:`StageUrls` (one URL per stage) or
 :class:`ControlPlaneDiscovery` (a healthy replica of the stage, found through ``omni-cp``).
@@ -19,6 +25,7 @@ import itertools
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,13 +47,18 @@ from omni_mesh.data_plane.messages import (
     RunResponseBin,
     SamplingParams,
 )
+from omni_mesh.sidecar.outputs import join_run_outputs
 
 logger = logging.getLogger(__name__)
 
 JSON_TYPE = "application/json"
 MSGPACK_TYPE = "application/msgpack"
-#: A run that makes more calls than this many per stage is a server bug (a loop); stop it.
-MAX_CALLS_PER_STAGE = 16
+#: A run that makes more calls than this many per stage is a server bug; stop it. (A stream
+#: has at most 1024 chunks; next inputs must go to a stage that takes the caller's output, so
+#: a run cannot loop.)
+MAX_CALLS_PER_STAGE = 2048
+#: Calls of one run in flight at once (the chunks of a streaming stage).
+MAX_PARALLEL_CALLS = 4
 MAX_ERROR_CHARS = 2000
 
 StageInputValue = str | bytes | Prompt
@@ -162,7 +174,9 @@ class StageCall:
     request_bytes: int
     response_bytes: int
     next_inputs: tuple[tuple[int, int], ...]  # (stage id, size of its opaque input in bytes)
-    outputs: Mapping[int, RunOutputBin]
+    outputs: Mapping[int, RunOutputBin]  # this call's: the chunk it ran
+    chunk: int = 0  # the chunk of the request the call ran (0: a whole input, or the first)
+    streamed: bool = False  # the call ran one of several chunks of a stream
 
     @property
     def next_input_bytes(self) -> int:
@@ -171,7 +185,8 @@ class StageCall:
 
 @dataclass
 class RunTrace:
-    """A finished run: its calls and the final outputs by stage id (media as raw bytes)."""
+    """A finished run: its calls and the final outputs by stage id (media as raw bytes; a
+    streamed stage's chunks joined)."""
 
     request_id: str = ""
     calls: list[StageCall] = field(default_factory=list)
@@ -183,8 +198,18 @@ class RunTrace:
 class _Answer:
     stage_id: int
     request_id: str
+    chunk: int
     outputs: dict[int, RunOutputBin]
     next: list[tuple[int, str | bytes]]
+
+
+@dataclass
+class _Run:
+    """One run in progress: its trace, its output chunks and its bound on parallel calls."""
+
+    trace: RunTrace
+    limit: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(MAX_PARALLEL_CALLS))
+    chunks: dict[int, dict[int, RunOutputBin]] = field(default_factory=dict)
 
 
 # ---- the client --------------------------------------------------------------------------------
@@ -236,33 +261,39 @@ class RunClient:
         """Run the whole pipeline on ``prompt``; raise :class:`RunClientError` on failure.
 
         ``sampling`` goes with the entry call; the opaque inputs of later stages carry it."""
-        trace = RunTrace()
+        run = _Run(RunTrace())
         start = time.perf_counter()
-        await self._hop(trace, self.pipeline.entry_stage_id, prompt, sampling)
-        trace.seconds = time.perf_counter() - start
-        return trace
+        await self._hop(run, self.pipeline.entry_stage_id, prompt, sampling)
+        run.trace.outputs = _joined(run.chunks)
+        run.trace.seconds = time.perf_counter() - start
+        return run.trace
 
     # ---- one call and what follows it --------------------------------------------------------
 
     async def _hop(
         self,
-        trace: RunTrace,
+        run: _Run,
         stage_id: int,
         stage_input: StageInputValue,
         sampling: SamplingParams | None = None,
+        *,
+        streamed: bool = False,
     ) -> None:
+        trace = run.trace
         if len(trace.calls) >= MAX_CALLS_PER_STAGE * len(self.pipeline.stages):
             raise RunClientError(
                 f"stopped after {len(trace.calls)} calls: the stages keep returning next inputs"
             )
-        url = await self.resolver.url_for(stage_id)
         body = self._encode(stage_id, stage_input, sampling)
-        t0 = time.perf_counter()
-        raw = await self._post(stage_id, url, body)
-        seconds = time.perf_counter() - t0
+        async with run.limit:
+            url = await self.resolver.url_for(stage_id)
+            t0 = time.perf_counter()
+            raw = await self._post(stage_id, url, body)
+            seconds = time.perf_counter() - t0
         answer = self._decode(stage_id, url, raw)
         trace.request_id = trace.request_id or answer.request_id
-        trace.outputs.update(answer.outputs)
+        for k, out in answer.outputs.items():
+            run.chunks.setdefault(k, {})[answer.chunk] = out
         call = StageCall(
             index=len(trace.calls) + 1,
             stage_id=stage_id,
@@ -273,21 +304,33 @@ class RunClient:
             response_bytes=len(raw),
             next_inputs=tuple((k, len(v)) for k, v in answer.next),
             outputs=answer.outputs,
+            chunk=answer.chunk,
+            streamed=streamed,
         )
         trace.calls.append(call)
-        logger.debug("run call stage=%d url=%s seconds=%.3f", stage_id, url, seconds)
+        logger.debug(
+            "run call stage=%d chunk=%d url=%s seconds=%.3f",
+            stage_id,
+            answer.chunk,
+            url,
+            seconds,
+        )
         if self.on_call is not None:
             self.on_call(call)
         if len(answer.next) == 1:
-            await self._hop(trace, *answer.next[0])
+            await self._hop(run, *answer.next[0])
         elif answer.next:
-            await self._fan_out(trace, answer.next)
+            await self._fan_out(run, answer.next)
 
-    async def _fan_out(self, trace: RunTrace, branches: list[tuple[int, str | bytes]]) -> None:
+    async def _fan_out(self, run: _Run, branches: list[tuple[int, str | bytes]]) -> None:
+        """Every next input at once (bounded by the run's limit): the branches of a fan-out
+        and the chunks of a stream alike."""
+        per_stage = Counter(k for k, _ in branches)
         try:
             async with asyncio.TaskGroup() as group:
                 for stage_id, stage_input in branches:
-                    group.create_task(self._hop(trace, stage_id, stage_input))
+                    streamed = per_stage[stage_id] > 1
+                    group.create_task(self._hop(run, stage_id, stage_input, streamed=streamed))
         except BaseExceptionGroup as eg:
             raise _first_leaf(eg) from None
 
@@ -329,6 +372,9 @@ class RunClient:
             unknown = [k for k, _ in answer.next if k not in self.pipeline.stage_ids]
             if unknown:
                 raise ValueError(f"answer names unknown next stage(s) {unknown}")
+            wrong = [k for k, _ in answer.next if stage_id not in self.pipeline.stage(k).sources]
+            if wrong:
+                raise ValueError(f"answer names stage(s) {wrong}, which do not follow {stage_id}")
         except (msgspec.MsgspecError, ValueError) as exc:
             raise self._error(stage_id, url, 200, f"unusable answer: {exc}") from exc
         return answer
@@ -355,7 +401,7 @@ def _answer(resp: RunResponse | RunResponseBin) -> _Answer:
         if resp.stage_input is None:
             raise ValueError("next_stage_id without stage_input")
         nexts.append((resp.next_stage_id, resp.stage_input))
-    return _Answer(resp.stage_id, resp.request_id, outputs, nexts)
+    return _Answer(resp.stage_id, resp.request_id, resp.chunk, outputs, nexts)
 
 
 def _output_bin(out: RunOutput | RunOutputBin) -> RunOutputBin:
@@ -367,6 +413,20 @@ def _output_bin(out: RunOutput | RunOutputBin) -> RunOutputBin:
     except binascii.Error as exc:
         raise ValueError(f"output data of kind {out.kind!r} is not base64: {exc}") from None
     return RunOutputBin(out.kind, out.text, data, out.mime_type, dict(out.fields))
+
+
+def _joined(chunks: Mapping[int, Mapping[int, RunOutputBin]]) -> dict[int, RunOutputBin]:
+    outputs: dict[int, RunOutputBin] = {}
+    for stage_id, parts in sorted(chunks.items()):
+        if sorted(parts) != list(range(len(parts))):
+            raise RunClientError(
+                f"stage {stage_id}: output chunks {sorted(parts)} have a gap (a call is missing)"
+            )
+        try:
+            outputs[stage_id] = join_run_outputs([parts[c] for c in range(len(parts))])
+        except ValueError as exc:
+            raise RunClientError(f"stage {stage_id}: cannot join its output chunks: {exc}") from exc
+    return outputs
 
 
 def _first_leaf(eg: BaseExceptionGroup[BaseException]) -> BaseException:

@@ -59,6 +59,7 @@ def test_round_trip(
         "--step-latency-ms=2.5",
         "--per-item-latency-ms=0.25",
         "--output-bytes=4096",
+        "--output-chunks=4",
     ]
     overrides = cli_overrides_from_args(parser.parse_args(argv))
     assert set(overrides) == set(STAGE_FLAG_FIELDS)

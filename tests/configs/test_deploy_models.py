@@ -81,6 +81,8 @@ def test_replica_devices_split_the_pool() -> None:
         ("step_latency_ms", -1),
         ("per_item_latency_ms", 60_001),
         ("output_bytes", (1 << 30) + 1),
+        ("output_chunks", 0),
+        ("output_chunks", 1025),
         ("dtype", "fp7"),
         ("tensor_parallel_size", 0),
     ],

@@ -49,7 +49,7 @@ with BlockingChannel.from_fd(int(sys.argv[1])) as chan:
         if isinstance(msg, Submit):
             si = msg.stage_input
             chan.send(Result(output=StageOutput(request_id=si.request_id, stage_id=si.stage_id,
-                                                final=si.payload)))
+                                                final=si.payload), key=si.request_id))
 """
 
 

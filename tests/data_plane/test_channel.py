@@ -90,8 +90,8 @@ async def test_oversize_frames_are_refused_before_sending(pair: Pair) -> None:
         await pair.sidecar.send(huge)
     with pytest.raises(ChannelError, match="exceeds"):
         pair.engine.send(huge)
-    await pair.sidecar.send(m.Abort(request_id="still-usable"))
-    assert await asyncio.to_thread(pair.engine.recv, 5) == m.Abort(request_id="still-usable")
+    await pair.sidecar.send(m.Abort(key="still-usable"))
+    assert await asyncio.to_thread(pair.engine.recv, 5) == m.Abort(key="still-usable")
 
 
 def test_oversize_length_prefix_is_refused_by_the_blocking_reader() -> None:
@@ -130,13 +130,13 @@ def test_blocking_recv_times_out_and_keeps_partial_frames() -> None:
     with raw, BlockingChannel(child) as engine:
         with pytest.raises(TimeoutError):
             engine.recv(timeout=0.05)
-        frame = bytes(encode_frame(m.Abort(request_id="r1")))
+        frame = bytes(encode_frame(m.Abort(key="r1")))
         raw.sendall(frame[:3])
         with pytest.raises(TimeoutError):
             engine.recv(timeout=0.05)
         raw.sendall(frame[3:] + frame)
-        assert engine.recv(timeout=0) == m.Abort(request_id="r1")
-        assert engine.recv(timeout=0) == m.Abort(request_id="r1")
+        assert engine.recv(timeout=0) == m.Abort(key="r1")
+        assert engine.recv(timeout=0) == m.Abort(key="r1")
 
 
 def test_malformed_and_truncated_frames() -> None:

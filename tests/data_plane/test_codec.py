@@ -76,13 +76,13 @@ def test_tensor_bytes_are_raw_not_lists() -> None:
 
 def test_encode_into_reuses_the_buffer_and_honours_the_offset() -> None:
     buf = bytearray(b"HEAD")
-    n = encode_into(m.Abort(request_id="r1"), buf, 4)
+    n = encode_into(m.Abort(key="r1"), buf, 4)
     assert n == len(buf) and buf[:4] == b"HEAD"
-    assert decode(memoryview(buf)[4:], m.Abort) == m.Abort(request_id="r1")
+    assert decode(memoryview(buf)[4:], m.Abort) == m.Abort(key="r1")
     first = id(buf)
-    encode_into(m.Abort(request_id="r2"), buf)
+    encode_into(m.Abort(key="r2"), buf)
     assert id(buf) == first
-    assert decode(buf, m.Abort).request_id == "r2"
+    assert decode(buf, m.Abort).key == "r2"
 
 
 def test_validation_error_names_the_path() -> None:
@@ -111,7 +111,7 @@ def test_constraints_are_checked() -> None:
         decode(msgspec.msgpack.encode(raw), m.StageInput)
 
 
-@pytest.mark.parametrize("data", [b"", b"\xc1", encode(m.Abort(request_id="r")) + b"\x00"])
+@pytest.mark.parametrize("data", [b"", b"\xc1", encode(m.Abort(key="r")) + b"\x00"])
 def test_malformed_input_is_a_codec_error(data: bytes) -> None:
     with pytest.raises(CodecError, match="malformed Abort") as info:
         decode(data, m.Abort)

@@ -7,12 +7,10 @@ Every test starts a real ``python -m omni_mesh.engines`` child running the synth
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -22,27 +20,19 @@ from omni_mesh.configs.deploy import StageDeployConfig
 from omni_mesh.configs.loader import load_deploy_config
 from omni_mesh.configs.pipeline import get_pipeline
 from omni_mesh.data_plane.messages import Payload, StageInput
-from omni_mesh.data_plane.shm import SHM_DIR
 from omni_mesh.data_plane.tensors import array_from_tensor, tensor_from_array
 from omni_mesh.engines.synthetic import synthetic_bytes
-from omni_mesh.sidecar.engine_client import EngineClient, EngineDeadError, EngineStartError
+from omni_mesh.sidecar.engine_client import EngineDeadError, EngineStartError
+from tests.engines.process_helpers import MakeClient, MiB, shm_files, stage_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
-MiB = 1 << 20
 SYN = "omni_mesh.engines.synthetic:SyntheticEngine"
 SALT = "synthetic/1"
 
 
 def stage1_config(**update: Any) -> StageDeployConfig:
-    base = load_deploy_config(None, get_pipeline("synthetic")).stage(1)
-    return base.model_copy(update={"output_bytes": MiB, **update})
-
-
-def shm_files(prefix: str | None) -> set[str]:
-    if not prefix:
-        return set()
-    return {p.name for p in Path(SHM_DIR).iterdir() if p.name.startswith(prefix + "-")}
+    return stage_config(1, **update)
 
 
 def big_tensor_payload(nbytes: int = 2 * MiB) -> Payload:
@@ -68,51 +58,9 @@ def stage_input(
     )
 
 
-class RecordingClient(EngineClient):
-    """An EngineClient whose ``on_death`` calls are recorded in ``deaths``."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.deaths: list[str] = []
-        super().__init__(*args, on_death=self.deaths.append, **kwargs)
-
-
 def block_event_loop(seconds: float) -> None:
     """Hold the event loop (deliberately): whatever the engine sends meanwhile waits unread."""
     time.sleep(seconds)
-
-
-MakeClient = Callable[..., Awaitable[RecordingClient]]
-
-
-@pytest.fixture
-async def make_client() -> AsyncIterator[MakeClient]:
-    """``await make(config, pipeline=..., stage_id=..., start=True)`` → an EngineClient (started
-    unless ``start=False``); stopped at teardown, and its engine killed if still there. Fails
-    the test if a segment of the sidecar's or the engine's arena is left in /dev/shm."""
-    clients: list[RecordingClient] = []
-
-    async def make(
-        config: StageDeployConfig | None = None,
-        *,
-        pipeline: str = "synthetic",
-        stage_id: int = 1,
-        start: bool = True,
-    ) -> RecordingClient:
-        client = RecordingClient(pipeline, stage_id, config or stage1_config(), log_level="WARNING")
-        clients.append(client)
-        if start:
-            await client.start(timeout_s=30)
-        return client
-
-    yield make
-    leaked: list[str] = []
-    for client in clients:
-        await client.stop(timeout_s=5)
-        if client.engine_pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(client.engine_pid, signal.SIGKILL)
-        leaked += sorted(shm_files(client.arena.prefix) | shm_files(client.engine_prefix))
-    assert not leaked, f"segments left in {SHM_DIR}: {leaked}"
 
 
 def pid_alive(pid: int) -> bool:
@@ -242,8 +190,15 @@ async def test_cancelled_execute_aborts_in_the_engine_and_frees_slots(
     with pytest.raises(asyncio.CancelledError):
         await task
     assert not client.is_running("gone") and client.in_flight == 0
-    assert client.arena.stats().slots_in_use == 0  # our input slot, freed at once
-    await asyncio.sleep(0.5)  # the engine finishes the step and drops the output
+    # Our input slot stays ours while the engine may still read it (it is mid-step) and is
+    # freed when the engine's last Result for the work (its answer or "aborted") comes back.
+    assert client.arena.stats().slots_in_use == 1
+    for _ in range(100):
+        if client.arena.stats().slots_in_use == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert client.arena.stats().slots_in_use == 0
+    await asyncio.sleep(0.2)  # the engine has finished the step and dropped the output
     out = await client.execute(stage_input("next"))
     assert out.error is None
     ref = out.next[0].payload.tensors["data"].shm

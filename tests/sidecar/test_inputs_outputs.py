@@ -1,5 +1,5 @@
 """The sidecar's edges in-process: prompt → entry StageInput, final payloads → client outputs,
-merging of downstream answers, and admission (503 draining / 429 full / 409 duplicate)."""
+and admission (503 draining / 429 full / 409 duplicate)."""
 
 from __future__ import annotations
 
@@ -14,19 +14,15 @@ from prometheus_client import CollectorRegistry, Gauge
 from omni_mesh.configs.pipeline import OutputKind, get_pipeline
 from omni_mesh.data_plane import codec
 from omni_mesh.data_plane.messages import (
-    HopResult,
     Payload,
     Prompt,
     SamplingParams,
-    StageError,
     StageInput,
-    StageTiming,
 )
 from omni_mesh.data_plane.tensors import payload_from_arrays
 from omni_mesh.observability.metrics import SC_IN_FLIGHT, SC_REJECTED, SidecarMetrics
 from omni_mesh.sidecar import media
 from omni_mesh.sidecar.admission import admitted
-from omni_mesh.sidecar.chain import merge
 from omni_mesh.sidecar.errors import ApiError
 from omni_mesh.sidecar.inputs import BadPrompt, entry_input
 from omni_mesh.sidecar.outputs import final_output, final_outputs
@@ -192,57 +188,6 @@ def test_final_outputs_come_in_stage_order() -> None:
     audio = payload_from_arrays({}, {"waveform": np.zeros(10, dtype=np.float32)})
     outs = final_outputs(omni, {2: audio, 0: Payload(fields={"text": "t"})})
     assert [(o.stage_id, o.kind) for o in outs] == [(0, OutputKind.TEXT), (2, OutputKind.AUDIO)]
-
-
-# ---- merge -----------------------------------------------------------------------------------
-
-
-def timing(stage_id: int, instance: str) -> StageTiming:
-    return StageTiming(stage_id, instance, engine_ms=1.0, queue_ms=0.5, total_ms=3.0)
-
-
-def test_merge_collects_every_output_and_timing() -> None:
-    mine = {0: Payload(fields={"text": "t"})}
-    left = HopResult(
-        request_id="r",
-        outputs={1: Payload(fields={"a": 1})},
-        timings=[timing(1, "i1")],
-    )
-    right = HopResult(
-        request_id="r",
-        outputs={2: Payload(fields={"b": 2}), 3: Payload(fields={"c": 3})},
-        timings=[timing(2, "i2"), timing(3, "i3")],
-    )
-    merged = merge("r", mine, timing(0, "i0"), [left, right])
-    assert merged.request_id == "r" and merged.error is None
-    assert sorted(merged.outputs) == [0, 1, 2, 3]
-    assert [(t.stage_id, t.instance_id) for t in merged.timings] == [
-        (0, "i0"),
-        (1, "i1"),
-        (2, "i2"),
-        (3, "i3"),
-    ]
-
-
-def test_merge_keeps_the_first_error_and_all_timings() -> None:
-    first = StageError(code="bad_input", message="first", stage_id=1)
-    second = StageError(code="engine_error", message="second", stage_id=2)
-    results = [
-        HopResult(request_id="r", timings=[timing(1, "a")], error=first),
-        HopResult(request_id="r", outputs={3: Payload()}, timings=[timing(2, "b")], error=second),
-        HopResult(request_id="r", timings=[timing(4, "c")]),
-    ]
-    merged = merge("r", {}, timing(0, "me"), results)
-    assert merged.error == first
-    assert [t.instance_id for t in merged.timings] == ["me", "a", "b", "c"]
-    assert list(merged.outputs) == [3]
-
-
-def test_merge_with_nothing_downstream_is_this_stage_alone() -> None:
-    merged = merge("r", {2: Payload(fields={"x": 1})}, timing(2, "me"), [])
-    assert merged == HopResult(
-        request_id="r", outputs={2: Payload(fields={"x": 1})}, timings=[timing(2, "me")]
-    )
 
 
 # ---- admission -------------------------------------------------------------------------------

@@ -10,12 +10,16 @@ import pytest
 
 from omni_mesh.sidecar.media import (
     PNG_SIGNATURE,
+    WAV_UNKNOWN_SIZE,
+    join_wavs,
     pcm_bytes,
     png_bytes,
     read_png,
     read_png_size,
     read_wav,
     wav_bytes,
+    wav_pcm,
+    wav_stream_header,
 )
 
 pytestmark = pytest.mark.unit
@@ -92,3 +96,30 @@ def test_png_rejects_bad_images(bad: np.ndarray) -> None:
 def test_read_png_size_rejects_other_bytes() -> None:
     with pytest.raises(ValueError, match="not a PNG"):
         read_png_size(b"GIF89a" + bytes(30))
+
+
+def test_a_streamed_wav_header_has_unknown_sizes_and_reads_back() -> None:
+    header = wav_stream_header(24_000)
+    assert len(header) == 44
+    assert header[:4] == b"RIFF" and header[8:16] == b"WAVEfmt "
+    assert struct.unpack("<I", header[4:8])[0] == WAV_UNKNOWN_SIZE
+    assert header[36:40] == b"data" and struct.unpack("<I", header[40:44])[0] == WAV_UNKNOWN_SIZE
+    # The same fmt chunk as a whole file's.
+    whole = wav_bytes(np.zeros(10, dtype=np.float32), 24_000)
+    assert header[12:36] == whole[12:36]
+    wave = np.linspace(-0.5, 0.5, 96, dtype=np.float32)
+    back, rate = read_wav(header + pcm_bytes(wave))  # a reader takes the PCM up to EOF
+    assert rate == 24_000 and back.shape == wave.shape
+    with pytest.raises(ValueError, match="sample_rate"):
+        wav_stream_header(0)
+
+
+def test_join_wavs_copies_the_pcm_of_every_part() -> None:
+    waves = [np.linspace(-1, 1, n, dtype=np.float32) for n in (10, 0, 33)]
+    joined = join_wavs([wav_bytes(w, 16_000) for w in waves])
+    assert joined == wav_bytes(np.concatenate(waves), 16_000)
+    assert wav_pcm(joined) == (b"".join(pcm_bytes(w) for w in waves), 16_000)
+    with pytest.raises(ValueError, match="sample rate"):
+        join_wavs([wav_bytes(waves[0], 16_000), wav_bytes(waves[0], 24_000)])
+    with pytest.raises(ValueError, match="no WAV parts"):
+        join_wavs([])

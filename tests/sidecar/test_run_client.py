@@ -1,5 +1,5 @@
-"""The ``/v1/run`` client loop against a real aiohttp server faking the stages' far side, and
-the ``omni-up`` / ``omni-run`` flag checks."""
+"""The ``/v1/run`` client loop against a real aiohttp server faking the stages' far side
+(chains, fan-out, a streamed stage's chunks), and the ``omni-up`` / ``omni-run`` flag checks."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -27,8 +28,9 @@ from omni_mesh.data_plane.messages import (
     RunResponse,
     RunResponseBin,
 )
-from omni_mesh.sidecar import cli_run, cli_up, local_deploy
+from omni_mesh.sidecar import cli_run, cli_up, local_deploy, media
 from omni_mesh.sidecar.run_client import (
+    MAX_PARALLEL_CALLS,
     ControlPlaneDiscovery,
     DiscoveryError,
     FixedUrls,
@@ -68,7 +70,10 @@ class FakeStages:
 
     serves: frozenset[int] = frozenset({0, 1, 2})
     fan_out: bool = False
+    chunks: int = 0  # > 0: stage 1 streams, one stage-2 input per chunk (async_chunk)
     calls: list[tuple[int, str]] = field(default_factory=list)  # (stage id, content type)
+    in_flight: int = 0
+    most_in_flight: int = 0
 
     async def handle(self, request: web.Request) -> web.Response:
         binary = request.content_type == MSGPACK
@@ -79,6 +84,14 @@ class FakeStages:
             else msgspec.json.decode(body, type=RunRequest)
         )
         self.calls.append((req.stage_id, request.content_type))
+        if self.chunks and req.stage_id:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            try:
+                await asyncio.sleep(0.02)
+                return self.chunked(req, binary)
+            finally:
+                self.in_flight -= 1
         if req.stage_id not in self.serves:
             return error(400, f"stage_id: this instance runs stage {min(self.serves)} only")
         if req.stage_id == 0:
@@ -102,6 +115,33 @@ class FakeStages:
             "audio", data=WAV, mime_type="audio/wav", fields={"sample_rate": 24000}
         )
         return answer(binary, 2, [], text, audio)
+
+    def chunked(self, req: RunRequest | RunRequestBin, binary: bool) -> web.Response:
+        """Stage 1 answers one stage-2 input per chunk; stage 2 answers chunk c's audio."""
+        raw = req.stage_input if binary else base64.b64decode(str(req.stage_input))
+        assert isinstance(raw, bytes)
+        if req.stage_id == 1:
+            inputs = [f"s2:{c}".encode() for c in range(self.chunks)]
+            if binary:
+                rb = RunResponseBin(1, "req-1", next=[NextInputBin(2, v) for v in inputs])
+                return web.Response(body=msgspec.msgpack.encode(rb), content_type=MSGPACK)
+            nexts = [NextInput(2, base64.b64encode(v).decode()) for v in inputs]
+            rj = RunResponse(1, "req-1", next=nexts)
+            return web.Response(body=msgspec.json.encode(rj), content_type="application/json")
+        chunk = int(raw.decode().removeprefix("s2:"))
+        wav = media.wav_bytes(chunk_wave(chunk), 24000)
+        if binary:
+            out = RunOutputBin("audio", data=wav, mime_type="audio/wav")
+            rb = RunResponseBin(2, "req-1", chunk=chunk, output=out)
+            return web.Response(body=msgspec.msgpack.encode(rb), content_type=MSGPACK)
+        data = base64.b64encode(wav).decode()
+        rj = RunResponse(2, "req-1", chunk=chunk, output=RunOutput("audio", data=data))
+        rj.output.mime_type = "audio/wav"  # type: ignore[union-attr]
+        return web.Response(body=msgspec.json.encode(rj), content_type="application/json")
+
+
+def chunk_wave(chunk: int) -> np.ndarray:
+    return np.full(240, (chunk + 1) / 16, dtype=np.float32)
 
 
 def error(status: int, message: str) -> web.Response:
@@ -194,6 +234,45 @@ async def test_fan_out_runs_every_branch(serve: Serve) -> None:
     assert trace.calls[0].next_inputs == ((1, 8), (2, 8))  # base64 of b"s1:go"
     assert trace.outputs[0].text == "GO" and trace.outputs[1].text == "left go"
     assert trace.outputs[2].data == WAV
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "msgpack"])
+async def test_a_streamed_stage_has_every_chunk_run_and_joined(serve: Serve, binary: bool) -> None:
+    fake = FakeStages(chunks=9)
+    url = await serve(fake)
+    async with RunClient(TINY_OMNI, FixedUrls([url]), msgpack=binary) as client:
+        trace = await client.run(Prompt(prompt="hi"))
+    assert [s for s, _ in fake.calls].count(2) == 9
+    assert 1 < fake.most_in_flight <= MAX_PARALLEL_CALLS  # concurrent, and bounded
+    whole = np.concatenate([chunk_wave(c) for c in range(9)])
+    assert trace.outputs[2].data == media.wav_bytes(whole, 24000)  # in chunk order
+    chunk_calls = [c for c in trace.calls if c.stage_id == 2]
+    assert sorted(c.chunk for c in chunk_calls) == list(range(9))
+    assert all(c.streamed for c in chunk_calls)
+    assert next(c.next_inputs for c in trace.calls if c.stage_id == 1) == tuple(
+        (2, 4 if binary else 8) for _ in range(9)
+    )
+    assert "chunk 3" in cli_run.format_call(next(c for c in chunk_calls if c.chunk == 3), 3)
+    line = cli_run.format_call(next(c for c in trace.calls if c.stage_id == 1), 3)
+    assert line.endswith("in 9 stage_inputs (chunks) to stage 2")
+
+
+async def test_a_next_stage_that_does_not_follow_is_refused(serve: Serve) -> None:
+    fake = FakeStages()
+    url = await serve(fake)
+    backwards = PipelineSpec(
+        name="backwards",
+        stages=(
+            StageSpec(stage_id=0, name="a", engine="x:Y"),
+            StageSpec(stage_id=1, name="b", engine="x:Y", sources=(0,)),
+            StageSpec(
+                stage_id=2, name="c", engine="x:Y", sources=(0,), final_output=OutputKind.AUDIO
+            ),
+        ),
+    )
+    async with RunClient(backwards, FixedUrls([url])) as client:
+        with pytest.raises(StageCallError, match=r"stage\(s\) \[2\], which do not follow 1"):
+            await client.run(Prompt(prompt="hi"))
 
 
 async def test_error_answer_raises_with_the_server_message(serve: Serve) -> None:

@@ -6,6 +6,11 @@ compute is spent, and the others run as usual. Each request runs on its own unde
 ``torch.inference_mode()`` with a generator seeded from the request's seed alone, so its output
 does not depend on what else is in its batch. Weights are seeded from the pipeline and stage
 names, so every replica holds the same model.
+
+Streams (``open``): the compute runs lazily, one chunk per ``next()``, each ``next()`` under its
+own ``torch.inference_mode()`` (never left entered between the core's steps), so an exception
+fails its request alone. A request streams (:meth:`ReferenceEngine.run_chunks`) only when
+``ctx.async_chunk`` is on and its input is whole; otherwise its stream is one :meth:`run`.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -198,13 +203,21 @@ class ReferenceEngine(StageEngine, Generic[InputT]):
         )
 
     def execute(self, batch: Sequence[EngineRequest]) -> list[EngineResult]:
+        """Every request's whole result (no streaming), in the batch's order."""
+        return [next(stream) for stream in self._streams(batch, streaming=False)]
+
+    def open(self, batch: Sequence[EngineRequest]) -> list[Iterator[EngineResult]]:
+        return self._streams(batch, streaming=self.ctx.async_chunk)
+
+    def _streams(
+        self, batch: Sequence[EngineRequest], *, streaming: bool
+    ) -> list[Iterator[EngineResult]]:
         if not self._loaded:
             raise RuntimeError(f"{self.where}: execute() called before load()")
-        results: list[EngineResult | None] = [None] * len(batch)
-        parsed: list[tuple[int, EngineRequest, InputT]] = []
-        for i, request in enumerate(batch):  # 1) validate everything first; a bad one fails alone
+        streams: list[Iterator[EngineResult]] = []
+        for request in batch:  # validate everything first; a bad one fails alone, no compute
             try:
-                parsed.append((i, request, self.parse(request)))
+                inputs = self.parse(request)
             except EngineInputError as exc:
                 logger.info(
                     "bad input stage=%s request_id=%s: %s",
@@ -212,21 +225,36 @@ class ReferenceEngine(StageEngine, Generic[InputT]):
                     request.request_id,
                     exc,
                 )
-                results[i] = EngineResult(request.request_id, error=str(exc))
-        with torch.inference_mode():  # 2) run each request on its own generator
-            for i, request, inputs in parsed:
-                started = time.perf_counter()
-                seed = derive_seed("omni-mesh-request", self.where, request.seed)
-                result = self.run(request, inputs, make_generator(seed))
-                logger.debug(
-                    "executed stage=%s request_id=%s ms=%.1f output_bytes=%d",
-                    self.ctx.stage.name,
-                    request.request_id,
-                    (time.perf_counter() - started) * 1e3,
-                    result.output.nbytes(),
-                )
-                results[i] = result
-        return [r for r in results if r is not None]
+                streams.append(iter([EngineResult(request.request_id, error=str(exc))]))
+                continue
+            generator = make_generator(derive_seed("omni-mesh-request", self.where, request.seed))
+            if streaming and request.whole:
+                chunks = self.run_chunks(request, inputs, generator)
+            else:
+                chunks = self._run_whole(request, inputs, generator)
+            streams.append(_in_inference_mode(chunks))
+        return streams
+
+    def _run_whole(
+        self, request: EngineRequest, inputs: InputT, generator: torch.Generator
+    ) -> Iterator[EngineResult]:
+        started = time.perf_counter()
+        result = self.run(request, inputs, generator)
+        logger.debug(
+            "executed stage=%s request_id=%s ms=%.1f output_bytes=%d",
+            self.ctx.stage.name,
+            request.request_id,
+            (time.perf_counter() - started) * 1e3,
+            result.output.nbytes(),
+        )
+        yield result
+
+    def run_chunks(
+        self, request: EngineRequest, inputs: InputT, generator: torch.Generator
+    ) -> Iterator[EngineResult]:
+        """Execute one request as a stream of chunks (``last=True`` on the final one), one
+        per ``next()``, each under ``torch.inference_mode()``. The default: one :meth:`run`."""
+        yield self.run(request, inputs, generator)
 
     def close(self) -> None:
         """Drop the model; ``execute`` fails until ``load`` runs again."""
@@ -249,3 +277,19 @@ class ReferenceEngine(StageEngine, Generic[InputT]):
         self, request: EngineRequest, inputs: InputT, generator: torch.Generator
     ) -> EngineResult:
         """Execute one request (inside ``torch.inference_mode()``)."""
+
+
+def _in_inference_mode(chunks: Iterator[EngineResult]) -> Iterator[EngineResult]:
+    """``chunks`` advanced one ``next()`` at a time inside ``torch.inference_mode()``; the mode
+    is left between items, so nothing else in the process runs in it."""
+    try:
+        while True:
+            with torch.inference_mode():
+                item = next(chunks, None)
+            if item is None:
+                return
+            yield item
+    finally:
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()

@@ -34,8 +34,13 @@ def thinker_to_talker(data: StageData) -> StageData:
 
 
 def talker_to_code2wav(data: StageData) -> StageData:
-    """Talker → code2wav: ``codes`` int64 [F, 4]."""
-    return StageData(arrays={"codes": _require(data, "talker_to_code2wav", "codes")})
+    """Talker → code2wav: ``codes`` int64 [F, 4], and ``context_codes`` [M, 4] when the talker
+    streams (the frames before a chunk, which code2wav decodes first and drops)."""
+    arrays = {"codes": _require(data, "talker_to_code2wav", "codes")}
+    context = data.arrays.get("context_codes")
+    if context is not None:
+        arrays["context_codes"] = context
+    return StageData(arrays=arrays)
 
 
 def ar_to_dit(data: StageData) -> StageData:

@@ -16,17 +16,27 @@ sampling params apply when given (after the thinker they address the text model,
 Input fields: ``voice`` (one of :data:`VOICES`, default ``"default"``) and either
 ``text_tokens`` + array ``hidden_states`` or ``prompt`` (+ ``max_tokens``). Output: array
 ``codes`` int64 [F, 4]; fields ``num_frames``, ``voice``.
+
+Streaming (``async_chunk``, whole input): the same sampling loop yields a chunk every
+``engine_extras.chunk_frames`` frames (default 10): array ``codes`` [n, 4] (the chunk's new
+frames), fields ``num_frames`` (n), ``voice`` and ``frame_offset`` (frames before the chunk),
+and, except on chunk 0, array ``context_codes`` [m, 4], the m = min(CONTEXT_FRAMES,
+frame_offset) frames just before the chunk that code2wav needs to decode it seamlessly. The
+chunks' ``codes`` concatenated are the whole output's ``codes``, byte for byte.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
+from omni_mesh.data_plane.messages import Scalar
 from omni_mesh.engines.base import EngineRequest, EngineResult, StageData
+from omni_mesh.engines.reference.codec import CODEBOOK_SIZE, CONTEXT_FRAMES, NUM_CODEBOOKS
 from omni_mesh.engines.reference.common import (
     DEFAULT_MAX_PROMPT_BYTES,
     VOICES,
@@ -47,8 +57,8 @@ from omni_mesh.engines.reference.layers import (
 )
 from omni_mesh.engines.reference.thinker import HIDDEN as THINKER_HIDDEN
 
-NUM_CODEBOOKS = 4
-CODEBOOK_SIZE = 1024
+__all__ = ["CODEBOOK_SIZE", "NUM_CODEBOOKS", "TalkerEngine", "TalkerInput", "TalkerModel"]
+
 FRAMES_PER_TOKEN = 2
 DIM = 512
 HEADS = 8
@@ -126,6 +136,7 @@ class TalkerEngine(ReferenceEngine[TalkerInput]):
         )
         self.temperature = extra_float(self.ctx, "temperature", 0.9, 0.0, 10.0)
         self.top_k = extra_int(self.ctx, "top_k", 64, 0, CODEBOOK_SIZE)
+        self.chunk_frames = extra_int(self.ctx, "chunk_frames", 10, 1, 1024)
         self.model = TalkerModel().eval()
         init_weights(self.model, seed)
         return sum(p.numel() for p in self.model.parameters())
@@ -159,6 +170,43 @@ class TalkerEngine(ReferenceEngine[TalkerInput]):
     def run(
         self, request: EngineRequest, inputs: TalkerInput, generator: torch.Generator
     ) -> EngineResult:
+        (codes,) = self._generate(inputs, generator, inputs.frames)
+        output = StageData(
+            fields={"num_frames": inputs.frames, "voice": VOICES[inputs.voice]},
+            arrays={"codes": codes},
+        )
+        return EngineResult(request.request_id, output=output)
+
+    def run_chunks(
+        self, request: EngineRequest, inputs: TalkerInput, generator: torch.Generator
+    ) -> Iterator[EngineResult]:
+        """The codes every ``chunk_frames`` frames, with their context (module docstring)."""
+        done: list[np.ndarray] = []
+        offset = 0
+        for codes in self._generate(inputs, generator, self.chunk_frames):
+            arrays = {"codes": codes}
+            if offset:
+                recent = np.concatenate(done[-CONTEXT_FRAMES:])  # >= min(CONTEXT, offset) rows
+                arrays["context_codes"] = recent[-min(CONTEXT_FRAMES, offset) :]
+            n = len(codes)
+            fields: dict[str, Scalar] = {
+                "num_frames": n,
+                "voice": VOICES[inputs.voice],
+                "frame_offset": offset,
+            }
+            offset += n
+            done.append(codes)
+            yield EngineResult(
+                request.request_id,
+                output=StageData(fields=fields, arrays=arrays),
+                last=offset == inputs.frames,
+            )
+
+    def _generate(
+        self, inputs: TalkerInput, generator: torch.Generator, every: int
+    ) -> Iterator[np.ndarray]:
+        """Sample the request's frames, yielding int64 [n, 4] blocks of ``every`` frames (the
+        last may be shorter); the sampling is the same whatever ``every`` is."""
         model = self.model
         if inputs.hidden is not None:
             memory = model.adapt_hidden(as_tensor(inputs.hidden))
@@ -170,6 +218,7 @@ class TalkerEngine(ReferenceEngine[TalkerInput]):
         speaker = model.speaker.weight[inputs.voice : inputs.voice + 1]
         codes = torch.empty(inputs.frames, NUM_CODEBOOKS, dtype=torch.int64)
         previous: Tensor | None = None
+        start = 0
         for frame in range(inputs.frames):
             x = model.frame_embedding(previous) + speaker + sinusoidal(torch.tensor([frame]), DIM)
             logits = model.step(x[None], caches, memory_kv)
@@ -177,8 +226,6 @@ class TalkerEngine(ReferenceEngine[TalkerInput]):
                 logits, temperature=inputs.temperature, top_k=inputs.top_k, generator=generator
             )
             codes[frame] = previous
-        output = StageData(
-            fields={"num_frames": inputs.frames, "voice": VOICES[inputs.voice]},
-            arrays={"codes": codes.numpy()},
-        )
-        return EngineResult(request.request_id, output=output)
+            if frame + 1 - start == every or frame + 1 == inputs.frames:
+                yield codes[start : frame + 1].numpy()
+                start = frame + 1
