@@ -12,6 +12,7 @@ the same run. Every process a benchmark starts is stopped at its end, also on er
 | scaling | :mod:`benchmarks.scaling` | 1:N:1 with a 50 ms middle stage, N = 1, 2, 4, 8 |
 | control-plane | :mod:`benchmarks.control_plane` | heartbeats, watch propagation, kill -9 |
 | peer | :mod:`benchmarks.peer` | the same pipelines on Ray Serve (separate venv) |
+| streaming | :mod:`benchmarks.streaming` | async_chunk: time to first audio, cost per chunk |
 """
 
-NAMES = ("hop", "handoff", "scaling", "control-plane", "peer")
+NAMES = ("hop", "handoff", "scaling", "control-plane", "peer", "streaming")
