@@ -224,13 +224,15 @@ class StageRunner:
 class FrameMerger:
     """Frames from several producer tasks, in arrival order, until every producer is done.
 
-    The first error frame ends the merge (the other producers are cancelled). Timings of
+    The first error frame ends the merge (the other producers are cancelled); a producer that
+    raises (this stage's engine died) makes :meth:`frames` raise it: the answer cannot be
+    completed here and must be cut, so that the sender replays it elsewhere. Timings of
     passed-on frames are kept for the final frame; frames are passed on with ``more=True``."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.timings: list[StageTiming] = []
-        self._queue: asyncio.Queue[HopResult | None] = asyncio.Queue()
+        self._queue: asyncio.Queue[HopResult | BaseException | None] = asyncio.Queue()
         self._tasks: set[asyncio.Task[None]] = set()
         self._failed = False
 
@@ -246,20 +248,17 @@ class FrameMerger:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             exc = task.exception()
-            logger.error("request_id=%s: a branch failed: %r", self.request_id, exc)
-            message = f"{type(exc).__name__}: {exc}"
-            self.put(
-                HopResult(
-                    request_id=self.request_id,
-                    error=StageError(code="engine_error", message=message),
-                )
-            )
+            logger.warning("request_id=%s: a branch failed: %r", self.request_id, exc)
+            self._queue.put_nowait(exc)  # raised to the consumer: this answer cannot go on
         if not self._tasks:
             self._queue.put_nowait(None)
 
     async def frames(self) -> AsyncGenerator[HopResult, None]:
         while not self._failed:
             frame = await self._queue.get()
+            if isinstance(frame, BaseException):
+                self._failed = True
+                raise frame
             if frame is None:
                 if self._tasks:  # a sentinel from an earlier lull; producers remain
                     continue
@@ -313,5 +312,5 @@ def _merge(own: HopResult, downstream: HopResult, timing: StageTiming) -> HopRes
 def _unavailable(si: StageInput, exc: HopUnavailable) -> HopResult:
     return HopResult(
         request_id=si.request_id,
-        error=StageError(code="unavailable", message=str(exc), stage_id=exc.stage_id),
+        error=StageError(code=exc.code, message=str(exc), stage_id=exc.stage_id),
     )

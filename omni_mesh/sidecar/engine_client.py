@@ -285,8 +285,9 @@ class EngineClient:
         return len(self._pending)
 
     def is_running(self, key: str) -> bool:
-        """Whether the work named ``key`` (:func:`transfer_key`) is running here."""
-        return key in self._pending
+        """Whether the work named ``key`` (:func:`transfer_key`) is running here, or still
+        being aborted (its last Result not back yet)."""
+        return key in self._pending or key in self._abandoned
 
     async def execute(self, si: StageInput) -> StageOutput:
         """Run one request whose output is whole (one chunk); see :meth:`stream`."""
@@ -306,6 +307,8 @@ class EngineClient:
             reason = self.death_reason or ("stopped" if self._stopping else "not started")
             raise EngineDeadError(f"stage {self.stage_id}: {reason}")
         key = transfer_key(si)
+        if self.is_running(key):  # admission refuses duplicates; this is the last line
+            raise EngineBusyError(f"stage {self.stage_id}: {key} is already running here")
         try:
             payload = externalize(si.payload, self.arena, key, threshold=INLINE_MAX)
         except ShmArenaFull as exc:

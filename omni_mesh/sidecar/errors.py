@@ -74,6 +74,15 @@ def error_response(err: ApiError) -> web.Response:
     return web.json_response(body, status=err.status, headers=err.headers)
 
 
+def hop_unavailable_error(exc: HopUnavailable) -> ApiError:
+    """A hand-off no replica took in time: 503 with Retry-After; 504 when the deadline had
+    passed before the hand-off was tried at all."""
+    if exc.code == "deadline":
+        return ApiError(504, str(exc), type_="deadline")
+    retry_after = str(max(1, round(exc.retry_after_s)))
+    return ApiError(503, str(exc), type_="unavailable", headers={"Retry-After": retry_after})
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
@@ -85,14 +94,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except msgspec.DecodeError as exc:
         return error_response(ApiError(400, f"undecodable body: {exc}"))
     except HopUnavailable as exc:
-        return error_response(
-            ApiError(
-                503,
-                str(exc),
-                type_="unavailable",
-                headers={"Retry-After": str(max(1, round(exc.retry_after_s)))},
-            )
-        )
+        return error_response(hop_unavailable_error(exc))
     except EngineDeadError as exc:
         return error_response(ApiError(503, str(exc), type_="unavailable"))
     except EngineBusyError as exc:

@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import msgspec
 
@@ -43,12 +44,20 @@ _BUSY = frozenset({409, 429})
 
 
 class HopUnavailable(Exception):
-    """No replica of the stage could take the hop before the deadline (→ 503)."""
+    """No replica of the stage could take the hop before the deadline (→ 503), or the
+    deadline had passed before the hop was even tried (``code="deadline"`` → 504)."""
 
-    def __init__(self, stage_id: int, message: str, retry_after_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        stage_id: int,
+        message: str,
+        retry_after_s: float = 1.0,
+        code: Literal["unavailable", "deadline"] = "unavailable",
+    ) -> None:
         super().__init__(message)
         self.stage_id = stage_id
         self.retry_after_s = retry_after_s
+        self.code = code
 
 
 @dataclass
@@ -218,6 +227,12 @@ class HopClient:
         backoff = 0.005
         while True:
             remaining_s = (deadline_ms - now_ms()) / 1000.0
+            if remaining_s <= 0 and not (stats.tried or stats.waited_full):
+                raise HopUnavailable(
+                    stage_id,
+                    f"the request's deadline passed before its hand-off to stage {stage_id}",
+                    code="deadline",
+                )
             if remaining_s <= 0:
                 raise HopUnavailable(
                     stage_id,

@@ -79,10 +79,27 @@ def _pick(outputs: list[FinalOutput], kind: OutputKind) -> FinalOutput | None:
 # ---- routes ----------------------------------------------------------------------------------
 
 
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def _stream_query(request: web.Request) -> bool:
+    """``?stream=`` as a boolean (absent: false); anything else is a 400 naming it."""
+    values = request.query.getall("stream", [])
+    if not values:
+        return False
+    if len(values) > 1:
+        raise bad_request("stream: give the query parameter once", "stream")
+    value = values[0].lower()
+    if value not in _TRUE | _FALSE:
+        raise bad_request(f"stream: {values[0]!r} is not a boolean (true or false)", "stream")
+    return value in _TRUE
+
+
 async def generate(request: web.Request) -> web.StreamResponse:
     pod = request.app[POD]
     prompt = await _body(request, Prompt)
-    if request.query.get("stream", "false").lower() in ("1", "true"):
+    if _stream_query(request):
         si = entry(pod, request, prompt)
         sink = GenerateEvents(pod.pipeline)
         return await respond(request, pod.pipeline, request_frames(pod, request, si), sink)
@@ -155,6 +172,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
         fields["max_tokens"] = max_tokens
     prompt = Prompt(prompt=_chat_prompt(req), seed=req.seed, **fields)
     sampling = SamplingParams(temperature=req.temperature) if req.temperature is not None else None
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options: only allowed when stream is true", "stream_options")
     if req.stream:
         si = entry(pod, request, prompt, sampling)
         include_usage = req.stream_options is not None and req.stream_options.include_usage

@@ -20,6 +20,7 @@ from omni_mesh.sidecar.admission import admitted
 from omni_mesh.sidecar.errors import ApiError, bad_request
 from omni_mesh.sidecar.handoff import HOP_PATH, HOP_TOKEN_HEADER, HopUnavailable
 from omni_mesh.sidecar.keys import POD
+from omni_mesh.sidecar.pod import Pod
 
 logger = logging.getLogger(__name__)
 
@@ -49,37 +50,59 @@ async def hop(request: web.Request) -> web.StreamResponse:
         )
     t0 = time.monotonic()
     labels = (pod.pipeline.name, str(pod.stage_id))
-    response: web.StreamResponse | None = None
-    outcome = "ok"
     with admitted(pod, transfer_key(si), "hop"):
-        try:
-            async with contextlib.aclosing(pod.runner.run_stream(si)) as frames:
-                async for frame in frames:
-                    if frame.error is not None:
-                        outcome = frame.error.code
-                    if response is None and not frame.more:  # whole: one answer, as ever
-                        response = web.Response(body=codec.encode(frame), content_type=wire.MSGPACK)
-                        break
-                    if response is None:
-                        response = web.StreamResponse(headers={"Content-Type": wire.HOP_FRAMES})
-                        response.enable_chunked_encoding()
-                        await response.prepare(request)
-                    await response.write(_frame_bytes(frame))
-                    pod.metrics.hop_frames.labels(*labels).inc()
-        except HopUnavailable as exc:  # before the first frame: one error answer
-            error = StageError(code="unavailable", message=str(exc), stage_id=exc.stage_id)
-            response = web.Response(
-                body=codec.encode(HopResult(request_id=si.request_id, error=error)),
-                content_type=wire.MSGPACK,
-            )
-            outcome = "unavailable"
-        if response is None:
-            raise ApiError(500, f"stage {pod.stage_id}: the answer ended without a frame")
-        if response.prepared:
-            await response.write_eof()
+        response, outcome = await _answer(request, pod, si)
     pod.metrics.requests.labels(*labels, "hop", outcome).inc()
     pod.metrics.request_duration.labels(*labels, "hop").observe(time.monotonic() - t0)
     return response
+
+
+async def _answer(request: web.Request, pod: Pod, si: StageInput) -> tuple[web.StreamResponse, str]:
+    """Run the chain from this stage; answer with one frame, or stream the frames.
+
+    A failure after the stream started (this engine died, say) cuts the connection without
+    the stream's end: the sender sees a broken stream and replays it on another replica,
+    which is what it does when this whole pod dies."""
+    assert pod.runner is not None
+    labels = (pod.pipeline.name, str(pod.stage_id))
+    response: web.StreamResponse | None = None
+    outcome = "ok"
+    try:
+        async with contextlib.aclosing(pod.runner.run_stream(si)) as frames:
+            async for frame in frames:
+                if frame.error is not None:
+                    outcome = frame.error.code
+                if response is None and not frame.more:  # whole: one answer, as ever
+                    body = codec.encode(frame)
+                    return web.Response(body=body, content_type=wire.MSGPACK), outcome
+                if response is None:
+                    response = web.StreamResponse(headers={"Content-Type": wire.HOP_FRAMES})
+                    response.enable_chunked_encoding()
+                    await response.prepare(request)
+                await response.write(_frame_bytes(frame))
+                pod.metrics.hop_frames.labels(*labels).inc()
+    except HopUnavailable as exc:
+        if response is not None:
+            raise  # run_stream answers these as frames; never expected mid-stream
+        error = StageError(code=exc.code, message=str(exc), stage_id=exc.stage_id)
+        result = HopResult(request_id=si.request_id, error=error)
+        return web.Response(body=codec.encode(result), content_type=wire.MSGPACK), exc.code
+    except Exception as exc:
+        if response is None:
+            raise  # an ordinary error answer (a dead engine: 503, replayed by the sender)
+        logger.warning(
+            "request_id=%s: streamed hop answer cut after it started: %s: %s",
+            si.request_id,
+            type(exc).__name__,
+            exc,
+        )
+        if request.transport is not None:
+            request.transport.close()
+        return response, "engine_error"
+    if response is None:
+        raise ApiError(500, f"stage {pod.stage_id}: the answer ended without a frame")
+    await response.write_eof()
+    return response, outcome
 
 
 def _frame_bytes(frame: HopResult) -> bytearray:

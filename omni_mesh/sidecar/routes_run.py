@@ -31,6 +31,7 @@ from omni_mesh.data_plane.messages import (
     RunResponseBin,
     StageInput,
     StageOutput,
+    transfer_key,
 )
 from omni_mesh.data_plane.shm import inline
 from omni_mesh.sidecar.admission import admitted
@@ -136,7 +137,7 @@ async def _run_local(
     si = _stage_input(pod, req, request.headers.get("traceparent", ""), timeout_s)
     labels = (pod.pipeline.name, str(pod.stage_id))
     t0 = time.monotonic()
-    with admitted(pod, si.request_id, "run"):
+    with admitted(pod, transfer_key(si), "run"):
         async with pod.runner.executed(si) as outs:
             error = next((o.error for o in outs if o.error is not None), None)
             if error is not None:

@@ -36,6 +36,7 @@ from omni_mesh.sidecar.errors import (
     ApiError,
     bad_request,
     from_stage_error,
+    hop_unavailable_error,
 )
 from omni_mesh.sidecar.handoff import HopUnavailable
 from omni_mesh.sidecar.inputs import BadPrompt, entry_input
@@ -228,7 +229,7 @@ def _api_error(exc: Exception) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, HopUnavailable):
-        return ApiError(503, str(exc), type_="unavailable")
+        return hop_unavailable_error(exc)
     return ApiError(500, "internal error (logged)", type_="internal_error")
 
 

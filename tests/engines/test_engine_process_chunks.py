@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import time
 
+import numpy as np
 import pytest
 
-from omni_mesh.data_plane.messages import Payload, StageInput, StageOutput
-from omni_mesh.data_plane.tensors import array_from_tensor
+from omni_mesh.data_plane.messages import Payload, StageInput, StageOutput, transfer_key
+from omni_mesh.data_plane.tensors import array_from_tensor, tensor_from_array
 from omni_mesh.engines.synthetic import chunk_bytes
+from omni_mesh.sidecar.engine_client import EngineBusyError
 from tests.engines.process_helpers import MakeClient, MiB, RecordingClient, shm_files, stage_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -122,3 +124,50 @@ async def test_stop_drains_running_streams(make_client: MakeClient) -> None:
     assert [o.chunk for o in outs] == [0, 1, 2, 3, 4] and outs[-1].last
     assert all(o.error is None for o in outs)
     assert client.deaths == []
+
+
+async def test_work_is_keyed_by_chunk_and_an_abort_holds_its_key_until_answered(
+    make_client: MakeClient,
+) -> None:
+    """Two chunks of one request run side by side; the same chunk twice is refused; work left
+    early keeps its key (and its input slot) until the engine's "aborted" answer is back."""
+    config = stage_config(1, output_bytes=64, step_latency_ms=300)
+    client = await make_client(config, stage_id=1, async_chunk=True)
+    big = Payload(tensors={"hidden": tensor_from_array(np.zeros(2 * MiB, dtype=np.uint8))})
+
+    def chunk(c: int) -> StageInput:
+        si = whole_input("req")
+        return StageInput(
+            pipeline="synthetic",
+            request_id="req",
+            stage_id=1,
+            from_stage=0,
+            chunk=c,
+            last=False,
+            deadline_ms=si.deadline_ms,
+            seed=1,
+            payload=big,
+        )
+
+    first, second = await asyncio.gather(collect(client, chunk(0)), collect(client, chunk(1)))
+    assert [(o.chunk, o.last) for o in first + second] == [(0, False), (1, False)]
+    client.release(transfer_key(chunk(0)))
+    client.release(transfer_key(chunk(1)))
+
+    stream = client.stream(chunk(2))
+    task = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0.1)  # submitted, the engine is in its 300 ms step
+    with pytest.raises(EngineBusyError, match="already running"):
+        await anext(client.stream(chunk(2)))
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await stream.aclose()
+    key = transfer_key(chunk(2))
+    assert client.is_running(key)  # aborting: a resubmission now would be refused
+    assert client.arena.stats().slots_in_use == 1  # the engine may still read the input
+    for _ in range(100):
+        if not client.is_running(key):
+            break
+        await asyncio.sleep(0.02)
+    assert not client.is_running(key) and client.arena.stats().slots_in_use == 0

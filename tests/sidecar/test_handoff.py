@@ -386,8 +386,9 @@ async def test_full_until_the_deadline_is_unavailable_in_bounded_time(
     busy = await start_replica("busy", [429])
     hops = make_hops(busy.replica(), retries=5)
     started = time.monotonic()
-    with pytest.raises(HopUnavailable, match="deadline"):
+    with pytest.raises(HopUnavailable, match="deadline") as info:
         await hops.client.send(hop_input(deadline_s=0.5))
+    assert info.value.code == "unavailable"  # → 503 + Retry-After: the pool was full
     assert 0.4 < time.monotonic() - started < 1.5
     assert len(busy.received) >= 2
     assert {si.attempt for si in busy.received} == {0}
@@ -430,10 +431,11 @@ async def test_a_past_deadline_fails_at_once_without_sending(
     ok = await start_replica("ok")
     hops = make_hops(ok.replica())
     started = time.monotonic()
-    with pytest.raises(HopUnavailable):
+    with pytest.raises(HopUnavailable) as info:
         await hops.client.send(hop_input(deadline_s=-1.0))
     assert time.monotonic() - started < 0.2
     assert ok.received == []
+    assert info.value.code == "deadline"  # → 504: nothing was tried, no replica is to blame
 
 
 async def test_a_replica_that_appears_while_waiting_gets_the_hop(

@@ -17,7 +17,7 @@ import pytest
 
 import omni_mesh
 from tests.procs import wait_until
-from tests.sidecar.topology import Topology, post_json, shm_segments
+from tests.sidecar.topology import Topology, engine_pid, post_json, shm_segments
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -83,9 +83,12 @@ def test_chunks_flow_through_every_stage(tmp_path: Path, no_shm_leak: None) -> N
         topo.close()
 
 
+@pytest.mark.parametrize("victim_process", ["sidecar", "engine"])
 def test_a_streaming_replica_killed_mid_stream_is_replayed(
-    tmp_path: Path, no_shm_leak: None
+    tmp_path: Path, no_shm_leak: None, victim_process: str
 ) -> None:
+    """Whether the pod dies or only its engine (the pod then cuts its streamed answer and
+    exits), the API server replays the stream on the other replica."""
     config = chunked_config(tmp_path, step_latency_ms=150)  # ~0.9 s per request on stage 0
     topo = Topology(
         "synthetic", [2, 1, 1], tmp_path, extra_stage_args=["--deploy-config", str(config)]
@@ -111,7 +114,8 @@ def test_a_streaming_replica_killed_mid_stream_is_replayed(
         thread.start()
         victim: list[int] = []
         wait_until(lambda: (i := streaming()) is not None and not victim.append(i), 10.0)
-        os.kill(topo.stages[0][victim[0]].pid, signal.SIGKILL)
+        pod = topo.stages[0][victim[0]]
+        os.kill(pod.pid if victim_process == "sidecar" else engine_pid(pod), signal.SIGKILL)
         thread.join(timeout=120)
         assert got["out"] == reference  # no chunk lost, none twice, same bytes
         survivor = topo.urls[0][1 - victim[0]]

@@ -113,6 +113,35 @@ def test_speech_streams_through_the_sdk_with_the_unary_pcm(tts: Topology) -> Non
     assert tts.metric(tts.api_url, first, route="/v1/audio/speech") >= 2
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "needle"),
+    [
+        ("/v1/generate?stream=maybe", {"prompt": "x"}, "stream"),
+        ("/v1/generate?stream=true&stream=false", {"prompt": "x"}, "stream"),
+        (
+            "/v1/chat/completions",
+            {
+                "model": "tiny-tts",
+                "messages": [{"role": "user", "content": "x"}],
+                "stream_options": {"include_usage": True},
+            },
+            "stream_options",
+        ),
+        (
+            "/v1/audio/speech",
+            {"model": "tiny-tts", "input": "x", "stream_format": "chunks"},
+            "stream_format",
+        ),
+    ],
+)
+def test_bad_streaming_options_are_a_400_naming_them(
+    tts: Topology, path: str, body: dict[str, object], needle: str
+) -> None:
+    status, raw = post_json(tts.api_url + path, body)
+    assert status == 400, raw
+    assert needle in json.loads(raw)["error"]["message"]
+
+
 def test_sse_speech_carries_the_same_pcm(tts: Topology) -> None:
     reference, _ = media.wav_pcm(generated_wav(tts, TEXT, SEED, "alloy"))
     client = _client(tts)
