@@ -239,6 +239,7 @@ class Fatal(Struct, tag="fatal"):
     """Engine → sidecar: the engine cannot go on (load failure, unrecoverable error)."""
 
     message: str
+    config_error: bool = False  # its settings are unusable (not a transient failure)
 
 
 EngineMessage = Hello | Ready | Submit | Abort | Release | Result | Stats | Shutdown | Fatal

@@ -45,6 +45,11 @@ class EngineInputError(ValueError):
     Reported to the client as a 400 naming the stage; the engine keeps serving."""
 
 
+class EngineConfigError(ValueError):
+    """The stage's engine settings (``engine_extras``) are unusable: the stage cannot start.
+    Reported as one line; ``omni-stage`` exits 2, as for any other bad setting."""
+
+
 class OutputCapacityError(RuntimeError):
     """No room for a request's outputs right now (shared memory full). The request fails as
     ``unavailable`` (503, Retry-After); the engine keeps serving."""

@@ -55,7 +55,7 @@ from omni_mesh.data_plane.shm import (
     unlink_prefix,
 )
 from omni_mesh.data_plane.tensors import array_from_tensor, tensor_from_array
-from omni_mesh.engines.base import EngineContext, OutputCapacityError
+from omni_mesh.engines.base import EngineConfigError, EngineContext, OutputCapacityError
 from omni_mesh.engines.core import EngineCore
 
 logger = logging.getLogger(__name__)
@@ -105,6 +105,10 @@ class EngineProc:
             try:
                 core = EngineCore.build(self.ctx)
                 core.engine.load()
+            except EngineConfigError as exc:  # bad settings: one line, no traceback
+                logger.error("engine settings rejected stage=%d: %s", self.stage_id, exc)
+                self.channel.send(Fatal(message=str(exc), config_error=True))
+                return 1
             except Exception as exc:  # a load failure is reported, then fatal
                 logger.exception("engine load failed stage=%d", self.ctx.stage.stage_id)
                 self.channel.send(Fatal(message=f"{type(exc).__name__}: {exc}"))

@@ -138,12 +138,18 @@ def main(argv: list[str] | None = None) -> int:
         p.exit(2, f"omni-stage: error: {exc}\n")
 
     from omni_mesh.sidecar.app import build_pod, serve
+    from omni_mesh.sidecar.engine_client import EngineStartError
 
     async def run() -> int:
         pod = await build_pod(settings, pipeline, deploy)
         return await serve(pod)
 
-    return uvloop.run(run())
+    try:
+        return uvloop.run(run())
+    except EngineStartError as exc:
+        if not exc.config_error:
+            raise
+        p.exit(2, f"omni-stage: error: {exc}\n")
 
 
 if __name__ == "__main__":

@@ -61,7 +61,12 @@ class EngineBusyError(RuntimeError):
 
 
 class EngineStartError(RuntimeError):
-    """The engine failed to start (load error or handshake timeout)."""
+    """The engine failed to start (load error or handshake timeout); ``config_error`` when its
+    settings are unusable (the CLI exits 2: restarting cannot help)."""
+
+    def __init__(self, message: str, *, config_error: bool = False) -> None:
+        super().__init__(message)
+        self.config_error = config_error
 
 
 @dataclass
@@ -182,7 +187,10 @@ class EngineClient:
             elif isinstance(msg, Ready):
                 return msg
             elif isinstance(msg, Fatal):
-                raise EngineStartError(f"stage {self.stage_id}: engine failed: {msg.message}")
+                raise EngineStartError(
+                    f"stage {self.stage_id}: engine failed: {msg.message}",
+                    config_error=msg.config_error,
+                )
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """Ask the engine to drain and exit; kill it if it does not."""

@@ -107,6 +107,20 @@ def test_bad_flags_exit_2(flags: list[str], needle: str) -> None:
     assert needle in result.stderr
 
 
+def test_bad_engine_settings_exit_2_with_one_line() -> None:
+    """engine_extras are checked by the engine as it loads; a bad one is still a bad setting:
+    exit 2 naming it, no traceback (a supervisor restarting the pod could not help)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "omni_mesh.sidecar.cli_stage", "--pipeline", "tiny-tts",
+         "--stage-id", "0", "--headless", "--port", str(free_port()),
+         "--stage-overrides", '{"0": {"chunk_frames": 0}}'],
+        capture_output=True, text=True, timeout=120, env=clean_env(),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "engine_extras.chunk_frames must be an integer in [1, 1024], got 0" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_a_hop_needs_the_deployment_token(tmp_path: Path) -> None:
     topo = Topology("tiny-tts", [1, 1], tmp_path, api=False).start()
     try:

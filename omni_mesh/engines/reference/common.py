@@ -27,6 +27,7 @@ import torch
 
 from omni_mesh.data_plane.messages import SamplingParams
 from omni_mesh.engines.base import (
+    EngineConfigError,
     EngineContext,
     EngineInputError,
     EngineRequest,
@@ -157,7 +158,7 @@ def extra_int(ctx: EngineContext, name: str, default: int, lo: int, hi: int) -> 
     """An integer engine knob from ``engine_extras`` (a config error if out of bounds)."""
     value = ctx.config.engine_extras.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ValueError(
+        raise EngineConfigError(
             f"stage {ctx.stage.name!r} ({ctx.pipeline.name}): engine_extras.{name} must be an "
             f"integer in [{lo}, {hi}], got {value!r}"
         )
@@ -167,7 +168,7 @@ def extra_int(ctx: EngineContext, name: str, default: int, lo: int, hi: int) -> 
 def extra_float(ctx: EngineContext, name: str, default: float, lo: float, hi: float) -> float:
     value = ctx.config.engine_extras.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
-        raise ValueError(
+        raise EngineConfigError(
             f"stage {ctx.stage.name!r} ({ctx.pipeline.name}): engine_extras.{name} must be a "
             f"number in [{lo}, {hi}], got {value!r}"
         )
