@@ -68,15 +68,31 @@ async def test_the_first_error_ends_the_merge_and_cancels_the_rest() -> None:
     assert merger.failed and cancelled.is_set()
 
 
-async def test_a_producer_that_raises_becomes_an_error_frame() -> None:
+async def test_a_producer_that_raises_ends_the_merge_with_its_exception() -> None:
+    """A producer that raises (this stage's engine died) cannot be answered as a frame: the
+    consumer gets the exception (and cuts its stream, so that the sender replays it)."""
+    cancelled = asyncio.Event()
+
     async def broken(merger: FrameMerger) -> None:
+        merger.put(frame(2, 0))
+        await asyncio.sleep(0.01)
         raise RuntimeError("boom")
 
-    async with FrameMerger("r") as merger:
-        merger.spawn(broken(merger))
-        got = [f async for f in merger.frames()]
-    assert len(got) == 1 and got[0].error is not None
-    assert "boom" in got[0].error.message
+    async def slow(merger: FrameMerger) -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            cancelled.set()
+
+    got: list[HopResult] = []
+    with pytest.raises(RuntimeError, match="boom"):
+        async with FrameMerger("r") as merger:
+            merger.spawn(broken(merger))
+            merger.spawn(slow(merger))
+            async for f in merger.frames():
+                got.append(f)
+    assert [f.chunks[2] for f in got] == [0]
+    assert merger.failed and cancelled.is_set()
 
 
 async def test_producers_spawned_by_producers_are_waited_for() -> None:
