@@ -38,6 +38,7 @@ from omni_mesh.data_plane.messages import (
     StageInput,
     StageOutput,
     Tensor,
+    is_whole,
     transfer_key,
 )
 from omni_mesh.engines.base import (
@@ -71,7 +72,7 @@ class _Stream:
 
     @property
     def whole(self) -> bool:
-        return self.si.chunk == 0 and self.si.last
+        return is_whole(self.si)
 
     @property
     def next_chunk(self) -> int:

@@ -174,12 +174,19 @@ class HopClient:
                             connection_level=isinstance(exc, HopConnectionError),
                         )
                     failures = stats.retries + 1  # those spent inside call() count too
-                    if failures > self.retries or now_ms() >= si.deadline_ms:
+                    if now_ms() >= si.deadline_ms:
+                        raise HopUnavailable(
+                            si.stage_id,
+                            f"the request's deadline passed while stage {si.stage_id} "
+                            f"({replica.instance_id}) was streaming its answer",
+                            code="deadline",
+                        ) from exc
+                    if failures > self.retries:
                         raise HopUnavailable(
                             si.stage_id,
                             f"stage {si.stage_id}: streamed answer from {replica.instance_id} "
                             f"broke off ({type(exc).__name__}: {exc}); retry budget "
-                            f"({self.retries}) or deadline spent",
+                            f"({self.retries}) spent",
                         ) from exc
                     stats.retries += 1
                     logger.info(
