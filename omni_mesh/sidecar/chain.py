@@ -117,13 +117,6 @@ class StageRunner:
         async with self._engine_outputs(si) as stream:
             yield [out async for out in stream]
 
-    async def run_chain(self, si: StageInput) -> HopResult:
-        """The whole answer as one frame (for callers that know nothing streams)."""
-        frames = [frame async for frame in self.run_stream(si)]
-        if len(frames) != 1:
-            raise RuntimeError(f"the answer to {si.request_id} streamed; use run_stream()")
-        return frames[0]
-
     async def run_stream(self, si: StageInput) -> AsyncGenerator[HopResult, None]:
         """The orchestrated path from this stage on, as frames (the last has ``more=False``;
         an error frame is the last). Close it (``aclosing``) to abandon the request."""

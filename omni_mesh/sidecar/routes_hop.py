@@ -15,10 +15,10 @@ import time
 from aiohttp import web
 
 from omni_mesh.data_plane import codec, wire
-from omni_mesh.data_plane.messages import HopResult, StageError, StageInput, transfer_key
+from omni_mesh.data_plane.messages import HopResult, StageInput, transfer_key
 from omni_mesh.sidecar.admission import admitted
 from omni_mesh.sidecar.errors import ApiError, bad_request
-from omni_mesh.sidecar.handoff import HOP_PATH, HOP_TOKEN_HEADER, HopUnavailable
+from omni_mesh.sidecar.handoff import HOP_PATH, HOP_TOKEN_HEADER
 from omni_mesh.sidecar.keys import POD
 from omni_mesh.sidecar.pod import Pod
 
@@ -81,12 +81,6 @@ async def _answer(request: web.Request, pod: Pod, si: StageInput) -> tuple[web.S
                     await response.prepare(request)
                 await response.write(_frame_bytes(frame))
                 pod.metrics.hop_frames.labels(*labels).inc()
-    except HopUnavailable as exc:
-        if response is not None:
-            raise  # run_stream answers these as frames; never expected mid-stream
-        error = StageError(code=exc.code, message=str(exc), stage_id=exc.stage_id)
-        result = HopResult(request_id=si.request_id, error=error)
-        return web.Response(body=codec.encode(result), content_type=wire.MSGPACK), exc.code
     except Exception as exc:
         if response is None:
             raise  # an ordinary error answer (a dead engine: 503, replayed by the sender)

@@ -67,7 +67,7 @@ class FakeReplica:
         if self.runner is not None:
             await self.runner.cleanup()
 
-    async def hop(self, request: web.Request) -> web.Response:
+    async def hop(self, request: web.Request) -> web.StreamResponse:
         si = codec.decode(await request.read(), StageInput)
         self.received.append(si)
         self.headers.append(dict(request.headers))

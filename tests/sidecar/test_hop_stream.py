@@ -21,7 +21,7 @@ from omni_mesh.data_plane.shm import ShmReader
 from omni_mesh.sidecar.handoff import HOP_PATH, HopClient, HopStats, HopUnavailable
 from omni_mesh.sidecar.hop_http import HopConnectionError, HopHttpClient
 from omni_mesh.sidecar.router import Router
-from tests.sidecar.test_handoff import STAGE, FakePools, hop_input, make_replica
+from tests.sidecar.test_handoff import STAGE, FakePools, FakeReplica, hop_input
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -40,11 +40,12 @@ def chunk_frame(si: StageInput, chunk: int, who: str) -> HopResult:
     )
 
 
-class StreamingReplica:
+class StreamingReplica(FakeReplica):
     """Streams ``chunks`` frames for every hop, then a last frame with a timing — unless
     ``drop_after`` says to drop the connection after that many frames (``None``: never) or
     ``no_last`` to end the body cleanly without the last frame. ``gate``, when set, holds
-    each frame after the first until the test releases it."""
+    each frame after the first until the test releases it. (Server lifecycle and
+    ``replica()`` as :class:`FakeReplica`'s.)"""
 
     def __init__(
         self,
@@ -55,28 +56,11 @@ class StreamingReplica:
         no_last: bool = False,
         gate: asyncio.Event | None = None,
     ) -> None:
-        self.name = name
+        super().__init__(name)
         self.chunks = chunks
         self.drop_after = drop_after
         self.no_last = no_last
         self.gate = gate
-        self.received: list[StageInput] = []
-        self.runner: web.AppRunner | None = None
-        self.port = 0
-
-    async def start(self) -> StreamingReplica:
-        app = web.Application()
-        app.router.add_post(HOP_PATH, self.hop)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = self.runner.addresses[0][1]
-        return self
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
 
     async def hop(self, request: web.Request) -> web.StreamResponse:
         si = codec.decode(await request.read(), StageInput)
@@ -97,9 +81,6 @@ class StreamingReplica:
             await resp.write(frame_bytes(HopResult(request_id=si.request_id, timings=[timing])))
         await resp.write_eof()
         return resp
-
-    def replica(self) -> object:
-        return make_replica(self.name, f"http://127.0.0.1:{self.port}", "host-b", 0)
 
 
 @pytest.fixture
@@ -125,13 +106,14 @@ def reader() -> Iterator[ShmReader]:
 
 async def start(replicas: list[StreamingReplica], *servers: StreamingReplica) -> None:
     for server in servers:
-        replicas.append(await server.start())
+        await server.start()
+        replicas.append(server)
 
 
 def hop_client(
     http: HopHttpClient, reader: ShmReader, servers: list[StreamingReplica], retries: int = 2
 ) -> tuple[HopClient, Router, list[HopStats]]:
-    pools = FakePools(*(s.replica() for s in servers))  # type: ignore[arg-type]
+    pools = FakePools(*(s.replica() for s in servers))
     router = Router(pools, host_id="host-a", eject_s=30.0, rng=random.Random(3))
     stats: list[HopStats] = []
     client = HopClient(
