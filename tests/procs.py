@@ -1,6 +1,6 @@
 """Helpers for tests that run real processes (redis-server, omni-cp, omni-stage) on loopback.
 
-- :func:`free_port` - a free TCP port on 127.0.0.1.
+- :func:`free_port` - a free TCP port on 127.0.0.1 (the launcher's own helper).
 - :class:`ManagedProcess` - a child process with its stdout/stderr in files, readiness waits
   (output line, TCP, HTTP), ``terminate`` (SIGTERM), ``interrupt`` (SIGINT), ``kill`` (-9), and
   a class-level registry so that :meth:`ManagedProcess.kill_all` (called by the session fixture
@@ -35,18 +35,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import ClassVar, Self
 
-LOCALHOST = "127.0.0.1"
+from omni_mesh.launcher.local_deploy import LOCALHOST
+from omni_mesh.launcher.local_net import free_port
+
 _counter = itertools.count(1)
 
 
 # ---- small utilities -------------------------------------------------------------------------
-
-
-def free_port(host: str = LOCALHOST) -> int:
-    """A TCP port that was free a moment ago (bind to port 0, read it, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_until(

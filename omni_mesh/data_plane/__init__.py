@@ -10,6 +10,7 @@
 ``channel``        the sidecar ⇄ engine control channel (length-prefixed frames)
 ``connectors``     how a hop's tensors travel (shared-memory handles or inline bytes)
 ``wire``           bounded, fast HTTP body reading (the only module importing aiohttp)
+``media``          WAV / PCM / PNG encodings of outputs for clients (pod and ``omni-run``)
 =================  ==========================================================================
 
 Nothing is imported here, so that engines can import the modules they need without pulling in

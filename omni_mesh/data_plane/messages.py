@@ -69,6 +69,14 @@ class SamplingParams(Struct, forbid_unknown_fields=True):
     temperature: Annotated[float, Meta(ge=0.0, le=10.0)] = 0.8
     top_k: Annotated[int, Meta(ge=0, le=1_000_000)] = 0
     max_tokens: Annotated[int, Meta(ge=1, le=8192)] | None = None
+    # vLLM stages (reference engines ignore these); unset = the stage's default (deploy config).
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
+    stop: (
+        Annotated[list[Annotated[str, Meta(min_length=1, max_length=256)]], Meta(max_length=16)]
+        | None
+    ) = None
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # top-n per token; 0 = sampled only
 
 
 class Prompt(Struct, forbid_unknown_fields=True):
@@ -219,6 +227,15 @@ class Result(Struct, tag="result"):
     key: str  # transfer_key of the input it answers
 
 
+class EngineStats(Struct):
+    """What a model engine with its own scheduler (vLLM) reports inside :class:`Stats`."""
+
+    running: int  # requests in the engine's running batch
+    waiting: int  # requests queued inside the engine
+    kv_cache_usage: float  # fraction of the KV cache in use, 0..1
+    tokens_per_s: float  # generated tokens per second since the previous report
+
+
 class Stats(Struct, tag="stats"):
     """Engine → sidecar, periodically: load and step statistics."""
 
@@ -227,6 +244,7 @@ class Stats(Struct, tag="stats"):
     batch_size: int
     step_ms: float
     steps: int
+    engine: EngineStats | None = None  # the model engine's own view (vLLM); None otherwise
 
 
 class Shutdown(Struct, tag="shutdown"):

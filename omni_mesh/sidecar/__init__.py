@@ -1,1 +1,1 @@
-"""omni-mesh sidecar."""
+"""The stage pod: the sidecar process (aiohttp) in front of one engine process (`omni-stage`)."""

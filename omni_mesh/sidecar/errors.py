@@ -20,7 +20,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from omni_mesh.data_plane.messages import StageError
 from omni_mesh.observability.metrics import SidecarMetrics
 from omni_mesh.sidecar.engine_client import EngineBusyError, EngineDeadError
-from omni_mesh.sidecar.handoff import HopUnavailable
+from omni_mesh.sidecar.hop_client import HopUnavailable
 
 logger = logging.getLogger(__name__)
 

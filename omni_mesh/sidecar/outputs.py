@@ -4,8 +4,9 @@ With ``async_chunk`` a request's answer arrives as :class:`HopResult` frames, ea
 some chunks of some stages' final outputs; :class:`ChunkAssembler` collects them by
 (stage, chunk), hands each stage's chunks on in order as soon as they are contiguous (for
 streaming routes) and joins them into one :class:`FinalOutput` per stage at the end (so the
-unary routes answer the same with ``async_chunk`` on or off). :func:`join_run_outputs` is the
-client-side join of ``/v1/run`` chunk outputs (``omni-run``), giving the same bytes.
+unary routes answer the same with ``async_chunk`` on or off).
+The client-side join of ``/v1/run`` chunk outputs (``omni-run``) is
+:func:`omni_mesh.run_client.outputs.join_run_outputs`, giving the same bytes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from omni_mesh.configs.pipeline import OutputKind, PipelineSpec
+from omni_mesh.data_plane import media
 from omni_mesh.data_plane.messages import (
     HopResult,
     Payload,
@@ -27,7 +29,6 @@ from omni_mesh.data_plane.messages import (
     StageTiming,
 )
 from omni_mesh.data_plane.tensors import array_from_tensor
-from omni_mesh.sidecar import media
 
 
 @dataclass
@@ -236,25 +237,3 @@ class ChunkAssembler:
             join_outputs([have[c] for c in sorted(have)])
             for _, have in sorted(self._chunks.items())
         ]
-
-
-def join_run_outputs(parts: Sequence[RunOutputBin]) -> RunOutputBin:
-    """One stage's output chunks, in chunk order, as one output: WAV audio → one WAV of the
-    concatenated PCM (the bytes of the orchestrated path's joined audio), text and raw data
-    concatenated; an image cannot come in chunks. One part is returned as it is."""
-    if not parts:
-        raise ValueError("no output chunks to join")
-    if len(parts) == 1:
-        return parts[0]
-    first = parts[0]
-    fields: dict[str, Scalar] = {}
-    for part in parts:
-        fields.update(part.fields)
-    if first.kind == "image":
-        raise ValueError("an image output cannot come in chunks")
-    if first.text is not None and first.data is None:
-        text = "".join(p.text or "" for p in parts)
-        return RunOutputBin(first.kind, text=text, mime_type=first.mime_type, fields=fields)
-    blobs = [p.data or b"" for p in parts]
-    data = media.join_wavs(blobs) if first.mime_type == "audio/wav" else b"".join(blobs)
-    return RunOutputBin(first.kind, first.text, data, first.mime_type, fields)

@@ -18,11 +18,11 @@ from omni_mesh.data_plane.connectors import Connector, make_connector
 from omni_mesh.data_plane.shm import ShmReader
 from omni_mesh.data_plane.signing import hop_token
 from omni_mesh.observability.metrics import SidecarMetrics
-from omni_mesh.sidecar.chain import StageRunner
 from omni_mesh.sidecar.engine_client import EngineClient
-from omni_mesh.sidecar.handoff import HopClient
+from omni_mesh.sidecar.hop_client import HopClient
 from omni_mesh.sidecar.hop_http import HopHttpClient
 from omni_mesh.sidecar.router import Router
+from omni_mesh.sidecar.runner import StageRunner
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from omni_mesh.configs.pipeline import OutputKind
 from omni_mesh.data_plane import wire
 from omni_mesh.data_plane.messages import Prompt, SamplingParams
+from omni_mesh.sidecar.appkeys import POD
 from omni_mesh.sidecar.errors import ApiError, bad_request
-from omni_mesh.sidecar.keys import POD
 from omni_mesh.sidecar.openai_types import ChatRequest, ImageRequest, SpeechRequest
 from omni_mesh.sidecar.outputs import FinalOutput
 from omni_mesh.sidecar.pod import Pod

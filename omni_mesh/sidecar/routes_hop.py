@@ -17,9 +17,9 @@ from aiohttp import web
 from omni_mesh.data_plane import codec, wire
 from omni_mesh.data_plane.messages import HopResult, StageInput, transfer_key
 from omni_mesh.sidecar.admission import admitted
+from omni_mesh.sidecar.appkeys import POD
 from omni_mesh.sidecar.errors import ApiError, bad_request
-from omni_mesh.sidecar.handoff import HOP_PATH, HOP_TOKEN_HEADER
-from omni_mesh.sidecar.keys import POD
+from omni_mesh.sidecar.hop_client import HOP_PATH, HOP_TOKEN_HEADER
 from omni_mesh.sidecar.pod import Pod
 
 logger = logging.getLogger(__name__)

@@ -35,10 +35,10 @@ from omni_mesh.data_plane.messages import (
 )
 from omni_mesh.data_plane.shm import inline
 from omni_mesh.sidecar.admission import admitted
+from omni_mesh.sidecar.appkeys import POD
 from omni_mesh.sidecar.deadlines import request_timeout
 from omni_mesh.sidecar.errors import bad_request, from_stage_error
 from omni_mesh.sidecar.inputs import BadPrompt, entry_input
-from omni_mesh.sidecar.keys import POD
 from omni_mesh.sidecar.outputs import final_output, join_outputs
 from omni_mesh.sidecar.pod import Pod
 

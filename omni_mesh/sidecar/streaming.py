@@ -24,10 +24,11 @@ import msgspec
 from aiohttp import web
 
 from omni_mesh.configs.pipeline import OutputKind, PipelineSpec
+from omni_mesh.data_plane import media
 from omni_mesh.data_plane.messages import HopResult, Prompt, SamplingParams, StageInput
 from omni_mesh.observability.tracing import stage_span
-from omni_mesh.sidecar import media
 from omni_mesh.sidecar.admission import admitted
+from omni_mesh.sidecar.appkeys import POD
 from omni_mesh.sidecar.deadlines import request_timeout
 from omni_mesh.sidecar.errors import (
     API_ROUTE,
@@ -38,9 +39,8 @@ from omni_mesh.sidecar.errors import (
     from_stage_error,
     hop_unavailable_error,
 )
-from omni_mesh.sidecar.handoff import HopUnavailable
+from omni_mesh.sidecar.hop_client import HopUnavailable
 from omni_mesh.sidecar.inputs import BadPrompt, entry_input
-from omni_mesh.sidecar.keys import POD
 from omni_mesh.sidecar.outputs import ChunkAssembler, FinalOutput, OutputChunk
 from omni_mesh.sidecar.pod import Pod
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from omni_mesh.data_plane.media import png_bytes, read_png, read_png_size
 from omni_mesh.engines.base import (
     EngineInputError,
     EngineRequest,
@@ -13,7 +14,6 @@ from omni_mesh.engines.base import (
     StageEngine,
 )
 from omni_mesh.engines.reference.processors import ar_to_dit
-from omni_mesh.sidecar.media import png_bytes, read_png, read_png_size
 from tests.engines.helpers import make_engine, run_one
 
 pytestmark = pytest.mark.unit

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 
 from omni_mesh.configs.pipeline import OutputKind, get_pipeline
+from omni_mesh.data_plane import media
 from omni_mesh.data_plane.messages import HopResult, Payload, RunOutputBin, StageError
 from omni_mesh.data_plane.tensors import payload_from_arrays
-from omni_mesh.sidecar import media
+from omni_mesh.run_client.outputs import join_run_outputs
 from omni_mesh.sidecar.outputs import (
     ChunkAssembler,
     final_output,
     join_outputs,
-    join_run_outputs,
 )
 
 pytestmark = pytest.mark.unit

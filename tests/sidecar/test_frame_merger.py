@@ -8,7 +8,7 @@ import contextlib
 import pytest
 
 from omni_mesh.data_plane.messages import HopResult, Payload, StageError, StageTiming
-from omni_mesh.sidecar.chain import FrameMerger
+from omni_mesh.sidecar.runner import FrameMerger
 
 pytestmark = pytest.mark.timeout(20)
 

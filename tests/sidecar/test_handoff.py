@@ -28,7 +28,7 @@ from omni_mesh.data_plane.messages import (
 )
 from omni_mesh.data_plane.shm import ShmArena, ShmReader
 from omni_mesh.data_plane.tensors import array_from_tensor
-from omni_mesh.sidecar.handoff import HOP_PATH, HopClient, HopStats, HopUnavailable
+from omni_mesh.sidecar.hop_client import HOP_PATH, HopClient, HopStats, HopUnavailable
 from omni_mesh.sidecar.hop_http import HopHttpClient
 from omni_mesh.sidecar.router import Replica, Router
 

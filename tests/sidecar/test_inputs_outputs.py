@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
 from omni_mesh.configs.pipeline import OutputKind, get_pipeline
-from omni_mesh.data_plane import codec
+from omni_mesh.data_plane import codec, media
 from omni_mesh.data_plane.messages import (
     Payload,
     Prompt,
@@ -21,7 +21,6 @@ from omni_mesh.data_plane.messages import (
 )
 from omni_mesh.data_plane.tensors import payload_from_arrays
 from omni_mesh.observability.metrics import SC_IN_FLIGHT, SC_REJECTED, SidecarMetrics
-from omni_mesh.sidecar import media
 from omni_mesh.sidecar.admission import admitted
 from omni_mesh.sidecar.errors import ApiError
 from omni_mesh.sidecar.inputs import BadPrompt, entry_input

@@ -19,11 +19,12 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from omni_mesh.configs.pipeline import get_pipeline
+from omni_mesh.data_plane import media
 from omni_mesh.data_plane.messages import HopResult, Payload, StageError
 from omni_mesh.data_plane.tensors import payload_from_arrays
-from omni_mesh.sidecar import media
+from omni_mesh.launcher.supervisor import free_port
 from omni_mesh.sidecar.errors import error_middleware
-from omni_mesh.sidecar.handoff import HopUnavailable
+from omni_mesh.sidecar.hop_client import HopUnavailable
 from omni_mesh.sidecar.streaming import (
     ChatEvents,
     GenerateEvents,
@@ -32,7 +33,6 @@ from omni_mesh.sidecar.streaming import (
     SpeechEvents,
     respond,
 )
-from omni_mesh.sidecar.supervisor import free_port
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

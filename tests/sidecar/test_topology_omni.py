@@ -20,7 +20,7 @@ import pytest
 
 from omni_mesh.configs.pipeline import get_pipeline
 from omni_mesh.data_plane.messages import Prompt
-from omni_mesh.sidecar.run_client import FixedUrls, RunClient
+from omni_mesh.run_client.client import FixedUrls, RunClient
 from tests.sidecar.topology import Topology, post_json, shm_segments
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

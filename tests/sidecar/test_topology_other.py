@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from omni_mesh.sidecar import media
+from omni_mesh.data_plane import media
 from tests.procs import pid_alive
 from tests.sidecar.topology import Topology, engine_pid, post_json, shm_segments, wait_gone
 

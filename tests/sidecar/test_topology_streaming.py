@@ -23,9 +23,9 @@ import pytest
 
 import omni_mesh
 from omni_mesh.configs.pipeline import get_pipeline
+from omni_mesh.data_plane import media
 from omni_mesh.data_plane.messages import Prompt
-from omni_mesh.sidecar import media
-from omni_mesh.sidecar.run_client import FixedUrls, RunClient
+from omni_mesh.run_client.client import FixedUrls, RunClient
 from tests.procs import wait_until
 from tests.sidecar.topology import Topology, post_json, shm_segments
 

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from omni_mesh.sidecar import cli_up, local_deploy, media
+from omni_mesh.data_plane import media
+from omni_mesh.launcher import cli as cli_up
+from omni_mesh.launcher import local_deploy
 from tests.procs import (
     ManagedProcess,
     clean_env,
@@ -39,7 +41,7 @@ READY = r"omni-up ready: http://127\.0\.0\.1:\d+"
 
 
 def _omni_up(tmp_path: Path, port: int, *args: str) -> ManagedProcess:
-    argv = [sys.executable, "-m", "omni_mesh.sidecar.cli_up", "--pipeline", "tiny-tts",
+    argv = [sys.executable, "-m", "omni_mesh.launcher.cli", "--pipeline", "tiny-tts",
             "--port", str(port), *args]  # fmt: skip
     return ManagedProcess(argv, name="omni-up", env=clean_env(), log_dir=tmp_path).start()
 

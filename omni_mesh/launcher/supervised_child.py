@@ -1,4 +1,4 @@
-"""One child of the local :class:`~omni_mesh.sidecar.supervisor.Supervisor`: how it is spawned
+"""One child of the local :class:`~omni_mesh.launcher.supervisor.Supervisor`: how it is spawned
 and signalled, its log, and the restart policy (backoff, failure limits) it is kept up by.
 
 A child runs in its own process group with ``PR_SET_PDEATHSIG=SIGTERM`` (tied to the thread

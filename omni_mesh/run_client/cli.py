@@ -5,7 +5,7 @@
     omni-run --pipeline tiny-image --control-plane http://127.0.0.1:7700 --size 64 --msgpack
 
 Parses the flags, prints one line per stage call and the text outputs, writes media outputs;
-the loop itself is :class:`omni_mesh.sidecar.run_client.RunClient`. A stage that streams
+the loop itself is :class:`omni_mesh.run_client.client.RunClient`. A stage that streams
 (``async_chunk``) hands on one input per chunk: each chunk's call gets its own line
 (``code2wav chunk 3``), and the written output is the stage's chunks joined (one WAV).
 """
@@ -25,7 +25,7 @@ import msgspec
 from omni_mesh.configs.pipeline import PipelineError, PipelineSpec, get_pipeline
 from omni_mesh.configs.settings import ControlPlaneClientSettings, LogLevel
 from omni_mesh.data_plane.messages import Prompt, RunOutputBin
-from omni_mesh.sidecar.run_client import (
+from omni_mesh.run_client.client import (
     ControlPlaneDiscovery,
     FixedUrls,
     RunClient,

@@ -27,8 +27,8 @@ Blocking by design (``subprocess`` + short HTTP probes): use it from a CLI's mai
 synchronous test fixture, not from inside an event loop.
 
 One child's process handling (spawning, signalling, its log, the restart bookkeeping) lives in
-:mod:`omni_mesh.sidecar.supervised_child`, the port and HTTP checks in
-:mod:`omni_mesh.sidecar.local_net`; their public names are re-exported here.
+:mod:`omni_mesh.launcher.supervised_child`, the port and HTTP checks in
+:mod:`omni_mesh.launcher.local_net`; their public names are re-exported here.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
-from omni_mesh.sidecar.local_net import free_port, http_ok, port_in_use
-from omni_mesh.sidecar.supervised_child import (
+from omni_mesh.launcher.local_net import free_port, http_ok, port_in_use
+from omni_mesh.launcher.supervised_child import (
     TAIL_LINES,
     Child,
     RestartPolicy,

@@ -8,7 +8,7 @@ import zlib
 import numpy as np
 import pytest
 
-from omni_mesh.sidecar.media import (
+from omni_mesh.data_plane.media import (
     PNG_SIGNATURE,
     WAV_UNKNOWN_SIZE,
     join_wavs,

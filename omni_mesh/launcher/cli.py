@@ -20,7 +20,7 @@ shared-memory segments are removed at the end. Bad flags exit 2.
 The deployment secret comes from ``--secret``, else ``OMNI_SECRET``, else is generated; the
 stages get it as ``OMNI_SECRET`` in their environment (not on their command line, which any
 local user can read). The processes are planned and run by
-:mod:`omni_mesh.sidecar.local_deploy`; this module parses the flags, sets up logging and signals,
+:mod:`omni_mesh.launcher.local_deploy`; this module parses the flags, sets up logging and signals,
 and prints.
 """
 
@@ -41,7 +41,7 @@ from omni_mesh.configs.deploy import MAX_REPLICAS, DeployConfig
 from omni_mesh.configs.loader import load_deploy_config
 from omni_mesh.configs.pipeline import PipelineError, PipelineSpec, get_pipeline
 from omni_mesh.configs.settings import LogLevel
-from omni_mesh.sidecar.local_deploy import LOCALHOST, SECRET_ENV, UpConfig, run_local
+from omni_mesh.launcher.local_deploy import LOCALHOST, SECRET_ENV, UpConfig, run_local
 
 logger = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ from omni_mesh.data_plane.shm import ShmReader, inline
 from omni_mesh.data_plane.tensors import payload_nbytes
 from omni_mesh.observability.tracing import stage_span
 from omni_mesh.sidecar.engine_client import EngineClient
-from omni_mesh.sidecar.handoff import HopClient, HopUnavailable
+from omni_mesh.sidecar.hop_client import HopClient, HopUnavailable
 
 logger = logging.getLogger(__name__)
 

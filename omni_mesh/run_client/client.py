@@ -9,7 +9,7 @@ With ``async_chunk`` a stage that streams answers one next input per output chun
 ``next`` entries for the same stage). The client runs all of them concurrently, at most
 :data:`MAX_PARALLEL_CALLS` calls of a run at a time, and joins each stage's outputs in the
 order of the ``chunk`` its calls report: the PCM of audio chunks into one WAV, text and data
-concatenated (:func:`omni_mesh.sidecar.outputs.join_run_outputs`).
+concatenated (:func:`omni_mesh.run_client.outputs.join_run_outputs`).
 
 Where each call goes is a :class:`StageResolver`: :class:`FixedUrls` (API servers, which accept
 every stage and forward), :class:`StageUrls` (one URL per stage) or
@@ -47,7 +47,7 @@ from omni_mesh.data_plane.messages import (
     RunResponseBin,
     SamplingParams,
 )
-from omni_mesh.sidecar.outputs import join_run_outputs
+from omni_mesh.run_client.outputs import join_run_outputs
 
 logger = logging.getLogger(__name__)
 

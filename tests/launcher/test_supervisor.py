@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_mesh.sidecar.supervisor import (
+from omni_mesh.launcher.supervisor import (
     ChildExitedError,
     ReadinessTimeoutError,
     RestartLimitError,
@@ -318,7 +318,7 @@ def test_start_rejects_duplicate_and_odd_names(sup: Supervisor) -> None:
 SUPERVISING = r"""
 import json, sys, time
 from pathlib import Path
-from omni_mesh.sidecar.supervisor import Supervisor, free_port
+from omni_mesh.launcher.supervisor import Supervisor, free_port
 argv = json.loads(sys.argv[2])
 sup = Supervisor(log_dir=Path(sys.argv[1]))
 pids = [sup.start(f"c{i}", [*argv, str(free_port()), "0", "serve"]).pid for i in range(2)]

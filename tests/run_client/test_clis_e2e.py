@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_mesh.sidecar import media
+from omni_mesh.data_plane import media
 from tests.procs import ManagedProcess, clean_env, descendants, free_port, pid_alive
 from tests.sidecar.topology import SECRET, Topology, post_json, shm_segments
 
@@ -24,7 +24,7 @@ def test_omni_up_serves_and_leaves_nothing(tmp_path: Path, sig: signal.Signals) 
     before = shm_segments()
     port = free_port()
     up = ManagedProcess(
-        [sys.executable, "-m", "omni_mesh.sidecar.cli_up", "--pipeline", "tiny-tts",
+        [sys.executable, "-m", "omni_mesh.launcher.cli", "--pipeline", "tiny-tts",
          "--replicas", "1:2", "--port", str(port)],
         name="omni-up", env=clean_env(), log_dir=tmp_path,
     ).start()  # fmt: skip
@@ -55,7 +55,7 @@ def tts(tmp_path_factory: pytest.TempPathFactory) -> Topology:
 
 def _omni_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "omni_mesh.sidecar.cli_run", "--pipeline", "tiny-tts",
+        [sys.executable, "-m", "omni_mesh.run_client.cli", "--pipeline", "tiny-tts",
          "--prompt", "The same words.", "--seed", "99", "--voice", "nova", *args],
         cwd=tmp_path, capture_output=True, text=True, timeout=120, env=clean_env(),
     )  # fmt: skip

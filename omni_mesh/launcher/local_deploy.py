@@ -31,8 +31,10 @@ from pathlib import Path
 
 from omni_mesh.configs.pipeline import PipelineSpec
 from omni_mesh.configs.settings import LogLevel
-from omni_mesh.data_plane.shm import sweep_orphans
-from omni_mesh.sidecar.supervisor import (
+from omni_mesh.data_plane.shm_cleanup import (
+    sweep_orphans,  # the host janitor, after the pods are gone
+)
+from omni_mesh.launcher.supervisor import (
     RestartPolicy,
     Supervisor,
     SupervisorError,

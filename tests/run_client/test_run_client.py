@@ -17,6 +17,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from omni_mesh.configs.pipeline import OutputKind, PipelineSpec, StageSpec, get_pipeline
+from omni_mesh.data_plane import media
 from omni_mesh.data_plane.messages import (
     NextInput,
     NextInputBin,
@@ -28,8 +29,11 @@ from omni_mesh.data_plane.messages import (
     RunResponse,
     RunResponseBin,
 )
-from omni_mesh.sidecar import cli_run, cli_up, local_deploy, media
-from omni_mesh.sidecar.run_client import (
+from omni_mesh.launcher import cli as cli_up
+from omni_mesh.launcher import local_deploy
+from omni_mesh.launcher.supervisor import free_port
+from omni_mesh.run_client import cli as cli_run
+from omni_mesh.run_client.client import (
     MAX_PARALLEL_CALLS,
     ControlPlaneDiscovery,
     DiscoveryError,
@@ -40,7 +44,6 @@ from omni_mesh.sidecar.run_client import (
     StageUrls,
     output_paths,
 )
-from omni_mesh.sidecar.supervisor import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -365,7 +368,7 @@ def test_output_paths_default_by_kind_and_number_several() -> None:
 
 async def run_cli(*args: str, cwd: Path) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "omni_mesh.sidecar.cli_run", *args,
+        sys.executable, "-m", "omni_mesh.run_client.cli", *args,
         cwd=cwd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     out, err = await asyncio.wait_for(proc.communicate(), 30)
