@@ -19,8 +19,22 @@ from pydantic import Field, SecretStr, UrlConstraints, field_validator, model_va
 from pydantic_core import MultiHostUrl
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+#: ``redis+sentinel://h:p,h:p/service`` names a Sentinel-managed primary; ``redis+cluster`` is
+#: accepted here only so that omni-cp can refuse it with one clear line (no Cluster support).
 RedisUrl = Annotated[
-    MultiHostUrl, UrlConstraints(allowed_schemes=["redis", "rediss", "unix"], host_required=False)
+    MultiHostUrl,
+    UrlConstraints(
+        allowed_schemes=[
+            "redis",
+            "rediss",
+            "unix",
+            "redis+sentinel",
+            "rediss+sentinel",
+            "redis+cluster",
+            "rediss+cluster",
+        ],
+        host_required=False,
+    ),
 ]
 
 
@@ -59,7 +73,8 @@ class ControlPlaneSettings(BaseSettings):
     port: int = Field(default=7700, ge=1, le=65535, description="TCP port of the HTTP API.")
     redis_url: RedisUrl | None = Field(
         default=None,
-        description="Redis holding all state; none starts an embedded redis-server child.",
+        description="Redis holding all state (redis://, rediss://, unix://, "
+        "redis+sentinel://h:p,h:p/service); none starts an embedded redis-server child.",
     )
     auth_token: SecretStr | None = Field(
         default=None,

@@ -12,9 +12,6 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError
 
 from omni_mesh.configs.settings import ControlPlaneSettings
@@ -26,6 +23,7 @@ from omni_mesh.control_plane.middleware import (
     error_middleware,
     metrics_middleware,
 )
+from omni_mesh.control_plane.redis_conn import connect_redis, refuse_cluster
 from omni_mesh.control_plane.schema import MAX_BODY_BYTES
 from omni_mesh.control_plane.store import InstanceStore
 from omni_mesh.control_plane.suspect import SuspectChecker
@@ -33,28 +31,6 @@ from omni_mesh.control_plane.sweeper import Sweeper
 from omni_mesh.observability.metrics import ControlPlaneMetrics
 
 logger = logging.getLogger(__name__)
-
-
-#: Redis connections per omni-cp; more requests than this wait for one (see connect_redis).
-REDIS_POOL_SIZE = 64
-
-
-def connect_redis(url: str) -> Redis:
-    """A Redis client that fails fast (one quick retry), so the API answers 503 promptly.
-
-    The pool blocks (up to 2 s) when all its connections are busy: a burst of heartbeats
-    queues for a connection instead of failing with "Too many connections"."""
-    pool = BlockingConnectionPool.from_url(
-        url,
-        max_connections=REDIS_POOL_SIZE,
-        timeout=2.0,
-        decode_responses=True,
-        socket_connect_timeout=1.0,
-        socket_timeout=2.0,
-        retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), retries=1),
-        health_check_interval=10,
-    )
-    return Redis(connection_pool=pool)
 
 
 async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -68,8 +44,12 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     try:
         await redis.ping()
+        await refuse_cluster(redis)
     except RedisError as exc:
         logger.warning("redis not reachable at start-up (serving 503 until it is): %s", exc)
+    except BaseException:
+        await redis.aclose()
+        raise
     try:
         yield
     finally:

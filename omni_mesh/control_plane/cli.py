@@ -20,6 +20,7 @@ from omni_mesh.configs.settings import ControlPlaneClientSettings, ControlPlaneS
 from omni_mesh.control_plane.client import ControlPlaneClient
 from omni_mesh.control_plane.embedded_redis import EmbeddedRedisError
 from omni_mesh.control_plane.errors import ControlPlaneError, ControlPlaneUnavailableError
+from omni_mesh.control_plane.redis_conn import RedisUrlError, check_url, redact
 from omni_mesh.control_plane.server import ServeError, ServingInfo, serve_forever
 from omni_mesh.control_plane.status import render_status
 
@@ -80,7 +81,7 @@ def _configure_logging(level: LogLevel) -> None:
 
 def _announce(info: ServingInfo) -> None:
     kind = "embedded" if info.embedded_redis else "external"
-    print(f"omni-cp serving on {info.url} (redis {info.redis_url} {kind})", flush=True)
+    print(f"omni-cp serving on {info.url} (redis {redact(info.redis_url)} {kind})", flush=True)
 
 
 def cmd_serve(parser: argparse.ArgumentParser, args: dict[str, Any]) -> int:
@@ -88,9 +89,17 @@ def cmd_serve(parser: argparse.ArgumentParser, args: dict[str, Any]) -> int:
         settings = ControlPlaneSettings(**args)
     except ValidationError as exc:
         _settings_error(parser, exc, "OMNI_CP_")
+    if settings.redis_url_str is not None:
+        try:
+            check_url(settings.redis_url_str)
+        except RedisUrlError as exc:
+            parser.error(f"--redis-url / OMNI_CP_REDIS_URL: {exc}")
     _configure_logging(settings.log_level)
     try:
         serve_forever(settings, on_ready=_announce)
+    except RedisUrlError as exc:  # found at start-up: the Redis there is a Cluster node
+        print(f"omni-cp: error: {exc}", file=sys.stderr)
+        return 2
     except (ServeError, EmbeddedRedisError) as exc:
         print(f"omni-cp: error: {exc}", file=sys.stderr)
         return 1
