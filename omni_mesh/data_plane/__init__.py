@@ -7,7 +7,9 @@
 ``shm``            the shared-memory arena, reader, janitors, payload externalize/inline
 ``signing``        HMAC-SHA256 tags
 ``envelope``       the sealed, opaque ``/v1/run`` ``stage_input``
-``channel``        the sidecar ⇄ engine control channel (length-prefixed frames)
+``framing``        the one length-prefixed frame format (encoder, incremental decoder)
+``constants``      wire constants: content types, the inline-tensor bound
+``channel``        the sidecar ⇄ engine control channel (``framing`` frames)
 ``connectors``     how a hop's tensors travel (shared-memory handles or inline bytes)
 ``wire``           bounded, fast HTTP body reading (the only module importing aiohttp)
 ``media``          WAV / PCM / PNG encodings of outputs for clients (pod and ``omni-run``)

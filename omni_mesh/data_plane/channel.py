@@ -1,7 +1,7 @@
 """The sidecar ⇄ engine control channel: a Unix stream socket carrying :data:`EngineMessage`
 frames (headers and wake-ups only; tensors travel through shared memory).
 
-A frame is a 4-byte big-endian length followed by that many bytes of msgpack. Frames over
+Frames are :mod:`~omni_mesh.data_plane.framing`'s (a 4-byte length, then msgpack); frames over
 :data:`MAX_FRAME` are refused on both ends. The engine process (threads, no event loop) uses
 :class:`BlockingChannel`; the sidecar uses :class:`AsyncChannel`. Both ends come from
 :func:`make_socketpair`; the sidecar hands the child end to the engine with ``pass_fds``.
@@ -14,18 +14,17 @@ import contextlib
 import logging
 import select
 import socket
-import struct
 import threading
 import time
 from typing import cast
 
-from omni_mesh.data_plane.codec import CodecError, decode, encode_into
+from omni_mesh.data_plane import framing
+from omni_mesh.data_plane.codec import CodecError, decode
 from omni_mesh.data_plane.messages import EngineMessage
 
 log = logging.getLogger(__name__)
 
 MAX_FRAME = 16 << 20
-_LEN = struct.Struct(">I")
 _RECV_CHUNK = 256 << 10
 
 
@@ -43,23 +42,14 @@ def make_socketpair() -> tuple[socket.socket, socket.socket]:
 
 def encode_frame(msg: EngineMessage, *, max_frame: int = MAX_FRAME) -> bytearray:
     """Length prefix + msgpack of ``msg``; :class:`ChannelError` when over ``max_frame``."""
-    frame = bytearray(_LEN.size)
     try:
-        size = encode_into(msg, frame, _LEN.size) - _LEN.size
+        return framing.encode_frame(msg, max_frame=max_frame)
     except CodecError as exc:
         raise ChannelError(f"cannot send {type(msg).__name__}: {exc}") from exc
-    if size > max_frame:
+    except framing.FrameTooLarge as exc:
         raise ChannelError(
-            f"{type(msg).__name__} frame of {size} bytes exceeds the {max_frame}-byte limit "
-            "(tensors belong in shared memory, not on the channel)"
-        )
-    _LEN.pack_into(frame, 0, size)
-    return frame
-
-
-def _check_length(size: int, max_frame: int) -> None:
-    if size > max_frame:
-        raise ChannelError(f"peer sent a {size}-byte frame, over the {max_frame}-byte limit")
+            f"{type(msg).__name__} {exc} (tensors belong in shared memory, not on the channel)"
+        ) from None
 
 
 def _decode_frame(body: bytes) -> EngineMessage:
@@ -82,7 +72,7 @@ class BlockingChannel:
         self.max_frame = max_frame
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
-        self._rbuf = bytearray()
+        self._frames = framing.FrameDecoder(max_frame)
         self._eof = False
         self._closed = False
         self._poll = select.poll()
@@ -112,8 +102,8 @@ class BlockingChannel:
                 if msg is not None:
                     return msg
                 if self._eof:
-                    if self._rbuf:
-                        raise ChannelError(f"peer closed mid-frame ({len(self._rbuf)} bytes)")
+                    if self._frames.pending:
+                        raise ChannelError(f"peer closed mid-frame ({self._frames.pending} bytes)")
                     return None
                 if deadline is not None and not self._wait(deadline):
                     raise TimeoutError(f"no message within {timeout} s")
@@ -136,16 +126,11 @@ class BlockingChannel:
         self.close()
 
     def _next_frame(self) -> EngineMessage | None:
-        if len(self._rbuf) < _LEN.size:
-            return None
-        (size,) = _LEN.unpack_from(self._rbuf)
-        _check_length(size, self.max_frame)
-        end = _LEN.size + size
-        if len(self._rbuf) < end:
-            return None
-        body = bytes(self._rbuf[_LEN.size : end])
-        del self._rbuf[:end]
-        return _decode_frame(body)
+        try:
+            body = self._frames.next_frame()
+        except framing.FrameTooLarge as exc:
+            raise ChannelError(str(exc)) from None
+        return None if body is None else _decode_frame(body)
 
     def _wait(self, deadline: float) -> bool:
         remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
@@ -161,7 +146,7 @@ class BlockingChannel:
                 raise ChannelError(f"cannot receive: {exc}") from exc
             chunk = b""  # closed by another thread of this process
         if chunk:
-            self._rbuf += chunk
+            self._frames.feed(chunk)
         else:
             self._eof = True
 
@@ -201,15 +186,17 @@ class AsyncChannel:
     async def recv(self) -> EngineMessage | None:
         """The next message; ``None`` once the peer has closed the channel."""
         try:
-            header = await self._reader.readexactly(_LEN.size)
+            header = await self._reader.readexactly(framing.HEADER_SIZE)
         except asyncio.IncompleteReadError as exc:
             if exc.partial:
                 raise ChannelError("peer closed mid-frame (in the length prefix)") from None
             return None
         except ConnectionResetError:
             return None
-        (size,) = _LEN.unpack(header)
-        _check_length(size, self.max_frame)
+        try:
+            size = framing.frame_size(header, self.max_frame)
+        except framing.FrameTooLarge as exc:
+            raise ChannelError(str(exc)) from None
         try:
             body = await self._reader.readexactly(size)
         except (asyncio.IncompleteReadError, ConnectionResetError) as exc:

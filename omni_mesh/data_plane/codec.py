@@ -4,7 +4,8 @@
   ``memoryview`` data is written as raw msgpack ``bin`` (one memcpy, never a list of numbers).
 * :func:`decode` validates against the target type with a cached decoder; decoded tensor
   ``data`` is a ``memoryview`` *into the input buffer* (keep the buffer alive, don't mutate it).
-* :func:`encode_json` / :func:`decode_json` are the JSON twins for client-facing bodies.
+* :func:`encode_json` / :func:`decode_json` are the JSON twins for client-facing bodies
+  (``/v1/run``, the API routes, ``omni-run``).
 * Errors are :class:`CodecError` carrying msgspec's path (``$.payload.tensors[...].dtype``).
 
 No pickle, ever: msgspec only produces and accepts the declared types.
@@ -33,11 +34,21 @@ _PATH = re.compile(r" - at `(?P<path>\$[^`]*)`$")
 
 class CodecError(ValueError):
     """A message could not be encoded or decoded. ``path`` names the offending field
-    (msgspec's ``$.a.b[...]`` notation) when the failure is a validation error."""
+    (msgspec's ``$.a.b[...]`` notation) when the failure is a validation error; ``detail`` is
+    msgspec's own text; ``malformed`` says the bytes were not msgpack/JSON at all."""
 
-    def __init__(self, message: str, path: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        path: str | None = None,
+        *,
+        detail: str = "",
+        malformed: bool = False,
+    ) -> None:
         super().__init__(message)
         self.path = path
+        self.detail = detail or message
+        self.malformed = malformed
 
 
 # ---- msgpack ---------------------------------------------------------------------------------
@@ -78,7 +89,7 @@ def decode(data: Buffer, type_: Any) -> Any:
     except msgspec.ValidationError as exc:
         raise _validation_error(exc, type_) from None
     except msgspec.DecodeError as exc:
-        raise CodecError(f"malformed {_type_name(type_)}: {exc}") from None
+        raise _malformed(exc, type_) from None
 
 
 # ---- JSON (client-facing bodies) -------------------------------------------------------------
@@ -107,13 +118,18 @@ def decode_json(data: Buffer, type_: Any) -> Any:
     except msgspec.ValidationError as exc:
         raise _validation_error(exc, type_) from None
     except msgspec.DecodeError as exc:
-        raise CodecError(f"malformed {_type_name(type_)}: {exc}") from None
+        raise _malformed(exc, type_) from None
 
 
 def _validation_error(exc: msgspec.ValidationError, type_: Any) -> CodecError:
     text = str(exc)
     match = _PATH.search(text)
-    return CodecError(f"invalid {_type_name(type_)}: {text}", match["path"] if match else None)
+    path = match["path"] if match else None
+    return CodecError(f"invalid {_type_name(type_)}: {text}", path, detail=text)
+
+
+def _malformed(exc: msgspec.DecodeError, type_: Any) -> CodecError:
+    return CodecError(f"malformed {_type_name(type_)}: {exc}", detail=str(exc), malformed=True)
 
 
 def _type_name(type_: Any) -> str:

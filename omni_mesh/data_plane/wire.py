@@ -15,11 +15,8 @@ from aiohttp import ClientResponse, StreamReader, hdrs, web
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.payload import Payload
 
-MSGPACK = "application/msgpack"
-#: A streamed hop answer: frames of a 4-byte big-endian length and a msgpack HopResult.
-HOP_FRAMES = "application/x-omni-hop-frames"
-FRAME_HEADER = 4
-JSON = "application/json"
+from omni_mesh.data_plane.constants import MSGPACK
+
 READ_CHUNK = 1 << 20
 
 

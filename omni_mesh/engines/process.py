@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from omni_mesh.data_plane.channel import BlockingChannel
+from omni_mesh.data_plane.constants import INLINE_MAX
 from omni_mesh.data_plane.messages import (
     Abort,
     EngineMessage,
@@ -60,7 +61,6 @@ from omni_mesh.engines.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
-INLINE_MAX = 4096
 STATS_INTERVAL_S = 0.5
 
 

@@ -37,6 +37,8 @@ import msgspec
 
 from omni_mesh.configs.pipeline import PipelineSpec
 from omni_mesh.control_plane.client import ControlPlaneClient, ControlPlaneError
+from omni_mesh.data_plane import codec
+from omni_mesh.data_plane.constants import JSON, MSGPACK
 from omni_mesh.data_plane.messages import (
     Prompt,
     RunOutput,
@@ -51,8 +53,6 @@ from omni_mesh.run_client.outputs import join_run_outputs
 
 logger = logging.getLogger(__name__)
 
-JSON_TYPE = "application/json"
-MSGPACK_TYPE = "application/msgpack"
 #: A run that makes more calls than this many per stage is a server bug; stop it. (A stream
 #: has at most 1024 chunks; next inputs must go to a stage that takes the caller's output, so
 #: a run cannot loop.)
@@ -340,13 +340,13 @@ class RunClient:
         if self.msgpack:
             if isinstance(stage_input, str):
                 raise TypeError("msgpack mode carries stage inputs as bytes")
-            return msgspec.msgpack.encode(RunRequestBin(stage_id, stage_input, sampling))
+            return codec.encode(RunRequestBin(stage_id, stage_input, sampling))
         if isinstance(stage_input, bytes):
             raise TypeError("JSON mode carries stage inputs as base64 strings")
-        return msgspec.json.encode(RunRequest(stage_id, stage_input, sampling))
+        return codec.encode_json(RunRequest(stage_id, stage_input, sampling))
 
     async def _post(self, stage_id: int, url: str, body: bytes) -> bytes:
-        ctype = MSGPACK_TYPE if self.msgpack else JSON_TYPE
+        ctype = MSGPACK if self.msgpack else JSON
         headers = {"Content-Type": ctype, "Accept": ctype}
         session = self._get_session()
         try:
@@ -363,9 +363,9 @@ class RunClient:
     def _decode(self, stage_id: int, url: str, raw: bytes) -> _Answer:
         try:
             answer = _answer(
-                msgspec.msgpack.decode(raw, type=RunResponseBin)
+                codec.decode(raw, RunResponseBin)
                 if self.msgpack
-                else msgspec.json.decode(raw, type=RunResponse)
+                else codec.decode_json(raw, RunResponse)
             )
             if answer.stage_id != stage_id:
                 raise ValueError(f"answer is for stage {answer.stage_id}, not {stage_id}")
@@ -375,8 +375,9 @@ class RunClient:
             wrong = [k for k, _ in answer.next if stage_id not in self.pipeline.stage(k).sources]
             if wrong:
                 raise ValueError(f"answer names stage(s) {wrong}, which do not follow {stage_id}")
-        except (msgspec.MsgspecError, ValueError) as exc:
-            raise self._error(stage_id, url, 200, f"unusable answer: {exc}") from exc
+        except ValueError as exc:  # CodecError included
+            detail = exc.detail if isinstance(exc, codec.CodecError) else str(exc)
+            raise self._error(stage_id, url, 200, f"unusable answer: {detail}") from exc
         return answer
 
     def _error(self, stage_id: int, url: str, status: int | None, message: str) -> StageCallError:

@@ -22,6 +22,7 @@ import msgspec
 
 from omni_mesh.configs.deploy import StageDeployConfig
 from omni_mesh.data_plane.channel import AsyncChannel, ChannelError, make_socketpair
+from omni_mesh.data_plane.constants import INLINE_MAX
 from omni_mesh.data_plane.messages import (
     Abort,
     Fatal,
@@ -48,8 +49,6 @@ from omni_mesh.data_plane.shm import (
 from omni_mesh.procutil import die_with_parent
 
 logger = logging.getLogger(__name__)
-
-INLINE_MAX = 4096
 
 
 class EngineDeadError(RuntimeError):

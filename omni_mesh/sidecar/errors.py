@@ -10,13 +10,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
+from omni_mesh.data_plane import codec
 from omni_mesh.data_plane.messages import StageError
 from omni_mesh.observability.metrics import SidecarMetrics
 from omni_mesh.sidecar.engine_client import EngineBusyError, EngineDeadError
@@ -24,6 +25,7 @@ from omni_mesh.sidecar.hop_client import HopUnavailable
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -49,6 +51,18 @@ class ApiError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
+
+
+def decode_body(body: bytearray, type_: type[T], *, what: str, binary: bool = False) -> T:
+    """``body`` (msgpack when ``binary``, else JSON) decoded as ``type_`` through the codec;
+    a 400 naming what is wrong otherwise."""
+    try:
+        return codec.decode(body, type_) if binary else codec.decode_json(body, type_)
+    except codec.CodecError as exc:
+        if exc.malformed:
+            kind = "msgpack" if binary else "JSON"
+            raise bad_request(f"{what} is not valid {kind}: {exc.detail}") from None
+        raise bad_request(f"invalid {what}: {exc.detail}") from None
 
 
 _STAGE_ERROR_STATUS = {

@@ -26,6 +26,7 @@ import msgspec
 
 from omni_mesh.data_plane import codec, wire
 from omni_mesh.data_plane.connectors import Connector
+from omni_mesh.data_plane.constants import HOP_FRAMES, MSGPACK
 from omni_mesh.data_plane.messages import HopResult, StageError, StageInput
 from omni_mesh.data_plane.shm import ShmReader
 from omni_mesh.sidecar.hop_http import FrameReader, HopConnectionError, HopHttpClient
@@ -143,13 +144,13 @@ class HopClient:
                     si.stage_id,
                     HOP_PATH,
                     body_for,
-                    content_type=wire.MSGPACK,
+                    content_type=MSGPACK,
                     deadline_ms=si.deadline_ms,
                     prefer_same_host=connector.prefers_same_host,
                     stats=stats,
                     first_attempt=si.attempt + failures,
                     failures=failures,
-                    stream_type=wire.HOP_FRAMES,
+                    stream_type=HOP_FRAMES,
                 )
                 if answer.frames is None:
                     yield _unseen(_hop_result(si, answer), seen)

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from urllib.parse import urlsplit
 
-from omni_mesh.data_plane.wire import FRAME_HEADER, READ_CHUNK, ResponseTooLarge
+from omni_mesh.data_plane.framing import HEADER_SIZE, FrameDecoder, FrameTooLarge
+from omni_mesh.data_plane.wire import READ_CHUNK, ResponseTooLarge
 
 logger = logging.getLogger(__name__)
 
@@ -198,15 +199,9 @@ class HopHttpClient:
     @staticmethod
     async def _read_chunked(reader: asyncio.StreamReader, max_bytes: int) -> bytearray:
         data = bytearray()
-        while True:
-            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-            if size == 0:
-                await reader.readuntil(b"\r\n")
-                return data
-            if len(data) + size > max_bytes:
-                raise ResponseTooLarge(f"chunked answer exceeds {max_bytes} bytes")
-            data += await reader.readexactly(size)
-            await reader.readexactly(2)
+        while chunk := await _read_chunk(reader, max_bytes - len(data)):
+            data += chunk
+        return data
 
     def _release(self, conn: _Conn) -> None:
         conn.reused = False
@@ -217,10 +212,23 @@ class HopHttpClient:
             conn.close()
 
 
+async def _read_chunk(reader: asyncio.StreamReader, max_size: int) -> bytes:
+    """The next chunk of a chunked body (``b""`` at the last, empty one; our servers send no
+    trailers); :class:`ResponseTooLarge` when it is over ``max_size`` bytes."""
+    size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+    if size == 0:
+        await reader.readuntil(b"\r\n")
+        return b""
+    if size > max_size:
+        raise ResponseTooLarge(f"chunked answer exceeds {max_size} bytes")
+    data = await reader.readexactly(size + 2)  # the chunk and its CRLF
+    return data[:-2]
+
+
 class FrameReader:
-    """The frames of a streamed answer: ``[4-byte big-endian length][frame]`` repeated, in a
-    chunked (or Content-Length) body. Iterate it, or leave it early with :meth:`aclose`
-    (``async with`` does): the connection goes back to the pool only after a clean end.
+    """The frames of a streamed answer (:mod:`~omni_mesh.data_plane.framing`), in a chunked
+    (or Content-Length) body. Iterate it, or leave it early with :meth:`aclose` (``async
+    with`` does): the connection goes back to the pool only after a clean end.
 
     A body that ends inside a frame, or a connection that drops, raises
     :class:`HopConnectionError`; reading past the deadline raises ``TimeoutError``."""
@@ -238,11 +246,11 @@ class FrameReader:
         self._client = client
         self._conn = conn
         self._chunked = chunked
-        self._left = 0 if chunked else length  # bytes left in the current chunk / the body
+        self._left = length  # bytes of a Content-Length body not read yet
         self._close = close
-        self._max_frame = max_frame
+        self._max_chunk = max_frame + HEADER_SIZE
+        self._frames = FrameDecoder(max_frame)
         self._deadline = deadline
-        self._eof = False
         self._done = False
 
     def __aiter__(self) -> AsyncIterator[bytes]:
@@ -253,16 +261,18 @@ class FrameReader:
             raise StopAsyncIteration
         try:
             async with asyncio.timeout_at(self._deadline):
-                header = await self._read(FRAME_HEADER, allow_eof=True)
-                if header is None:
-                    self._finish(reuse=not self._close)
-                    raise StopAsyncIteration
-                size = int.from_bytes(header, "big")
-                if size > self._max_frame:
-                    raise ResponseTooLarge(f"frame of {size} bytes exceeds {self._max_frame}")
-                frame = await self._read(size, allow_eof=False)
-                assert frame is not None
-                return bytes(frame)
+                while (frame := self._frames.next_frame()) is None:
+                    data = await self._read_more()
+                    if not data:
+                        if self._frames.pending:
+                            raise asyncio.IncompleteReadError(b"", self._frames.pending)
+                        self._finish(reuse=not self._close)
+                        raise StopAsyncIteration
+                    self._frames.feed(data)
+                return frame
+        except FrameTooLarge as exc:
+            self._finish(reuse=False)
+            raise ResponseTooLarge(str(exc)) from None
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
             self._finish(reuse=False)
             if isinstance(exc, ResponseTooLarge):
@@ -298,29 +308,15 @@ class FrameReader:
         else:
             self._conn.close()
 
-    async def _read(self, n: int, *, allow_eof: bool) -> bytearray | None:
-        """``n`` bytes of the body; ``None`` when it ended exactly here (if allowed)."""
-        out = bytearray()
-        reader = self._conn.reader
-        while len(out) < n:
-            if self._left == 0 and (not self._chunked or self._eof or not await self._next_chunk()):
-                if allow_eof and not out:
-                    return None
-                raise asyncio.IncompleteReadError(bytes(out), n)
-            take = min(n - len(out), self._left)
-            out += await reader.readexactly(take)
-            self._left -= take
-            if self._chunked and self._left == 0:
-                await reader.readexactly(2)  # the chunk's CRLF
-        return out
-
-    async def _next_chunk(self) -> bool:
-        """Read the next chunk's size line; ``False`` at the last (empty) chunk."""
-        line = await self._conn.reader.readuntil(b"\r\n")
-        size = int(line.split(b";")[0], 16)
-        if size == 0:
-            await self._conn.reader.readuntil(b"\r\n")  # no trailers from our servers
-            self._eof = True
-            return False
-        self._left = size
-        return True
+    async def _read_more(self) -> bytes:
+        """The next piece of the body (a chunk, or up to ``READ_CHUNK`` bytes of a
+        Content-Length body); ``b""`` at its end."""
+        if self._chunked:
+            return await _read_chunk(self._conn.reader, self._max_chunk)
+        if self._left == 0:
+            return b""
+        data = await self._conn.reader.read(min(self._left, READ_CHUNK))
+        if not data:
+            raise asyncio.IncompleteReadError(b"", self._left)
+        self._left -= len(data)
+        return data

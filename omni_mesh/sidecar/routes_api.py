@@ -24,7 +24,7 @@ from omni_mesh.configs.pipeline import OutputKind
 from omni_mesh.data_plane import wire
 from omni_mesh.data_plane.messages import Prompt, SamplingParams
 from omni_mesh.sidecar.appkeys import POD
-from omni_mesh.sidecar.errors import ApiError, bad_request
+from omni_mesh.sidecar.errors import ApiError, bad_request, decode_body
 from omni_mesh.sidecar.openai_types import ChatRequest, ImageRequest, SpeechRequest
 from omni_mesh.sidecar.outputs import FinalOutput
 from omni_mesh.sidecar.pod import Pod
@@ -46,12 +46,7 @@ MAX_API_BODY = 1 << 20
 
 async def _body(request: web.Request, type_: type[Any]) -> Any:
     raw = await wire.read_body(request, max_bytes=MAX_API_BODY)
-    try:
-        return msgspec.json.decode(raw, type=type_)
-    except msgspec.ValidationError as exc:
-        raise bad_request(f"invalid request body: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    return decode_body(raw, type_, what="request body")
 
 
 def _check_model(pod: Pod, model: str | None) -> None:

@@ -14,8 +14,9 @@ import time
 
 from aiohttp import web
 
-from omni_mesh.data_plane import codec, wire
-from omni_mesh.data_plane.messages import HopResult, StageInput, transfer_key
+from omni_mesh.data_plane import codec, framing, wire
+from omni_mesh.data_plane.constants import HOP_FRAMES, MSGPACK
+from omni_mesh.data_plane.messages import StageInput, transfer_key
 from omni_mesh.sidecar.admission import admitted
 from omni_mesh.sidecar.appkeys import POD
 from omni_mesh.sidecar.errors import ApiError, bad_request
@@ -74,12 +75,12 @@ async def _answer(request: web.Request, pod: Pod, si: StageInput) -> tuple[web.S
                     outcome = frame.error.code
                 if response is None and not frame.more:  # whole: one answer, as ever
                     body = codec.encode(frame)
-                    return web.Response(body=body, content_type=wire.MSGPACK), outcome
+                    return web.Response(body=body, content_type=MSGPACK), outcome
                 if response is None:
-                    response = web.StreamResponse(headers={"Content-Type": wire.HOP_FRAMES})
+                    response = web.StreamResponse(headers={"Content-Type": HOP_FRAMES})
                     response.enable_chunked_encoding()
                     await response.prepare(request)
-                await response.write(_frame_bytes(frame))
+                await response.write(framing.encode_frame(frame))
                 pod.metrics.hop_frames.labels(*labels).inc()
     except Exception as exc:
         if response is None:
@@ -97,14 +98,6 @@ async def _answer(request: web.Request, pod: Pod, si: StageInput) -> tuple[web.S
         raise ApiError(500, f"stage {pod.stage_id}: the answer ended without a frame")
     await response.write_eof()
     return response, outcome
-
-
-def _frame_bytes(frame: HopResult) -> bytearray:
-    """``[length][msgpack frame]`` in one buffer (encoded in place: no copy of the body)."""
-    buf = bytearray(wire.FRAME_HEADER)
-    size = codec.encode_into(frame, buf, wire.FRAME_HEADER) - wire.FRAME_HEADER
-    buf[: wire.FRAME_HEADER] = size.to_bytes(wire.FRAME_HEADER, "big")
-    return buf
 
 
 def add_routes(app: web.Application) -> None:

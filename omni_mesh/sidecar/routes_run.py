@@ -19,7 +19,8 @@ import time
 import msgspec
 from aiohttp import web
 
-from omni_mesh.data_plane import wire
+from omni_mesh.data_plane import codec, wire
+from omni_mesh.data_plane.constants import JSON, MSGPACK
 from omni_mesh.data_plane.envelope import EnvelopeError, open_envelope, seal
 from omni_mesh.data_plane.messages import (
     NextInput,
@@ -37,7 +38,7 @@ from omni_mesh.data_plane.shm import inline
 from omni_mesh.sidecar.admission import admitted
 from omni_mesh.sidecar.appkeys import POD
 from omni_mesh.sidecar.deadlines import request_timeout
-from omni_mesh.sidecar.errors import bad_request, from_stage_error
+from omni_mesh.sidecar.errors import bad_request, decode_body, from_stage_error
 from omni_mesh.sidecar.inputs import BadPrompt, entry_input
 from omni_mesh.sidecar.outputs import final_output, join_outputs
 from omni_mesh.sidecar.pod import Pod
@@ -45,12 +46,11 @@ from omni_mesh.sidecar.pod import Pod
 logger = logging.getLogger(__name__)
 
 RUN_PATH = "/v1/run"
-_JSON = msgspec.json.Encoder()
 
 
 async def run(request: web.Request) -> web.StreamResponse:
     pod = request.app[POD]
-    binary = request.content_type == wire.MSGPACK
+    binary = request.content_type == MSGPACK
     body = await wire.read_body(request, max_bytes=pod.settings.max_body_bytes)
     req = _decode(body, binary)
     if req.stage_id not in pod.pipeline.stage_ids:
@@ -71,15 +71,9 @@ async def run(request: web.Request) -> web.StreamResponse:
 
 
 def _decode(body: bytearray, binary: bool) -> RunRequest | RunRequestBin:
-    try:
-        if binary:
-            return msgspec.msgpack.decode(body, type=RunRequestBin)
-        return msgspec.json.decode(body, type=RunRequest)
-    except msgspec.ValidationError as exc:
-        raise bad_request(f"invalid /v1/run body: {exc}") from None
-    except msgspec.DecodeError as exc:
-        kind = "msgpack" if binary else "JSON"
-        raise bad_request(f"/v1/run body is not valid {kind}: {exc}") from None
+    if binary:
+        return decode_body(body, RunRequestBin, what="/v1/run body", binary=True)
+    return decode_body(body, RunRequest, what="/v1/run body")
 
 
 def _stage_input(
@@ -146,7 +140,7 @@ async def _run_local(
             body = _response(pod, si, outs, binary)
     pod.metrics.requests.labels(*labels, "run", "ok").inc()
     pod.metrics.request_duration.labels(*labels, "run").observe(time.monotonic() - t0)
-    content_type = wire.MSGPACK if binary else "application/json"
+    content_type = MSGPACK if binary else JSON
     return web.Response(body=body, content_type=content_type)
 
 
@@ -178,7 +172,7 @@ def _response(pod: Pod, si: StageInput, outs: list[StageOutput], binary: bool) -
             rb.next_stage_id, rb.stage_input = sealed[0]
         elif sealed:
             rb.next = [NextInputBin(stage_id=j, stage_input=b) for j, b in sealed]
-        return msgspec.msgpack.encode(rb)
+        return codec.encode(rb)
     rj = RunResponse(stage_id=pod.stage_id, request_id=si.request_id, chunk=si.chunk)
     if final is not None:
         rj.output = final.to_run_output()
@@ -187,7 +181,7 @@ def _response(pod: Pod, si: StageInput, outs: list[StageOutput], binary: bool) -
         rj.next_stage_id, rj.stage_input = b64[0]
     elif b64:
         rj.next = [NextInput(stage_id=j, stage_input=s) for j, s in b64]
-    return _JSON.encode(rj)
+    return codec.encode_json(rj)
 
 
 async def _forward(pod: Pod, stage_id: int, body: bytearray, request: web.Request) -> web.Response:

@@ -24,7 +24,7 @@ import msgspec
 from aiohttp import web
 
 from omni_mesh.configs.pipeline import OutputKind, PipelineSpec
-from omni_mesh.data_plane import media
+from omni_mesh.data_plane import codec, media
 from omni_mesh.data_plane.messages import HopResult, Prompt, SamplingParams, StageInput
 from omni_mesh.observability.tracing import stage_span
 from omni_mesh.sidecar.admission import admitted
@@ -47,7 +47,6 @@ from omni_mesh.sidecar.pod import Pod
 logger = logging.getLogger(__name__)
 
 SSE_CONTENT_TYPE = "text/event-stream"
-_JSON = msgspec.json.Encoder()
 
 
 # ---- running a request -----------------------------------------------------------------------
@@ -235,7 +234,7 @@ def _api_error(exc: Exception) -> ApiError:
 
 def sse(event: object) -> bytes:
     """One server-sent event carrying ``event`` as JSON."""
-    return b"data: " + _JSON.encode(event) + b"\n\n"
+    return b"data: " + codec.encode_json(event) + b"\n\n"
 
 
 def error_body(err: ApiError) -> dict[str, object]:

@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from omni_mesh.data_plane.constants import MSGPACK
 from omni_mesh.data_plane.wire import (
-    MSGPACK,
     ResponseTooLarge,
     read_body,
     read_response,

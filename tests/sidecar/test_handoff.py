@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from omni_mesh.data_plane import codec, wire
+from omni_mesh.data_plane import codec
 from omni_mesh.data_plane.connectors import Connector, HttpConnector, SharedMemoryConnector
+from omni_mesh.data_plane.constants import MSGPACK
 from omni_mesh.data_plane.messages import (
     HopResult,
     Payload,
@@ -79,7 +80,7 @@ class FakeReplica:
             outputs={STAGE + 1: Payload(fields={"served_by": self.name})},
             timings=[StageTiming(STAGE, self.name, engine_ms=1.0, queue_ms=0.0, total_ms=2.0)],
         )
-        return web.Response(body=codec.encode(result), content_type=wire.MSGPACK)
+        return web.Response(body=codec.encode(result), content_type=MSGPACK)
 
     def replica(self, *, host: str = "host-b", reported: int = 0) -> Replica:
         return make_replica(self.name, f"http://127.0.0.1:{self.port}", host, reported)
@@ -250,7 +251,7 @@ async def test_a_hop_delivers_the_input_and_returns_the_result(
     assert [t.instance_id for t in result.timings] == ["ok"]
     (got,) = ok.received
     assert got == si
-    assert ok.headers[0]["Content-Type"] == wire.MSGPACK
+    assert ok.headers[0]["Content-Type"] == MSGPACK
     assert ok.headers[0]["Authorization"] == "Bearer t0ken"
     (stats,) = hops.stats
     assert (stats.attempts, stats.retries, stats.replica, stats.tried) == (1, 0, "ok", ["ok"])

@@ -14,8 +14,9 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from aiohttp import web
 
-from omni_mesh.data_plane import codec, wire
+from omni_mesh.data_plane import codec, framing, wire
 from omni_mesh.data_plane.connectors import HttpConnector
+from omni_mesh.data_plane.constants import HOP_FRAMES
 from omni_mesh.data_plane.messages import HopResult, Payload, StageInput, StageTiming
 from omni_mesh.data_plane.shm import ShmReader
 from omni_mesh.sidecar.hop_client import HOP_PATH, HopClient, HopStats, HopUnavailable
@@ -30,7 +31,7 @@ OUT_STAGE = STAGE + 1
 
 def frame_bytes(frame: HopResult) -> bytes:
     body = codec.encode(frame)
-    return len(body).to_bytes(wire.FRAME_HEADER, "big") + body
+    return framing.HEADER.pack(len(body)) + body
 
 
 def chunk_frame(si: StageInput, chunk: int, who: str) -> HopResult:
@@ -65,7 +66,7 @@ class StreamingReplica(FakeReplica):
     async def hop(self, request: web.Request) -> web.StreamResponse:
         si = codec.decode(await request.read(), StageInput)
         self.received.append(si)
-        resp = web.StreamResponse(headers={"Content-Type": wire.HOP_FRAMES})
+        resp = web.StreamResponse(headers={"Content-Type": HOP_FRAMES})
         resp.enable_chunked_encoding()
         await resp.prepare(request)
         for chunk in range(self.chunks):
@@ -148,7 +149,7 @@ async def test_frames_arrive_one_by_one_and_the_connection_is_reused(
     address = f"http://127.0.0.1:{server.port}"
     body = codec.encode(hop_input())
     resp = await http.post(
-        address, HOP_PATH, body, {}, timeout_s=10, max_bytes=1 << 20, stream_type=wire.HOP_FRAMES
+        address, HOP_PATH, body, {}, timeout_s=10, max_bytes=1 << 20, stream_type=HOP_FRAMES
     )
     assert resp.status == 200 and resp.frames is not None
     async with resp.frames as frames:
@@ -160,7 +161,7 @@ async def test_frames_arrive_one_by_one_and_the_connection_is_reused(
     assert not rest[-1].more
     # The body ended cleanly: the next call goes over the same kept-alive connection.
     again = await http.post(
-        address, HOP_PATH, body, {}, timeout_s=10, max_bytes=1 << 20, stream_type=wire.HOP_FRAMES
+        address, HOP_PATH, body, {}, timeout_s=10, max_bytes=1 << 20, stream_type=HOP_FRAMES
     )
     assert again.frames is not None
     async with again.frames as frames:
@@ -180,7 +181,7 @@ async def test_a_stream_that_drops_is_a_connection_error(
         {},
         timeout_s=10,
         max_bytes=1 << 20,
-        stream_type=wire.HOP_FRAMES,
+        stream_type=HOP_FRAMES,
     )
     assert resp.frames is not None
     got: list[bytes] = []
@@ -204,7 +205,7 @@ async def test_an_oversized_frame_is_refused_before_it_is_read(
         {},
         timeout_s=10,
         max_bytes=16,
-        stream_type=wire.HOP_FRAMES,
+        stream_type=HOP_FRAMES,
     )
     assert resp.frames is not None
     with pytest.raises(wire.ResponseTooLarge):

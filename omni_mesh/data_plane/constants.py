@@ -1,0 +1,12 @@
+"""Wire constants of the data path, one home each (importable without aiohttp: engines too)."""
+
+from __future__ import annotations
+
+#: Content types of data-path HTTP bodies.
+JSON = "application/json"
+MSGPACK = "application/msgpack"
+#: A streamed hop answer: :mod:`~omni_mesh.data_plane.framing` frames of msgpack ``HopResult``.
+HOP_FRAMES = "application/x-omni-hop-frames"
+
+#: Tensors up to this many bytes travel inline in a message; larger ones through shared memory.
+INLINE_MAX = 4096
