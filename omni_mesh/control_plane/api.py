@@ -1,6 +1,6 @@
 """HTTP handlers of the control plane (DESIGN §6): registration, heartbeats, discovery, operator
 actions, suspect reports (probed in ``suspect.py``), health and metrics. The long-poll/SSE
-watch lives in ``watch.py``.
+watch lives in ``watch.py``, the stage scale resource (autoscaling) in ``routes_scale.py``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from pydantic import BaseModel
 from redis.exceptions import RedisError
 
 from omni_mesh.configs.pipeline import UnknownPipelineError, get_pipeline
-from omni_mesh.control_plane import appkeys, watch
+from omni_mesh.control_plane import appkeys, routes_scale, watch
+from omni_mesh.control_plane.autoscaler import refresh_gauges
 from omni_mesh.control_plane.errors import NotFoundError
 from omni_mesh.control_plane.inputs import (
     bool_param,
@@ -71,6 +72,7 @@ async def metrics(request: web.Request) -> web.Response:
     app = request.app
     try:
         await _refresh_instance_gauge(app)
+        await refresh_gauges(app[appkeys.STORE].scale, app[appkeys.METRICS].autoscale)
     except RedisError as exc:
         REDIS_UNAVAILABLE("redis unavailable: GET /metrics, instance counts stale: %s", exc)
     body = generate_latest(app[appkeys.METRICS].registry)
@@ -261,14 +263,15 @@ async def pool_instances(request: web.Request) -> web.Response:
 
 async def pipelines(request: web.Request) -> web.Response:
     store = request.app[appkeys.STORE]
+    desired = await routes_scale.desired_counts(request.app)
     statuses: list[PipelineStatus] = []
-    for name in await store.pipeline_names():
+    for name in sorted({*await store.pipeline_names(), *desired}):
         try:
             status = await store.pipeline_status(get_pipeline(name))
         except UnknownPipelineError:
             continue
-        if status.instances:
-            statuses.append(status)
+        if status.instances or name in desired:
+            statuses.append(status.model_copy(update={"desired": desired.get(name, {})}))
     return _json(PipelineList(pipelines=tuple(statuses)))
 
 
@@ -285,3 +288,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/pipelines", pipelines)
     app.router.add_get("/v1/pipelines/{pipeline}/stages/{stage_id}/instances", pool_instances)
     app.router.add_get("/v1/watch", watch.watch)
+    routes_scale.add_routes(app)

@@ -9,6 +9,11 @@
     omni:epoch                       string  registration epoch counter (global)
     omni:sweeper:lock                string  owner token of the liveness sweeper (SET NX PX)
     omni:changes:{pipeline}          channel pub/sub hint: the pipeline's new version
+    omni:scale:stages                set     "{pipeline}:{stage_id}" of every autoscaled stage
+    omni:scale:policy:{p}:{s}        string  the stage's AutoscaleConfig (JSON), no expiry
+    omni:scale:decision:{p}:{s}      string  the last ScaleDecision (JSON), written by the
+                                             sweeper-lock holder only (checked in Lua)
+    omni:scale:wake:{p}:{s}          string  requests waiting for a stage at zero (PX expiry)
 
 The Lua scripts compute instance, pool and version keys from ids they read inside the script
 (a heartbeat knows only the instance id). They receive the prefixes below as arguments
@@ -109,6 +114,31 @@ class KeySchema:
     @property
     def sweeper_lock(self) -> str:
         return f"{self.prefix}sweeper:lock"
+
+    # ---- autoscaling ---------------------------------------------------------------------
+
+    @property
+    def scale_stages(self) -> str:
+        return f"{self.prefix}scale:stages"
+
+    @staticmethod
+    def scale_member(pipeline: str, stage_id: int) -> str:
+        """The member of :attr:`scale_stages` naming one stage."""
+        return f"{pipeline}:{stage_id}"
+
+    @staticmethod
+    def parse_scale_member(member: str) -> tuple[str, int] | None:
+        pipeline, _, stage = member.rpartition(":")
+        return (pipeline, int(stage)) if pipeline and stage.isdigit() else None
+
+    def scale_policy(self, pipeline: str, stage_id: int) -> str:
+        return f"{self.prefix}scale:policy:{pipeline}:{stage_id}"
+
+    def scale_decision(self, pipeline: str, stage_id: int) -> str:
+        return f"{self.prefix}scale:decision:{pipeline}:{stage_id}"
+
+    def scale_wake(self, pipeline: str, stage_id: int) -> str:
+        return f"{self.prefix}scale:wake:{pipeline}:{stage_id}"
 
     def lua_prefixes(self) -> tuple[str, str, str, str]:
         """(instance, pool, version, channel) prefixes, in the order the scripts expect."""

@@ -14,6 +14,9 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
+from omni_mesh.configs.autoscale import AutoscaleConfig
+from omni_mesh.configs.deploy_fields import MAX_REPLICAS
+
 MAX_BODY_BYTES = 64 * 1024
 MAX_LABELS = 32
 MAX_ENGINE_METRICS = 64
@@ -181,7 +184,81 @@ class SuspectRequest(_Request):
     )
 
 
+class ScalePolicyRequest(_Request):
+    """``PUT /v1/pipelines/{p}/stages/{s}/scale``: the stage's autoscaling policy (the deploy
+    config's ``autoscale:`` section). Idempotent; the launcher sends it at start and again
+    whenever ``GET`` answers ``policy: null`` (Redis lost its data)."""
+
+    autoscale: AutoscaleConfig = Field(description="The policy (deploy config `autoscale:`).")
+    replicas: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_REPLICAS,
+        description="Starting desired count when no decision exists yet; default: ready count.",
+    )
+
+
+class WakeRequest(_Request):
+    """``POST /v1/pipelines/{p}/stages/{s}/scale/wake``: requests wait for a stage that has no
+    ready replica (scaled to zero). The policy asks for replicas at once, without windows."""
+
+    waiting: int = Field(default=1, ge=1, le=1_000_000, description="Requests waiting for it.")
+
+
 # ---- responses ---------------------------------------------------------------------------------
+
+
+#: Version of the persisted scale decision layout (``ScaleDecision.schema_version``).
+SCALE_SCHEMA_VERSION = 1
+
+
+class ScaleDirection(StrEnum):
+    UP = "up"
+    DOWN = "down"
+    HOLD = "hold"
+
+
+class ScaleInputs(_Response):
+    """The load figures of a stage's ready replicas that one decision was made from."""
+
+    ready: int = Field(default=0, description="Healthy replicas in the pool.")
+    in_flight: int = Field(default=0, description="Requests executing, summed over replicas.")
+    queued: int = Field(default=0, description="Requests waiting in engines, summed.")
+    capacity: int = Field(default=0, description="Concurrent requests the pool can run.")
+    utilization: float = Field(default=0.0, description="Mean load per replica / its capacity.")
+    step_ms: float | None = Field(default=None, description="Mean engine step time, ms.")
+    kv_cache_usage: float | None = Field(default=None, description="Highest KV-cache use, 0..1.")
+    latency_ms: float | None = Field(default=None, description="Estimated queue + step time, ms.")
+    wake_waiting: int = Field(default=0, description="Requests waiting for a stage at zero.")
+
+
+class ScaleDecision(_Response):
+    """The last decision for a stage (persisted in Redis, served by every omni-cp)."""
+
+    schema_version: int = SCALE_SCHEMA_VERSION
+    desired: int = Field(description="Replicas the stage should have now.")
+    previous: int = Field(description="Desired count before this decision.")
+    recommended: int = Field(description="What the load alone asks for, within min/max.")
+    direction: ScaleDirection
+    reason: str = Field(description="Why: utilization, latency, wake, idle, cooldown, ...")
+    decided_at_ms: int = Field(description="Redis server time of the decision.")
+    changed_at_ms: int = Field(description="When the desired count last changed.")
+    leader: str = Field(default="", description="Sweeper-lock token prefix of the decider.")
+    inputs: ScaleInputs = Field(default_factory=ScaleInputs)
+    history: tuple[tuple[int, int], ...] = Field(
+        default=(), description="(time ms, recommended) change points within the windows."
+    )
+
+
+class ScaleStatus(_Response):
+    """``GET /v1/pipelines/{p}/stages/{s}/scale``: policy, desired and ready replicas."""
+
+    pipeline: str
+    stage_id: int
+    policy: AutoscaleConfig | None = Field(default=None, description="null: not autoscaled.")
+    desired: int | None = Field(default=None, description="null until the first decision.")
+    ready: int = Field(default=0, description="Healthy replicas now.")
+    decision: ScaleDecision | None = None
 
 
 class Registration(_Response):
@@ -283,6 +360,9 @@ class PipelineStatus(_Response):
     pipeline: str
     version: int
     instances: tuple[InstanceInfo, ...] = ()
+    desired: dict[int, int] = Field(
+        default_factory=dict, description="Autoscaled stages: stage id -> desired replicas."
+    )
 
 
 class PipelineList(_Response):

@@ -280,3 +280,33 @@ for i = 2, #KEYS do
 end
 return out
 """
+
+# KEYS: sweeper_lock, scale_policy, scale_decision
+# ARGV: token, decision_json, policy_json
+# Returns 1 when written, 0 when ``token`` does not hold the sweeper lock (only its holder
+# decides), -1 when the policy was removed or replaced since it was read (decided on stale
+# knobs: the next tick decides again).
+SAVE_SCALE_DECISION = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
+end
+if redis.call('GET', KEYS[2]) ~= ARGV[3] then
+  return -1
+end
+redis.call('SET', KEYS[3], ARGV[2])
+return 1
+"""
+
+# KEYS: scale_stages, scale_policy, scale_decision
+# ARGV: member, policy_json, initial_decision_json
+# Stores the policy; the initial decision only where the stage has none yet (a repeated PUT
+# keeps the current decision). Returns 1 when the initial decision was stored, else 0.
+PUT_SCALE_POLICY = """
+redis.call('SET', KEYS[2], ARGV[2])
+redis.call('SADD', KEYS[1], ARGV[1])
+if redis.call('EXISTS', KEYS[3]) == 0 then
+  redis.call('SET', KEYS[3], ARGV[3])
+  return 1
+end
+return 0
+"""

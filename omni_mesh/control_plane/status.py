@@ -1,4 +1,5 @@
-"""``omni-cp status``: a ``kubectl get``-like table of every instance the control plane knows."""
+"""``omni-cp status``: a ``kubectl get``-like table of every instance the control plane knows,
+with each autoscaled stage's desired replica count (a stage at zero gets a row of its own)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ COLUMNS = (
     "LOAD",
     "HEARTBEAT-AGE",
     "REASON",
+    "DESIRED",  # the stage's desired replicas (autoscaled stages), else "-"
 )
 
 
@@ -30,7 +32,7 @@ def format_age(ms: int) -> str:
     return f"{seconds // 3600}h{(seconds % 3600) // 60:02d}m"
 
 
-def _row(info: InstanceInfo) -> tuple[str, ...]:
+def _row(info: InstanceInfo, desired: int | None) -> tuple[str, ...]:
     capacity = info.load.capacity or info.capacity
     return (
         info.pipeline,
@@ -42,7 +44,13 @@ def _row(info: InstanceInfo) -> tuple[str, ...]:
         f"{info.load.in_flight}/{capacity}",
         format_age(info.heartbeat_age_ms),
         info.reason or "-",
+        "-" if desired is None else str(desired),
     )
+
+
+def _empty_stage_row(pipeline: str, stage_id: int, desired: int) -> tuple[str, ...]:
+    """An autoscaled stage with no instance at all (scaled to zero, or not started yet)."""
+    return (pipeline, str(stage_id), "-", "-", "-", "-", "-", "-", "no_replicas", str(desired))
 
 
 def render_table(rows: Sequence[Sequence[str]], header: Sequence[str] = COLUMNS) -> str:
@@ -58,13 +66,20 @@ def render_table(rows: Sequence[Sequence[str]], header: Sequence[str] = COLUMNS)
 
 def render_status(listing: PipelineList, *, pipeline: str | None = None) -> str:
     """The status table, sorted by pipeline, stage and registration time."""
-    infos = [
-        i
-        for p in listing.pipelines
-        if pipeline is None or p.pipeline == pipeline
-        for i in p.instances
-    ]
-    if not infos:
+    shown = [p for p in listing.pipelines if pipeline is None or p.pipeline == pipeline]
+    desired = {(p.pipeline, s): n for p in shown for s, n in p.desired.items()}
+    infos = [i for p in shown for i in p.instances]
+    occupied = {(i.pipeline, i.stage_id) for i in infos}
+    empty = sorted(k for k in desired if k not in occupied)
+    if not infos and not empty:
         return "no instances registered" + (f" for pipeline {pipeline!r}" if pipeline else "")
-    infos.sort(key=lambda i: (i.pipeline, i.stage_id, i.registered_at_ms, i.instance_id))
-    return render_table([_row(i) for i in infos])
+    keyed = [
+        (
+            (i.pipeline, i.stage_id, i.registered_at_ms, i.instance_id),
+            _row(i, desired.get((i.pipeline, i.stage_id))),
+        )
+        for i in infos
+    ]
+    keyed += [((p, s, -1, ""), _empty_stage_row(p, s, desired[(p, s)])) for p, s in empty]
+    keyed.sort(key=lambda kr: kr[0])
+    return render_table([row for _, row in keyed])

@@ -21,6 +21,7 @@ from redis.asyncio import Redis
 from omni_mesh.configs.pipeline import PipelineSpec
 from omni_mesh.control_plane import scripts
 from omni_mesh.control_plane.keys import RECORD_SCHEMA_VERSION, KeySchema
+from omni_mesh.control_plane.scale_store import ScaleStore
 from omni_mesh.control_plane.schema import (
     REASON_UNREACHABLE,
     InstanceInfo,
@@ -150,6 +151,7 @@ class InstanceStore:
         self._acquire = redis.register_script(scripts.ACQUIRE_LOCK)
         self._release = redis.register_script(scripts.RELEASE_LOCK)
         self._snapshot = redis.register_script(scripts.SNAPSHOT)
+        self.scale = ScaleStore(redis, self.keys)  # autoscaling state (omni:scale:*)
 
     async def ping(self) -> bool:
         return bool(await self.redis.ping())

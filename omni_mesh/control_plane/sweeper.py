@@ -1,4 +1,6 @@
-"""The liveness sweeper: isolates instances whose lease lapsed and evicts long-dead records.
+"""The liveness sweeper: isolates instances whose lease lapsed and evicts long-dead records;
+after each sweep it runs the autoscaling policy (``autoscaler.py``), so the lock holder alone
+decides desired replica counts.
 
 It runs in exactly one omni-cp at a time: the holder of a Redis lock (``SET NX PX``). Each tick
 the holder's sweep script renews the lock and refuses to act if the lock is no longer the
@@ -19,6 +21,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from omni_mesh.control_plane.autoscaler import Autoscaler
 from omni_mesh.control_plane.schema import REASON_LEASE_EXPIRED
 from omni_mesh.control_plane.store import InstanceStore, SweepResult
 from omni_mesh.control_plane.tasks import stop_task
@@ -51,6 +54,7 @@ class Sweeper:
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
         self._redis_down = False
+        self._autoscaler = Autoscaler(store, store.scale, metrics.autoscale)
 
     def start(self) -> None:
         if self._task is None:
@@ -103,7 +107,18 @@ class Sweeper:
             logger.warning("sweeper lock lost token=%s: another omni-cp sweeps", self.token[:8])
             self._set_leader(False)
         self._record(result)
+        if result.held_lock:
+            await self._autoscale()
         return result
+
+    async def _autoscale(self) -> None:
+        """Decide the autoscaled stages' desired counts (lock holder only, after its sweep)."""
+        try:
+            await self._autoscaler.tick(self.token)
+        except _REDIS_DOWN:
+            raise
+        except Exception:  # a policy bug must not stop liveness tracking
+            logger.exception("autoscale tick failed")
 
     def _record(self, result: SweepResult) -> None:
         for ev in result.events:

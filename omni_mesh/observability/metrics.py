@@ -49,6 +49,15 @@ CP_WATCHERS = "omni_cp_watchers"
 CP_SWEEPER_LEADER = "omni_cp_sweeper_leader"
 CP_SWEEP_DURATION = "omni_cp_sweep_duration_seconds"
 CP_REQUEST_DURATION = "omni_cp_http_request_duration_seconds"
+# Autoscaling (gauges refreshed from Redis on scrape: every omni-cp serves the same values).
+CP_DESIRED_REPLICAS = "omni_cp_desired_replicas"
+CP_RECOMMENDED_REPLICAS = "omni_cp_recommended_replicas"
+CP_READY_REPLICAS = "omni_cp_ready_replicas"
+CP_STAGE_UTILIZATION = "omni_cp_stage_utilization"
+CP_STAGE_QUEUED = "omni_cp_stage_queued"
+CP_STAGE_LATENCY = "omni_cp_stage_estimated_latency_seconds"
+CP_STAGE_KV_CACHE = "omni_cp_stage_kv_cache_usage"
+CP_SCALE_DECISIONS = "omni_cp_scale_decisions"
 
 # Label values of the "state" label (mirrors control_plane.schema.InstanceState).
 CP_INSTANCE_STATES: tuple[str, ...] = ("healthy", "isolated", "draining")
@@ -137,6 +146,74 @@ class ControlPlaneMetrics:
             buckets=HTTP_LATENCY_BUCKETS,
             registry=registry,
         )
+        self.autoscale = AutoscaleMetrics(registry)
+
+
+class AutoscaleMetrics:
+    """Autoscaling figures of one ``omni-cp``: the last decision per stage and its inputs."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        stage = ["pipeline", "stage"]
+        self.desired = Gauge(
+            CP_DESIRED_REPLICAS,
+            "Replicas the autoscaling policy wants for the stage (last decision).",
+            stage,
+            registry=registry,
+        )
+        self.recommended = Gauge(
+            CP_RECOMMENDED_REPLICAS,
+            "Replicas the stage's load alone asks for, before windows, steps and cooldown.",
+            stage,
+            registry=registry,
+        )
+        self.ready = Gauge(
+            CP_READY_REPLICAS,
+            "Healthy replicas of an autoscaled stage when it was last decided.",
+            stage,
+            registry=registry,
+        )
+        self.utilization = Gauge(
+            CP_STAGE_UTILIZATION,
+            "Mean load per ready replica over its capacity (what the policy compares to target).",
+            stage,
+            registry=registry,
+        )
+        self.queued = Gauge(
+            CP_STAGE_QUEUED,
+            "Requests waiting in the engines of an autoscaled stage.",
+            stage,
+            registry=registry,
+        )
+        self.latency = Gauge(
+            CP_STAGE_LATENCY,
+            "Estimated queue + step time of a new request at the stage (engine figures).",
+            stage,
+            registry=registry,
+        )
+        self.kv_cache = Gauge(
+            CP_STAGE_KV_CACHE,
+            "Highest KV-cache use (0..1) reported by a ready replica of the stage.",
+            stage,
+            registry=registry,
+        )
+        self.decisions = Counter(
+            CP_SCALE_DECISIONS,
+            "Autoscaling decisions made by this omni-cp (lock holder) by direction and reason.",
+            [*stage, "direction", "reason"],
+            registry=registry,
+        )
+
+    def stage_gauges(self) -> tuple[Gauge, ...]:
+        """Every per-stage gauge (cleared and set again on each scrape)."""
+        return (
+            self.desired,
+            self.recommended,
+            self.ready,
+            self.utilization,
+            self.queued,
+            self.latency,
+            self.kv_cache,
+        )
 
 
 # ==============================================================================================
@@ -157,6 +234,10 @@ SC_HANDOFF_BYTES = "omni_stage_handoff_bytes"
 SC_HANDOFF_DURATION = "omni_stage_handoff_duration_seconds"
 SC_ENGINE_QUEUE = "omni_stage_engine_queued"
 SC_ENGINE_STEP = "omni_stage_engine_step_seconds"
+SC_ENGINE_RUNNING = "omni_stage_engine_running_requests"
+SC_ENGINE_WAITING = "omni_stage_engine_waiting_requests"
+SC_ENGINE_KV_CACHE = "omni_stage_engine_kv_cache_usage"
+SC_ENGINE_TOKENS = "omni_stage_engine_generation_tokens_per_second"
 SC_API_REQUESTS = "omni_api_requests"
 SC_API_DURATION = "omni_api_request_duration_seconds"
 SC_CHUNKS = "omni_stage_output_chunks"
@@ -243,6 +324,31 @@ class SidecarMetrics:
         self.engine_step = Gauge(
             SC_ENGINE_STEP,
             "Duration of the engine's last step.",
+            ["pipeline", "stage"],
+            registry=registry,
+        )
+        # A model engine with its own scheduler (vLLM) reports these (Stats.engine).
+        self.engine_running = Gauge(
+            SC_ENGINE_RUNNING,
+            "Requests in the model engine's running batch (vLLM's scheduler).",
+            ["pipeline", "stage"],
+            registry=registry,
+        )
+        self.engine_waiting = Gauge(
+            SC_ENGINE_WAITING,
+            "Requests queued inside the model engine (vLLM's scheduler).",
+            ["pipeline", "stage"],
+            registry=registry,
+        )
+        self.engine_kv_cache = Gauge(
+            SC_ENGINE_KV_CACHE,
+            "Fraction of the model engine's KV cache in use (0..1).",
+            ["pipeline", "stage"],
+            registry=registry,
+        )
+        self.engine_tokens = Gauge(
+            SC_ENGINE_TOKENS,
+            "Tokens the model engine generated per second (since its previous report).",
             ["pipeline", "stage"],
             registry=registry,
         )

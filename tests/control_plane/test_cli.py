@@ -209,7 +209,7 @@ async def test_status_shows_a_table(control_plane: ControlPlaneProcess) -> None:
     lines = result.stdout.strip().splitlines()
     assert lines[0].split() == [
         "PIPELINE", "STAGE", "INSTANCE", "STATE", "ADDRESS", "HOST", "LOAD", "HEARTBEAT-AGE",
-        "REASON",
+        "REASON", "DESIRED",
     ]  # fmt: skip
     rows = [line.split() for line in lines[1:]]
     assert [r[:7] for r in rows] == [

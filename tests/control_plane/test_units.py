@@ -131,7 +131,7 @@ def test_status_table() -> None:
     assert lines[0].split() == list(COLUMNS)
     assert lines[1].split() == [
         "tiny-omni", "0", "def", "isolated", "http://127.0.0.1:9001", "h1", "2/4", "2m05s",
-        "lease_expired",
+        "lease_expired", "-",
     ]  # fmt: skip
     assert lines[2].split()[:8] == [
         "tiny-omni", "1", "abc", "healthy", "http://127.0.0.1:9001", "h1", "2/4", "1.5s",

@@ -34,6 +34,10 @@ from omni_mesh.control_plane.schema import (
     ProbeOutcome,
     RegisterRequest,
     Registration,
+    ScaleDecision,
+    ScaleDirection,
+    ScaleInputs,
+    ScaleStatus,
     SuspectResult,
 )
 
@@ -60,6 +64,10 @@ __all__ = [
     "ProbeOutcome",
     "RegisterRequest",
     "Registration",
+    "ScaleDecision",
+    "ScaleDirection",
+    "ScaleInputs",
+    "ScaleStatus",
     "SuspectReporter",
     "SuspectResult",
 ]

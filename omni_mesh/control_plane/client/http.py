@@ -18,6 +18,7 @@ from typing import TypeVar
 import aiohttp
 from pydantic import BaseModel, ValidationError
 
+from omni_mesh.configs.autoscale import AutoscaleConfig
 from omni_mesh.control_plane.errors import (
     ControlPlaneAuthError,
     ControlPlaneError,
@@ -40,8 +41,11 @@ from omni_mesh.control_plane.schema import (
     PoolSnapshot,
     RegisterRequest,
     Registration,
+    ScalePolicyRequest,
+    ScaleStatus,
     SuspectRequest,
     SuspectResult,
+    WakeRequest,
     clean_reason,
 )
 
@@ -161,6 +165,33 @@ class ControlPlaneClient:
 
     async def health(self) -> HealthStatus:
         return _parse(HealthStatus, await self._call("GET", "/healthz"))
+
+    # ---- autoscaling (the launcher's actuator) ---------------------------------------------
+
+    async def scale(self, pipeline: str, stage_id: int) -> ScaleStatus:
+        """The stage's scale resource: policy (None: not autoscaled), desired and ready
+        replicas, and the last decision with its inputs and reason."""
+        path = f"/v1/pipelines/{pipeline}/stages/{stage_id}/scale"
+        return _parse(ScaleStatus, await self._call("GET", path))
+
+    async def set_scale_policy(
+        self, pipeline: str, stage_id: int, policy: AutoscaleConfig, *, replicas: int | None = None
+    ) -> ScaleStatus:
+        """Set (idempotently) the stage's autoscale policy; ``replicas`` is the starting desired
+        count if the stage has no decision yet (default: its ready count)."""
+        path = f"/v1/pipelines/{pipeline}/stages/{stage_id}/scale"
+        req = ScalePolicyRequest(autoscale=policy, replicas=replicas)
+        return _parse(ScaleStatus, await self._call("PUT", path, body=req))
+
+    async def remove_scale_policy(self, pipeline: str, stage_id: int) -> None:
+        """Stop autoscaling the stage (its policy and decision are forgotten)."""
+        await self._call("DELETE", f"/v1/pipelines/{pipeline}/stages/{stage_id}/scale")
+
+    async def wake_stage(self, pipeline: str, stage_id: int, waiting: int = 1) -> ScaleStatus:
+        """Tell the policy that ``waiting`` requests wait for a stage with no ready replica."""
+        path = f"/v1/pipelines/{pipeline}/stages/{stage_id}/scale/wake"
+        req = WakeRequest(waiting=waiting)
+        return _parse(ScaleStatus, await self._call("POST", path, body=req))
 
     # ---- transport -----------------------------------------------------------------------
 

@@ -1,0 +1,92 @@
+"""The autoscaling loop around the pure policy (``autoscale.py``): run by the sweeper-lock holder
+after each sweep, it reads every autoscaled stage's policy, last decision and ready replicas,
+decides, and stores the decision (only while it holds the lock, checked in Redis). Also the
+scrape-time refresh of the autoscaling gauges, which every omni-cp serves from Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from omni_mesh.control_plane.autoscale import decide, stage_inputs
+from omni_mesh.control_plane.scale_store import ScaleStore, StageScale
+from omni_mesh.control_plane.schema import ScaleDecision, ScaleDirection
+from omni_mesh.control_plane.store import InstanceStore
+from omni_mesh.observability.metrics import AutoscaleMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class Autoscaler:
+    """Decides the desired replicas of every autoscaled stage; one :meth:`tick` per sweep."""
+
+    def __init__(self, store: InstanceStore, scale: ScaleStore, metrics: AutoscaleMetrics) -> None:
+        self._store = store
+        self._scale = scale
+        self._metrics = metrics
+
+    async def tick(self, token: str) -> list[ScaleDecision]:
+        """Decide every autoscaled stage; stops early if the lock turns out to be lost."""
+        now_ms = await self._scale.now_ms()
+        decisions: list[ScaleDecision] = []
+        for pipeline, stage_id in await self._scale.stages():
+            scale = await self._scale.stage(pipeline, stage_id)
+            if scale is None:
+                continue
+            pool = await self._store.pool(pipeline, stage_id, healthy_only=True)
+            inputs = stage_inputs(pool.instances, scale.wake_waiting)
+            decision = decide(scale.policy, inputs, scale.decision, now_ms).model_copy(
+                update={"leader": token[:8]}
+            )
+            saved = await self._scale.save_decision(token, scale, decision)
+            if saved == 0:
+                logger.warning("autoscale: sweeper lock lost before deciding pipeline=%s", pipeline)
+                break
+            if saved > 0:
+                self._record(scale, decision)
+                decisions.append(decision)
+        return decisions
+
+    def _record(self, scale: StageScale, d: ScaleDecision) -> None:
+        labels = (scale.pipeline, str(scale.stage_id))
+        self._metrics.decisions.labels(*labels, d.direction.value, d.reason).inc()
+        level = logging.INFO if d.direction is not ScaleDirection.HOLD else logging.DEBUG
+        logger.log(
+            level,
+            "autoscale %s pipeline=%s stage=%s desired=%d->%d reason=%s recommended=%d ready=%d "
+            "utilization=%.2f in_flight=%d queued=%d latency_ms=%s kv_cache=%s wake=%d",
+            d.direction.value,
+            scale.pipeline,
+            scale.stage_id,
+            d.previous,
+            d.desired,
+            d.reason,
+            d.recommended,
+            d.inputs.ready,
+            d.inputs.utilization,
+            d.inputs.in_flight,
+            d.inputs.queued,
+            "-" if d.inputs.latency_ms is None else f"{d.inputs.latency_ms:.1f}",
+            "-" if d.inputs.kv_cache_usage is None else f"{d.inputs.kv_cache_usage:.2f}",
+            d.inputs.wake_waiting,
+        )
+
+
+async def refresh_gauges(scale_store: ScaleStore, metrics: AutoscaleMetrics) -> None:
+    """Set the per-stage autoscaling gauges from the decisions stored in Redis."""
+    scales = [await scale_store.stage(p, s) for p, s in await scale_store.stages()]
+    for gauge in metrics.stage_gauges():
+        gauge.clear()
+    for scale in scales:
+        if scale is None or scale.decision is None:
+            continue
+        d, labels = scale.decision, (scale.pipeline, str(scale.stage_id))
+        metrics.desired.labels(*labels).set(d.desired)
+        metrics.recommended.labels(*labels).set(d.recommended)
+        metrics.ready.labels(*labels).set(d.inputs.ready)
+        metrics.utilization.labels(*labels).set(d.inputs.utilization)
+        metrics.queued.labels(*labels).set(d.inputs.queued)
+        if d.inputs.latency_ms is not None:
+            metrics.latency.labels(*labels).set(d.inputs.latency_ms / 1000.0)
+        if d.inputs.kv_cache_usage is not None:
+            metrics.kv_cache.labels(*labels).set(d.inputs.kv_cache_usage)

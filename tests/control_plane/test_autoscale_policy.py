@@ -1,0 +1,342 @@
+"""The autoscaling policy as pure functions: inputs from heartbeats, the recommendation,
+hysteresis (windows, step limits, cooldown), min/max, scale to zero and back, no flapping."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Mapping
+
+import pytest
+from pydantic import ValidationError
+
+from omni_mesh.configs.autoscale import AutoscaleConfig
+from omni_mesh.configs.deploy import StageDeployConfig
+from omni_mesh.control_plane import autoscale as policy_mod
+from omni_mesh.control_plane.autoscale import (
+    MAX_HISTORY,
+    decide,
+    initial_decision,
+    recommend,
+    replica_figures,
+    stage_inputs,
+)
+from omni_mesh.control_plane.schema import (
+    InstanceInfo,
+    InstanceState,
+    LoadReport,
+    ScaleDecision,
+    ScaleDirection,
+    ScaleInputs,
+)
+
+pytestmark = pytest.mark.unit
+
+T0 = 1_000_000
+
+
+def replica(
+    in_flight: int = 0,
+    *,
+    queued: int = 0,
+    capacity: int = 10,
+    engine: Mapping[str, float] | None = None,
+    n: int = 0,
+) -> InstanceInfo:
+    return InstanceInfo(
+        instance_id=f"r{n}",
+        pipeline="synthetic",
+        stage_id=1,
+        address=f"http://127.0.0.1:{9000 + n}",
+        host_id="h",
+        capacity=capacity,
+        state=InstanceState.HEALTHY,
+        epoch=1,
+        registered_at_ms=0,
+        last_heartbeat_ms=0,
+        heartbeat_age_ms=0,
+        load=LoadReport(
+            in_flight=in_flight, queued=queued, capacity=capacity, engine=dict(engine or {})
+        ),
+    )
+
+
+def pool(*in_flight: int, capacity: int = 10) -> ScaleInputs:
+    return stage_inputs([replica(f, capacity=capacity, n=i) for i, f in enumerate(in_flight)])
+
+
+def loaded(replicas: int, utilization: float, capacity: int = 10) -> ScaleInputs:
+    """A pool of ``replicas`` replicas at ``utilization`` each."""
+    per = round(utilization * capacity)
+    return pool(*([per] * replicas), capacity=capacity)
+
+
+def policy(**kw: object) -> AutoscaleConfig:
+    base: dict[str, object] = {
+        "min_replicas": 1,
+        "max_replicas": 8,
+        "target_utilization": 0.5,
+        "scale_up_window_s": 3.0,
+        "scale_down_window_s": 30.0,
+        "cooldown_s": 0.0,
+        "max_scale_up_step": 8,
+    }
+    return AutoscaleConfig.model_validate({**base, **kw})
+
+
+def run(
+    p: AutoscaleConfig,
+    start: ScaleDecision,
+    loads: list[ScaleInputs],
+    step_ms: int = 1000,
+) -> list[ScaleDecision]:
+    """Decide once per ``step_ms`` for each entry of ``loads``; the decisions, in order."""
+    out, d = [], start
+    for k, inputs in enumerate(loads):
+        d = decide(p, inputs, d, start.decided_at_ms + (k + 1) * step_ms)
+        out.append(d)
+    return out
+
+
+# ---- inputs ---------------------------------------------------------------------------------
+
+
+def test_utilization_is_in_flight_over_capacity() -> None:
+    assert replica_figures(replica(3, capacity=10))[:2] == (0.3, 10)
+    inputs = pool(2, 6, capacity=10)
+    assert (inputs.ready, inputs.in_flight, inputs.capacity) == (2, 8, 20)
+    assert inputs.utilization == pytest.approx(0.4)
+
+
+def test_an_engine_queue_means_the_replica_is_saturated_at_its_batch() -> None:
+    # 8 running in the engine's batch, 12 more queued: 20 requests for a batch of 8 = 2.5.
+    r = replica(20, queued=12, capacity=64, engine={"batch_size": 8.0, "step_ms": 50.0})
+    util, cap, kv, latency = replica_figures(r)
+    assert util == pytest.approx(2.5)
+    assert cap == 64 and kv is None
+    assert latency == pytest.approx(50.0 * (1 + 12 / 8))  # 1.5 batches ahead + its own step
+
+
+def test_vllm_fields_are_read_when_present() -> None:
+    engine = {"running": 6.0, "waiting": 10.0, "max_num_seqs": 8.0, "kv_cache_usage": 0.3}
+    util, cap, kv, _ = replica_figures(replica(1, capacity=64, engine=engine))
+    assert cap == 8  # the engine's batch limit, not the sidecar's admission limit
+    assert util == pytest.approx(16 / 8)
+    assert kv == pytest.approx(0.3)
+    # KV-cache use is a floor: a nearly idle replica whose cache is 90% full is 90% used.
+    util, _, kv, _ = replica_figures(replica(1, engine={"kv_cache_usage": 90.0}))  # percent
+    assert kv == pytest.approx(0.9) and util == pytest.approx(0.9)
+    inputs = stage_inputs([replica(1, engine={"kv_cache_usage": 0.2}), replica(1, n=1)])
+    assert inputs.kv_cache_usage == pytest.approx(0.2)
+
+
+def test_a_reported_latency_wins_over_the_estimate() -> None:
+    r = replica(4, queued=4, engine={"batch_size": 4.0, "step_ms": 10.0, "latency_ms": 300.0})
+    assert replica_figures(r)[3] == 300.0
+    assert stage_inputs([r]).step_ms == 10.0
+
+
+# ---- recommendation -------------------------------------------------------------------------
+
+
+def test_recommendation_follows_the_hpa_rule() -> None:
+    p = policy(target_utilization=0.5, tolerance=0.1)
+    assert recommend(p, loaded(2, 1.0)) == (4, "utilization")  # 2 x 1.0 / 0.5
+    assert recommend(p, loaded(4, 0.2)) == (2, "utilization")  # ceil(4 x 0.4) = 2
+    assert recommend(p, loaded(3, 0.5)) == (3, "within_tolerance")
+    assert recommend(p, pool(5, 5, 5, 6)) == (4, "within_tolerance")  # 0.525 / 0.5 = 1.05
+    assert recommend(p, loaded(3, 0.0)) == (0, "idle")
+    assert recommend(p, ScaleInputs()) == (0, "idle")
+
+
+def test_latency_target_asks_for_more_when_queues_grow() -> None:
+    r = replica(5, queued=5, capacity=100, engine={"batch_size": 5.0, "step_ms": 100.0})
+    inputs = stage_inputs([r])  # utilization (5 + 5) / 5 = 2: 4 replicas by utilization
+    assert recommend(policy(target_utilization=0.5), inputs) == (4, "utilization")
+    slow = policy(target_utilization=0.5, target_latency_ms=40.0)  # 200 ms estimated: 5x
+    assert recommend(slow, inputs) == (5, "latency")
+    assert recommend(policy(target_latency_ms=1000.0), inputs)[1] == "utilization"
+
+
+def test_waiting_requests_wake_a_stage_at_zero() -> None:
+    p = policy(min_replicas=0)
+    assert recommend(p, ScaleInputs(wake_waiting=1)) == (1, "wake")
+    assert recommend(p, ScaleInputs(wake_waiting=3)) == (3, "wake")  # capacity unknown: 1 each
+
+
+# ---- hysteresis -----------------------------------------------------------------------------
+
+
+def test_scale_up_waits_for_the_load_to_last_the_scale_up_window() -> None:
+    p = policy(scale_up_window_s=3.0)
+    start = initial_decision(p, loaded(1, 0.5), T0, replicas=1)
+    decisions = run(p, start, [loaded(1, 1.0)] * 5)  # twice the target from t=1 s
+    assert [d.desired for d in decisions] == [1, 1, 1, 2, 2]
+    assert decisions[0].reason == "scale_up_window"
+    assert decisions[3].direction is ScaleDirection.UP and decisions[3].reason == "utilization"
+    # A blip shorter than the window changes nothing.
+    blip = run(p, start, [loaded(1, 1.0), loaded(1, 0.5), loaded(1, 1.0), loaded(1, 0.5)] * 3)
+    assert {d.desired for d in blip} == {1}
+
+
+def test_scale_down_waits_for_the_scale_down_window_and_steps_one_at_a_time() -> None:
+    p = policy(scale_down_window_s=10.0, max_scale_down_step=1)
+    start = initial_decision(p, loaded(4, 0.5), T0, replicas=4)
+    decisions = run(p, start, [loaded(4, 0.1)] * 14)  # asks for 1 replica from t=1 s
+    desired = [d.desired for d in decisions]
+    assert desired[:10] == [4] * 10
+    assert desired[10:14] == [3, 2, 1, 1]
+    assert decisions[10].direction is ScaleDirection.DOWN
+
+
+def test_step_limits_and_max() -> None:
+    p = policy(max_replicas=5, max_scale_up_step=2, scale_up_window_s=0.0)
+    start = initial_decision(p, loaded(1, 0.5), T0, replicas=1)
+    decisions = run(p, start, [loaded(1, 5.0)] * 4)  # asks for 10
+    assert [d.desired for d in decisions] == [3, 5, 5, 5]
+    assert decisions[0].recommended == 5  # clamped to max_replicas
+
+
+def test_cooldown_spaces_changes() -> None:
+    p = policy(cooldown_s=3.0, scale_up_window_s=0.0, max_scale_up_step=1)
+    start = initial_decision(p, loaded(1, 0.5), T0 - 10_000, replicas=1)
+    start = start.model_copy(update={"decided_at_ms": T0})
+    decisions = run(p, start, [loaded(1, 4.0)] * 7)
+    assert [d.desired for d in decisions] == [2, 2, 2, 3, 3, 3, 4]
+    assert decisions[1].reason == "cooldown"
+
+
+def test_min_replicas_holds_an_idle_stage() -> None:
+    p = policy(min_replicas=2, scale_down_window_s=0.0)
+    decisions = run(p, initial_decision(p, loaded(3, 0.5), T0, 3), [loaded(3, 0.0)] * 4)
+    assert [d.desired for d in decisions] == [2, 2, 2, 2]
+    assert decisions[-1].reason == "idle"
+
+
+def test_idle_stage_scales_to_zero_and_a_waiting_request_wakes_it_at_once() -> None:
+    p = policy(min_replicas=0, scale_down_window_s=5.0, scale_up_window_s=30.0, cooldown_s=60.0)
+    start = initial_decision(p, loaded(1, 0.5), T0 - 120_000, 1).model_copy(
+        update={"decided_at_ms": T0}
+    )
+    idle = run(p, start, [loaded(1, 0.0)] * 6)
+    assert [d.desired for d in idle] == [1, 1, 1, 1, 1, 0]
+    assert idle[-1].reason == "idle"
+    stays = decide(p, ScaleInputs(), idle[-1], T0 + 60_000)
+    assert stays.desired == 0 and stays.direction is ScaleDirection.HOLD
+    # No replica, a request waits: one replica at once, despite the window and the cooldown.
+    woken = decide(p, ScaleInputs(wake_waiting=1), stays, T0 + 61_000)
+    assert (woken.desired, woken.direction, woken.reason) == (1, ScaleDirection.UP, "wake")
+
+
+def test_changed_bounds_apply_at_once() -> None:
+    p = policy(max_replicas=8)
+    d = initial_decision(p, loaded(6, 0.5), T0, 6)
+    narrowed = decide(policy(max_replicas=4), loaded(6, 0.5), d, T0 + 1000)
+    assert (narrowed.desired, narrowed.reason) == (4, "bounds")
+
+
+def test_no_flapping_under_noisy_load() -> None:
+    """Load jitters +-40% around the target for ten minutes: the desired count never moves."""
+    p = AutoscaleConfig(min_replicas=1, max_replicas=10, target_utilization=0.6)  # defaults
+    rng = random.Random(7)
+    d = initial_decision(p, loaded(3, 0.6), T0, 3)
+    changes = 0
+    for k in range(1, 1200):  # a decision every 500 ms
+        per = [max(0, round(10 * 0.6 * rng.uniform(0.6, 1.4))) for _ in range(3)]
+        d2 = decide(p, pool(*per), d, T0 + k * 500)
+        changes += d2.desired != d.desired
+        d = d2
+    assert changes == 0
+    assert len(d.history) <= MAX_HISTORY
+
+
+def test_a_step_and_a_square_wave_are_followed_both_ways() -> None:
+    p = policy(scale_up_window_s=2.0, scale_down_window_s=10.0, cooldown_s=0.0, max_replicas=6)
+    d = initial_decision(p, loaded(1, 0.5), T0, 1)
+    desired: list[int] = []
+    total_demand = 0
+    for k in range(1, 121):
+        total_demand = 25 if (k // 30) % 2 == 0 else 2  # 25 requests, then 2, every 30 s
+        n = d.desired  # the actuator follows at once
+        per = [total_demand // n + (1 if i < total_demand % n else 0) for i in range(n)]
+        d = decide(p, pool(*per, capacity=10), d, T0 + k * 1000)
+        desired.append(d.desired)
+    assert max(desired[:30]) == 5  # 25 / (10 x 0.5)
+    assert desired[29] == 5
+    assert desired[59] == 1  # scaled down within the low half-period
+    assert desired[89] == 5  # and up again
+    swings = sum(1 for a, b in itertools.pairwise(desired) if a != b)
+    assert swings <= 12  # up once per high half, down step by step per low half
+
+
+def test_history_is_pruned_to_the_windows() -> None:
+    p = policy(scale_up_window_s=1.0, scale_down_window_s=2.0)
+    d = initial_decision(p, loaded(2, 0.5), T0, 2)
+    for k in range(1, 50):
+        d = decide(p, loaded(2, 0.5 if k % 2 else 1.0), d, T0 + k * 1000)
+    assert len(d.history) <= 4
+    assert d.history[-1][0] == T0 + 49_000
+
+
+def test_unknown_previous_decision_starts_from_the_ready_count() -> None:
+    d = decide(policy(), loaded(3, 0.5), None, T0)
+    assert d.previous == 3 and d.desired == 3
+
+
+def test_module_has_no_io() -> None:
+    source = policy_mod.__loader__.get_source(policy_mod.__name__)  # type: ignore[union-attr]
+    assert source is not None
+    for word in ("redis", "aiohttp", "asyncio", "time.time", "logging"):
+        assert word not in source, word
+
+
+# ---- config ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("given", "field", "words"),
+    [
+        ({"min_replicas": 3, "max_replicas": 2}, "autoscale", "must be at least min_replicas"),
+        ({"target_utilization": 0}, "autoscale.target_utilization", "greater than 0"),
+        ({"target_utilization": 1.5}, "autoscale.target_utilization", "less than or equal"),
+        ({"min_replicas": -1}, "autoscale.min_replicas", "greater than or equal"),
+        ({"scale_up_window_s": -1}, "autoscale.scale_up_window_s", "greater than or equal"),
+        ({"max_scale_down_step": 0}, "autoscale.max_scale_down_step", "greater than or equal"),
+        ({"target_latency_ms": 0}, "autoscale.target_latency_ms", "greater than 0"),
+        ({"bogus": 1}, "autoscale.bogus", "Extra inputs"),
+    ],
+)
+def test_bad_autoscale_sections_name_the_field(
+    given: dict[str, object], field: str, words: str
+) -> None:
+    with pytest.raises(ValidationError) as info:
+        StageDeployConfig.model_validate({"stage_id": 1, "autoscale": given})
+    error = info.value.errors()[0]
+    assert ".".join(str(p) for p in error["loc"]) == field
+    assert words in error["msg"]
+
+
+def test_num_replicas_is_the_starting_count_within_bounds() -> None:
+    ok = StageDeployConfig.model_validate(
+        {"stage_id": 1, "num_replicas": 2, "autoscale": {"min_replicas": 0, "max_replicas": 3}}
+    )
+    assert ok.max_pool_size == 3 and ok.num_replicas == 2
+    assert ok.replica_devices(2) == ()  # replicas up to max_replicas may start
+    with pytest.raises(ValidationError, match=r"num_replicas \(5\).*\[0, 3\]"):
+        StageDeployConfig.model_validate(
+            {"stage_id": 1, "num_replicas": 5, "autoscale": {"min_replicas": 0, "max_replicas": 3}}
+        )
+    with pytest.raises(ValidationError, match=r"num_replicas \(1\).*\[2, 4\]"):
+        StageDeployConfig.model_validate(
+            {"stage_id": 1, "autoscale": {"min_replicas": 2, "max_replicas": 4}}
+        )
+
+
+def test_devices_must_cover_the_largest_pool() -> None:
+    from omni_mesh.configs.deploy import DeployConfig
+
+    ok = {"stage_id": 0, "devices": "0,1,2", "autoscale": {"max_replicas": 3}}
+    assert DeployConfig.model_validate({"stages": [ok]}).stage(0).max_pool_size == 3
+    bad = {"stage_id": 0, "devices": "0", "autoscale": {"max_replicas": 3}}
+    with pytest.raises(ValidationError, match=r"x autoscale\.max_replicas 3"):
+        DeployConfig.model_validate({"stages": [bad]})
