@@ -38,6 +38,7 @@ from omni_mesh.configs.deploy_fields import (
     PipelineRef,
     PlatformName,
     RefName,
+    StageSampling,
     edge_stage,
 )
 from omni_mesh.configs.errors import ConfigIssue, DeployConfigError
@@ -187,6 +188,15 @@ class StageDeployConfig(BaseModel):
         ge=1,
         le=1024,
         description="Synthetic engine: chunks a whole input's output is streamed in (async_chunk).",
+    )
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        max_length=256,
+        description="vLLM stages: engine arguments for vLLM (model, seed, …), checked at start.",
+    )
+    sampling: StageSampling = Field(
+        default_factory=StageSampling,
+        description="vLLM stages: default sampling; a request's own sampling params win.",
     )
     engine_extras: dict[str, Any] = Field(
         default_factory=dict,

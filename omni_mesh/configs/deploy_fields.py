@@ -6,7 +6,14 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BeforeValidator, StringConstraints
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+)
 
 __all__ = [
     "DEFAULT_CONNECTOR",
@@ -27,6 +34,7 @@ __all__ = [
     "PipelineRef",
     "PlatformName",
     "RefName",
+    "StageSampling",
     "edge_stage",
 ]
 
@@ -115,3 +123,23 @@ OutputKey = Annotated[str, _edge_key_checker("to_stage_", "receiving")]
 def edge_stage(key: str) -> int:
     """The stage id in a ``from_stage_N`` / ``to_stage_N`` key."""
     return int(key.rsplit("_", 1)[1])
+
+
+class StageSampling(BaseModel):
+    """A stage's default sampling (vLLM stages): a request's own sampling params win, field by
+    field; unset fields fall back to vLLM's defaults."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    temperature: float | None = Field(default=None, ge=0.0, le=10.0, description="Temperature.")
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int | None = Field(default=None, ge=0, le=1_000_000, description="Top-k; 0 = off.")
+    max_tokens: int | None = Field(
+        default=None, ge=1, le=65536, description="Tokens generated per request."
+    )
+    repetition_penalty: float | None = Field(
+        default=None, gt=0.0, le=10.0, description="Penalty on repeated tokens; 1 = off."
+    )
+    stop: tuple[str, ...] = Field(
+        default=(), max_length=16, description="Stop strings (not part of the output)."
+    )

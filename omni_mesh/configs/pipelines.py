@@ -91,3 +91,53 @@ SYNTHETIC = register_pipeline(
         ),
     )
 )
+
+# ---- vLLM pipelines (the `vllm` extra): tiny Llamas built offline, see engines/vllm ----------
+
+_VLLM = "omni_mesh.engines.vllm"
+TINY_LLM = register_pipeline(
+    PipelineSpec(
+        name="tiny-llm",
+        description="One vLLM stage: a text LLM (tiny Llama by default; engine_args.model).",
+        prompt_fields=("seed", "max_tokens"),
+        stages=(
+            StageSpec(
+                stage_id=0,
+                name="llm",
+                engine=f"{_VLLM}.engine:VllmEngine",
+                final_output=OutputKind.TEXT,
+            ),
+        ),
+    )
+)
+
+TINY_OMNI_VLLM = register_pipeline(
+    PipelineSpec(
+        name="tiny-omni-vllm",
+        description="Omni speech on vLLM: thinker -> talker (codec vocabulary) -> code2wav.",
+        prompt_fields=("seed", "voice", "max_tokens"),
+        stages=(
+            StageSpec(
+                stage_id=0,
+                name="thinker",
+                engine=f"{_VLLM}.engine:VllmEngine",
+                final_output=OutputKind.TEXT,
+            ),
+            StageSpec(
+                stage_id=1,
+                name="talker",
+                engine=f"{_VLLM}.engine:VllmEngine",
+                sources=(0,),
+                processor=f"{_VLLM}.processors:thinker_to_talker",
+            ),
+            StageSpec(
+                stage_id=2,
+                name="code2wav",
+                engine=f"{_REF}.code2wav:Code2WavEngine",
+                sources=(1,),
+                processor=f"{_VLLM}.processors:talker_to_code2wav",
+                final_output=OutputKind.AUDIO,
+            ),
+        ),
+    )
+)

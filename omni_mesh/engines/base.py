@@ -9,9 +9,11 @@ inputs. Lifecycle: ``__init__(ctx)`` (cheap) → ``load()`` (weights) → ``exec
 Streams (``async_chunk``). The core drives an engine through :meth:`StageEngine.open`: one
 iterator of results per request, in the batch's order. Each ``next()`` produces the request's
 next chunk; a result with ``last=True`` (or an ``error``) ends the stream, and ending without one
-is an engine error. The core keeps the streams it has opened across its steps (continuous
-batching at chunk granularity): every step it calls :meth:`StageEngine.before_step` once with
-the number of streams it is about to advance, then ``next()`` once on each, and closes a stream
+is an engine error. A stream may also yield ``None``: no result this step, ask again at the next
+(an engine with its own scheduler, vLLM, whose request has no output yet); the request then
+stays running. The core keeps the streams it has opened across its steps (continuous batching
+at chunk granularity): every step it calls :meth:`StageEngine.before_step` once with the number
+of streams it is about to advance, then ``next()`` once on each, and closes a stream
 (``close()`` on a generator) that is aborted or expires. A stream may do its compute in
 ``open`` (the default: ``execute`` runs there, the iterators only hand the results out) or
 lazily in each ``next()`` (the reference engines), where an exception fails only its request.
@@ -33,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from omni_mesh.data_plane.messages import SamplingParams, Scalar
+from omni_mesh.data_plane.messages import EngineStats, SamplingParams, Scalar
 
 if TYPE_CHECKING:
     from omni_mesh.configs.deploy import StageDeployConfig
@@ -129,7 +131,7 @@ class StageEngine(ABC):
         """Run one batch; return one result per request, in any order. Deterministic for a
         request's seed whatever else is in the batch."""
 
-    def open(self, batch: Sequence[EngineRequest]) -> list[Iterator[EngineResult]]:
+    def open(self, batch: Sequence[EngineRequest]) -> Sequence[Iterator[EngineResult | None]]:
         """Start one stream of results per request, in the batch's order (module docstring).
 
         The default runs :meth:`execute` now and hands each result out as a one-item stream
@@ -138,7 +140,7 @@ class StageEngine(ABC):
         pending: dict[str, list[EngineResult]] = {}
         for result in self.execute(batch):
             pending.setdefault(result.request_id, []).append(result)
-        streams: list[Iterator[EngineResult]] = []
+        streams: list[Iterator[EngineResult | None]] = []
         for request in batch:  # results of one request id are handed out in order
             results = pending.get(request.request_id)
             streams.append(iter([results.pop(0)] if results else []))
@@ -148,6 +150,11 @@ class StageEngine(ABC):
         """Called once per core step, just before ``streams`` streams are advanced by one
         ``next()`` each. An engine that models a per-step cost (the synthetic one) spends it
         here."""
+
+    def stats(self) -> EngineStats | None:
+        """The engine's own scheduler view (running, waiting, KV cache, tokens/s), for an engine
+        that batches by itself (vLLM); None for the others. Called with every stats report."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources; called once on shutdown."""

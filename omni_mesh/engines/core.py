@@ -20,6 +20,11 @@ every running stream by one chunk. Chunk numbering rule:
 A stream that stops without a ``last`` result, or raises in ``next()``, fails its request alone
 (``engine_error``); an error output always ends the stream. Running streams whose deadline
 passes are closed and answered with a ``deadline`` error; :meth:`EngineCore.abort` closes one.
+
+An engine with its own scheduler (vLLM) keeps every request the sidecar handed in inside that
+scheduler: its ``before_step`` runs one scheduler step (new requests join the running batch)
+and a stream whose request has no result yet yields ``None``: no output this step, the stream
+stays running (so a step may answer an admitted input later than the step that admits it).
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ class _Stream:
     """One admitted input and the engine's stream of results for it."""
 
     si: StageInput
-    results: Iterator[EngineResult]
+    results: Iterator[EngineResult | None]  # None: nothing this step (the engine batches itself)
     queue_ms: float  # the input's wait before admission, reported on its first output
     emitted: int = 0  # results turned into outputs so far
 
@@ -172,15 +177,20 @@ class EngineCore:
         produced: dict[int, StageOutput] = {}
         self._running = []
         for stream, result in zip(streams, results, strict=True):
+            if result is None:  # nothing yet: the engine's scheduler still runs the request
+                self._running.append(stream)
+                continue
             out = self._emit(stream, result, write, engine_ms)
             produced[id(stream)] = out
             if out.error is None and stream.whole and not out.last:  # a chunk's one output ends it
                 self._running.append(stream)
             else:
                 stream.close()
-        outputs += [(s.si, produced[id(s)]) for s in earlier]
+        outputs += [(s.si, produced[id(s)]) for s in earlier if id(s) in produced]
         outputs += [
-            slot if isinstance(slot, tuple) else (slot.si, produced[id(slot)]) for slot in slots
+            slot if isinstance(slot, tuple) else (slot.si, produced[id(slot)])
+            for slot in slots
+            if isinstance(slot, tuple) or id(slot) in produced
         ]
         return outputs
 
@@ -228,7 +238,7 @@ class EngineCore:
             for (si, _, queue_ms), it in zip(fresh, iterators, strict=True)
         ]
 
-    def _advance_all(self, streams: list[_Stream]) -> list[EngineResult | StageOutput]:
+    def _advance_all(self, streams: list[_Stream]) -> list[EngineResult | StageOutput | None]:
         if not streams:
             return []
         try:
@@ -239,8 +249,9 @@ class EngineCore:
             return [self._error(s.si, "engine_error", message, s.next_chunk) for s in streams]
         return [self._advance(stream) for stream in streams]
 
-    def _advance(self, stream: _Stream) -> EngineResult | StageOutput:
-        """The stream's next result, or the error that ends it (as data, for it alone)."""
+    def _advance(self, stream: _Stream) -> EngineResult | StageOutput | None:
+        """The stream's next result (None: none this step), or the error that ends it (as
+        data, for it alone)."""
         si, chunk = stream.si, stream.next_chunk
         try:
             result = next(stream.results)
@@ -259,6 +270,8 @@ class EngineCore:
                 chunk,
             )
             return self._error(si, "engine_error", f"{type(exc).__name__}: {exc}", chunk)
+        if result is None:
+            return None
         if result.error is None and not stream.whole and not result.last:
             message = f"engine gave more than one result for chunk {si.chunk} of an upstream stream"
             return self._error(si, "engine_error", message, chunk)

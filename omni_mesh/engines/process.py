@@ -214,6 +214,7 @@ class EngineProc:
                         batch_size=self._last_batch,
                         step_ms=self._last_step_ms,
                         steps=self._steps,
+                        engine=core.engine.stats(),
                     )
                 )
             if self.state is State.DRAINING and not self._waiting and not core.running:

@@ -1,0 +1,277 @@
+"""VllmEngine: an autoregressive stage run by vLLM's v1 engine, in the engine process.
+
+One vLLM ``LLMEngine`` per replica, its engine core in-process (no extra processes). It plugs in
+under :class:`~omni_mesh.engines.core.EngineCore`: ``open`` adds every admitted request to
+vLLM's scheduler, ``before_step`` runs exactly one vLLM step (new requests join the running
+batch: continuous batching by vLLM's own scheduler) and hands each request its new tokens;
+a stream yields ``None`` while its request has nothing to emit yet. Closing a stream (abort,
+deadline, client gone) aborts the request inside vLLM at once, which frees its KV blocks.
+
+Input: ``prompt`` (text; the model's chat template applied when ``engine_extras.chat_template``
+is true) or an int array ``token_ids`` from the upstream stage; an optional ``max_tokens``
+field (the prompt's, or set by a processor) caps the output. Output (``output``, and
+``final`` for a text stage): field ``text`` and array ``token_ids`` (int64) of the new tokens,
+``logprobs`` (float32, the sampled tokens') when the request asks for them, field
+``generated_tokens`` (count so far) and, on the last result, ``finish_reason``; other input
+fields pass through (``voice``…). ``engine_extras.context_tokens`` adds array
+``context_token_ids``: up to that many tokens generated before the chunk (for a decoder
+downstream that needs left context).
+
+Streaming (``async_chunk`` and a whole input): the first chunk as soon as the first token
+exists (``engine_extras.first_chunk_tokens``, default 1), then one every
+``engine_extras.chunk_tokens`` tokens (default 16), the last when vLLM finishes. Otherwise
+one result when the request finishes.
+
+Sampling: the request's sampling params (when ``engine_extras.request_sampling`` is true, the
+default) over the stage's ``sampling:`` defaults; the seed is the request's (plus the chunk
+index for a chunk of an upstream stream), so a replay regenerates the same tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from omni_mesh.configs.pipeline import OutputKind
+from omni_mesh.data_plane.messages import EngineStats
+from omni_mesh.engines.base import (
+    EngineConfigError,
+    EngineContext,
+    EngineInputError,
+    EngineRequest,
+    EngineResult,
+    StageEngine,
+)
+from omni_mesh.engines.vllm.args import build_engine_args, make_vllm_config
+from omni_mesh.engines.vllm.stream import VllmStream, pass_fields
+from omni_mesh.engines.vllm.tiny_models import default_cache_dir
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_TOKENS = 16
+DEFAULT_MAX_TOKENS = 64
+
+
+def _extra_int(ctx: EngineContext, key: str, default: int, low: int, high: int) -> int:
+    value = ctx.config.engine_extras.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise EngineConfigError(
+            f"stage {ctx.stage.stage_id}: engine_extras.{key} must be an integer in "
+            f"[{low}, {high}], got {value!r}"
+        )
+    return value
+
+
+def _extra_bool(ctx: EngineContext, key: str, default: bool) -> bool:
+    value = ctx.config.engine_extras.get(key, default)
+    if not isinstance(value, bool):
+        raise EngineConfigError(
+            f"stage {ctx.stage.stage_id}: engine_extras.{key} must be true or false, got {value!r}"
+        )
+    return value
+
+
+class VllmEngine(StageEngine):
+    """A stage engine backed by vLLM (see the module docstring)."""
+
+    def __init__(self, ctx: EngineContext) -> None:
+        super().__init__(ctx)
+        self.chunk_tokens = _extra_int(ctx, "chunk_tokens", DEFAULT_CHUNK_TOKENS, 1, 4096)
+        self.first_chunk_tokens = _extra_int(ctx, "first_chunk_tokens", 1, 1, 4096)
+        self.context_tokens = _extra_int(ctx, "context_tokens", 0, 0, 4096)
+        self.chat_template = _extra_bool(ctx, "chat_template", False)
+        self.request_sampling = _extra_bool(ctx, "request_sampling", True)
+        cache = ctx.config.engine_extras.get("model_cache")
+        if cache is not None and not isinstance(cache, str):
+            raise EngineConfigError(
+                f"stage {ctx.stage.stage_id}: engine_extras.model_cache must be a folder path"
+            )
+        self.cache_dir = Path(cache) if cache else default_cache_dir()
+        self.text_final = ctx.stage.final_output is OutputKind.TEXT
+        self._llm: Any = None
+        self._tokenizer: Any = None
+        self._streams: dict[str, VllmStream] = {}
+        self._serial = 0
+        self._tokens = 0  # generated since the last stats report
+        self._stats_t = time.monotonic()
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def load(self) -> None:
+        args = build_engine_args(self.ctx.config, self.cache_dir)
+        vllm_config = make_vllm_config(args, self.ctx.stage.stage_id)
+        from vllm.v1.engine.llm_engine import LLMEngine
+        from vllm.v1.executor import Executor
+
+        # In-process engine core whatever VLLM_ENABLE_V1_MULTIPROCESSING says: one process.
+        self._llm = LLMEngine(
+            vllm_config=vllm_config,
+            executor_class=Executor.get_class(vllm_config),
+            log_stats=False,
+            multiprocess_mode=False,
+        )
+        self._tokenizer = None if args.get("skip_tokenizer_init") else self._llm.get_tokenizer()
+        logger.info(
+            "vLLM engine ready stage=%d model=%s max_num_seqs=%d",
+            self.ctx.stage.stage_id,
+            args["model"],
+            self.ctx.config.max_num_seqs,
+        )
+
+    def close(self) -> None:
+        for stream in list(self._streams.values()):
+            stream.close()
+        self._llm = None
+
+    # ---- the core's protocol -------------------------------------------------------------
+
+    def execute(self, batch: Sequence[EngineRequest]) -> list[EngineResult]:
+        """Whole answers for a batch (outside the core): step vLLM until every one finished."""
+        streams = self.open(batch)
+        results: list[EngineResult] = []
+        for stream in streams:
+            while True:
+                self.before_step(len(streams))
+                result = next(stream)
+                if result is not None and result.last:
+                    results.append(result)
+                    break
+        return results
+
+    def open(self, batch: Sequence[EngineRequest]) -> list[Iterator[EngineResult | None]]:
+        opened: list[Iterator[EngineResult | None]] = []
+        for request in batch:
+            try:
+                opened.append(self._add(request))
+            except EngineInputError as exc:
+                opened.append(iter([EngineResult(request.request_id, error=str(exc))]))
+        return opened
+
+    def before_step(self, streams: int) -> None:
+        """One vLLM step; its outputs go to their streams."""
+        if not self._llm.has_unfinished_requests():
+            return
+        for out in self._llm.step():
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            self._tokens += stream.feed(out)
+            if stream.finished:
+                del self._streams[out.request_id]
+
+    def stats(self) -> EngineStats | None:
+        if self._llm is None:
+            return None
+        scheduler = self._llm.engine_core.engine_core.scheduler
+        running, waiting = scheduler.get_request_counts()
+        now = time.monotonic()
+        rate = self._tokens / max(1e-6, now - self._stats_t)
+        self._tokens, self._stats_t = 0, now
+        return EngineStats(
+            running=int(running),
+            waiting=int(waiting),
+            kv_cache_usage=float(scheduler.get_kv_cache_usage()),
+            tokens_per_s=rate,
+        )
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def _add(self, request: EngineRequest) -> VllmStream:
+        from vllm.sampling_params import RequestOutputKind
+
+        prompt = self._prompt(request)
+        params = self._sampling(request)
+        params.output_kind = RequestOutputKind.DELTA
+        self._serial += 1
+        vid = f"{request.request_id}/{request.chunk}#{self._serial}"
+        try:
+            self._llm.add_request(vid, prompt, params)
+        except ValueError as exc:  # vLLM's own input checks (too long, bad token id, …)
+            raise EngineInputError(
+                f"stage {self.ctx.stage.stage_id}: {' '.join(str(exc).split())}"
+            ) from None
+        stream = VllmStream(
+            engine=self,
+            vid=vid,
+            request=request,
+            streaming=self.ctx.async_chunk and request.whole,
+            chunk_tokens=self.chunk_tokens,
+            first_chunk_tokens=self.first_chunk_tokens,
+            context_tokens=self.context_tokens,
+            text_final=self.text_final,
+            fields=pass_fields(request.data),
+        )
+        self._streams[vid] = stream
+        return stream
+
+    def abort(self, vid: str) -> None:
+        """Abort ``vid`` inside vLLM now (frees its KV blocks); called by a closed stream."""
+        if self._streams.pop(vid, None) is not None and self._llm is not None:
+            self._llm.abort_request([vid])
+            logger.info("vLLM request aborted stage=%d id=%s", self.ctx.stage.stage_id, vid)
+
+    def _prompt(self, request: EngineRequest) -> Any:
+        ids = request.data.arrays.get("token_ids")
+        if ids is not None:
+            if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+                raise EngineInputError(
+                    f"stage {self.ctx.stage.stage_id}: token_ids must be a non-empty 1-D "
+                    f"integer array, got {ids.dtype}{list(ids.shape)}"
+                )
+            return {"prompt_token_ids": [int(t) for t in ids]}
+        text = request.data.fields.get("prompt")
+        if not isinstance(text, str) or not text:
+            raise EngineInputError(
+                f"stage {self.ctx.stage.stage_id}: input needs a 'prompt' string or a "
+                "'token_ids' array"
+            )
+        if self.chat_template and self._tokenizer is not None:
+            messages = [{"role": "user", "content": text}]
+            ids_list = self._tokenizer.apply_chat_template(
+                messages, tokenize=True, add_generation_prompt=True
+            )
+            if not isinstance(ids_list, list):  # BatchEncoding in newer transformers
+                ids_list = list(ids_list["input_ids"])
+            return {"prompt_token_ids": [int(t) for t in ids_list]}
+        return {"prompt": text}
+
+    def _sampling(self, request: EngineRequest) -> Any:
+        from vllm.sampling_params import SamplingParams
+
+        d = self.ctx.config.sampling
+        values: dict[str, Any] = {
+            "temperature": d.temperature,
+            "top_p": d.top_p,
+            "top_k": d.top_k,
+            "max_tokens": d.max_tokens,
+            "repetition_penalty": d.repetition_penalty,
+            "stop": list(d.stop) or None,
+        }
+        s = request.sampling if self.request_sampling else None
+        if s is not None:
+            values["temperature"] = s.temperature
+            values["top_k"] = s.top_k
+            for key in ("top_p", "max_tokens", "repetition_penalty", "stop", "logprobs"):
+                if getattr(s, key) is not None:
+                    values[key] = getattr(s, key)
+        cap = request.data.fields.get("max_tokens")
+        if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0:
+            values["max_tokens"] = cap
+        values.setdefault("max_tokens", None)
+        values["max_tokens"] = values["max_tokens"] or DEFAULT_MAX_TOKENS
+        if values.get("top_k") == 0:
+            values["top_k"] = None  # ours: 0 = off; vLLM: -1 or None = off
+        if self._tokenizer is None:  # skip_tokenizer_init: token ids only, no text
+            values["detokenize"] = False
+        clean = {k: v for k, v in values.items() if v is not None}
+        try:
+            return SamplingParams(seed=(request.seed + request.chunk) % (1 << 63), **clean)
+        except ValueError as exc:
+            raise EngineInputError(
+                f"stage {self.ctx.stage.stage_id}: sampling params: {' '.join(str(exc).split())}"
+            ) from None
