@@ -86,7 +86,9 @@ class ConnectorSpec(BaseModel):
     extra: dict[str, ExtraValue] = Field(
         default_factory=dict,
         max_length=64,
-        description="Options forwarded to the connector's constructor.",
+        description=(
+            "Connector options, checked when a pod starts (the built-in connectors take none)."
+        ),
     )
 
 

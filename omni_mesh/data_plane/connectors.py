@@ -1,8 +1,9 @@
 """How a hop's tensors travel: one interface, interchangeable implementations.
 
-A deploy config names connectors by class (``connectors: {shm: {name: SharedMemoryConnector,
-extra: {...}}}``) and assigns them to edges; :func:`make_connector` builds one. Before a hop is
-sent, :meth:`Connector.prepare` turns the sender's payload into what goes on the wire:
+A deploy config names connectors by class (``connectors: {shm: {name: SharedMemoryConnector}}``)
+and assigns them to edges; :func:`make_connector` builds one (a pod builds one per edge at
+start, so a bad spec fails start-up). Before a hop is sent, :meth:`Connector.prepare` turns the
+sender's payload into what goes on the wire:
 
 * :class:`SharedMemoryConnector` — same host: the hop carries only shared-memory handles
   (bytes are not copied at all); other host: tensors are inlined and streamed once over HTTP.
@@ -15,12 +16,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from omni_mesh.data_plane.messages import Payload
 from omni_mesh.data_plane.shm import ShmReader, inline
 
-DEFAULT_SHM_THRESHOLD = 64 << 10
+if TYPE_CHECKING:  # annotations only: building connectors needs no pydantic import
+    from omni_mesh.configs.deploy import DeployConfig
+    from omni_mesh.configs.pipeline import PipelineSpec
 
 
 class ConnectorError(ValueError):
@@ -28,26 +31,18 @@ class ConnectorError(ValueError):
 
 
 class Connector(ABC):
-    """Decides how one edge's tensors travel.
-
-    ``threshold_bytes``: inline tensors at least this large go into shared memory on the
-    receiving host (see ``shm.externalize``); smaller ones stay in the message."""
+    """Decides how one edge's tensors travel. The built-in connectors take no options."""
 
     name: ClassVar[str]
     #: Whether routing should prefer a receiver on the sender's host for this edge.
     prefers_same_host: ClassVar[bool] = False
-
-    def __init__(self, *, shm_threshold_bytes: int = DEFAULT_SHM_THRESHOLD) -> None:
-        if shm_threshold_bytes < 0:
-            raise ConnectorError(f"{self.name}: shm_threshold_bytes must be >= 0")
-        self.threshold_bytes = shm_threshold_bytes
 
     @abstractmethod
     def prepare(self, payload: Payload, *, same_host: bool, reader: ShmReader) -> Payload:
         """The payload as it must be sent to a receiver (on this host when ``same_host``)."""
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(shm_threshold_bytes={self.threshold_bytes})"
+        return f"{type(self).__name__}()"
 
 
 class SharedMemoryConnector(Connector):
@@ -72,27 +67,44 @@ class HttpConnector(Connector):
 CONNECTORS: dict[str, type[Connector]] = {
     cls.name: cls for cls in (SharedMemoryConnector, HttpConnector)
 }
-_OPTIONS = {"shm_threshold_bytes": int}
 
 
 def make_connector(spec_name: str, extra: Mapping[str, object] | None = None) -> Connector:
-    """The connector registered as ``spec_name`` configured with the spec's ``extra``."""
+    """The connector registered as ``spec_name``; its spec's ``extra`` must be empty (the
+    built-in connectors take no options)."""
     cls = CONNECTORS.get(spec_name)
     if cls is None:
         raise ConnectorError(
             f"unknown connector {spec_name!r} (known: {', '.join(sorted(CONNECTORS))})"
         )
-    options: dict[str, int] = {}
-    for key, value in (extra or {}).items():
-        kind = _OPTIONS.get(key)
-        if kind is None:
-            raise ConnectorError(
-                f"{spec_name}: unknown option {key!r} in extra "
-                f"(known: {', '.join(sorted(_OPTIONS))})"
-            )
-        if not isinstance(value, kind) or isinstance(value, bool):
-            raise ConnectorError(
-                f"{spec_name}: option {key!r} must be {kind.__name__}, got {value!r}"
-            )
-        options[key] = value
-    return cls(**options)
+    if extra:
+        raise ConnectorError(
+            f"{spec_name}: unknown option {sorted(extra)[0]!r} in extra "
+            "(this connector takes no options)"
+        )
+    return cls()
+
+
+class EdgeConnectors:
+    """One connector per edge of the pipeline, built once at pod start: a bad connector spec
+    fails start-up (:class:`ConnectorError` / ``DeployConfigError``: exit 2), not a hop. A
+    client's request (``from_stage < 0``) carries no tensors: plain HTTP."""
+
+    def __init__(self, deploy: DeployConfig, pipeline: PipelineSpec) -> None:
+        self._client = make_connector("HttpConnector")
+        self._edges: dict[tuple[int, int], Connector] = {}
+        for stage in pipeline.stages:
+            for source in stage.sources:
+                spec = deploy.connector_for_edge(source, stage.stage_id)
+                try:
+                    connector = make_connector(spec.name, spec.extra)
+                except ConnectorError as exc:
+                    raise ConnectorError(
+                        f"connectors: edge {source}->{stage.stage_id}: {exc}"
+                    ) from None
+                self._edges[(source, stage.stage_id)] = connector
+
+    def __call__(self, from_stage: int, to_stage: int) -> Connector:
+        if from_stage < 0:
+            return self._client
+        return self._edges[(from_stage, to_stage)]

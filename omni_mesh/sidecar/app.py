@@ -31,6 +31,7 @@ from omni_mesh.control_plane.client import (
     RegisterRequest,
     SuspectReporter,
 )
+from omni_mesh.data_plane.connectors import EdgeConnectors
 from omni_mesh.data_plane.messages import StageInput
 from omni_mesh.data_plane.shm import ShmReader, sweep_orphans
 from omni_mesh.data_plane.signing import hop_token
@@ -41,7 +42,7 @@ from omni_mesh.sidecar.engine_client import EngineClient
 from omni_mesh.sidecar.errors import api_metrics_middleware, error_middleware
 from omni_mesh.sidecar.hop_client import HOP_TOKEN_HEADER, HopClient, HopStats
 from omni_mesh.sidecar.hop_http import HopHttpClient
-from omni_mesh.sidecar.pod import Pod, connector_for, resolve_secret
+from omni_mesh.sidecar.pod import Pod, resolve_secret
 from omni_mesh.sidecar.router import Replica, Router
 from omni_mesh.sidecar.runner import StageRunner
 
@@ -73,7 +74,12 @@ class WatchedPools:
         )
 
 
-async def build_pod(settings: StageSettings, pipeline: PipelineSpec, deploy: DeployConfig) -> Pod:
+async def build_pod(
+    settings: StageSettings,
+    pipeline: PipelineSpec,
+    deploy: DeployConfig,
+    connectors: EdgeConnectors | None = None,
+) -> Pod:
     """Everything the pod holds that needs no child process (call inside the event loop)."""
     metrics = SidecarMetrics(CollectorRegistry())
     router = Router(WatchedPools(None), host_id=settings.host_id)
@@ -83,7 +89,7 @@ async def build_pod(settings: StageSettings, pipeline: PipelineSpec, deploy: Dep
     hop = HopClient(
         http,
         router,
-        lambda a, b: connector_for(deploy, a, b),
+        connectors or EdgeConnectors(deploy, pipeline),
         reader,
         retries=deploy.hop_retries,
         auth_header={HOP_TOKEN_HEADER: hop_token(secret)},

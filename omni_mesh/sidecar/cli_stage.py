@@ -18,6 +18,7 @@ from omni_mesh.configs.deploy import DeployConfigError
 from omni_mesh.configs.loader import load_deploy_config
 from omni_mesh.configs.pipeline import PipelineError, get_pipeline
 from omni_mesh.configs.stage_settings import StageSettings
+from omni_mesh.data_plane.connectors import EdgeConnectors
 
 
 def parser() -> argparse.ArgumentParser:
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             stage_overrides=args.stage_overrides,
             target_stages=[settings.stage_id],
         )
+        connectors = EdgeConnectors(deploy, pipeline)  # a bad connector spec: exit 2 here
     except (ValidationError, DeployConfigError, PipelineError, ValueError) as exc:
         p.exit(2, f"omni-stage: error: {exc}\n")
     logging.basicConfig(
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     from omni_mesh.sidecar.engine_client import EngineStartError
 
     async def run() -> int:
-        pod = await build_pod(settings, pipeline, deploy)
+        pod = await build_pod(settings, pipeline, deploy, connectors)
         return await serve(pod)
 
     try:

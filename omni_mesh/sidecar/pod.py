@@ -14,7 +14,6 @@ from prometheus_client import Gauge
 from omni_mesh.configs.deploy import DeployConfig, StageDeployConfig
 from omni_mesh.configs.pipeline import PipelineSpec
 from omni_mesh.configs.stage_settings import StageSettings
-from omni_mesh.data_plane.connectors import Connector, make_connector
 from omni_mesh.data_plane.shm import ShmReader
 from omni_mesh.data_plane.signing import hop_token
 from omni_mesh.observability.metrics import SidecarMetrics
@@ -75,21 +74,10 @@ class Pod:
     def request_timeout_s(self) -> float:
         return float(self.deploy.request_timeout_s)
 
-    def connector_for(self, from_stage: int, to_stage: int) -> Connector:
-        return connector_for(self.deploy, from_stage, to_stage)
-
     def stop(self, code: int) -> None:
         """Ask the pod to shut down (drain first) and exit with ``code``."""
         self.exit_code = max(self.exit_code, code)
         self.stop_event.set()
-
-
-def connector_for(deploy: DeployConfig, from_stage: int, to_stage: int) -> Connector:
-    """The connector of an edge; a client's entry request carries no tensors: plain HTTP."""
-    if from_stage < 0:
-        return make_connector("HttpConnector", {})
-    spec = deploy.connector_for_edge(from_stage, to_stage)
-    return make_connector(spec.name, spec.extra)
 
 
 def resolve_secret(settings: StageSettings) -> bytes:

@@ -121,6 +121,28 @@ def test_bad_engine_settings_exit_2_with_one_line() -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_a_bad_connector_extra_exits_2_with_one_line(tmp_path: Path) -> None:
+    """Connectors are built once per edge at start: a bad ``extra`` stops ``omni-stage`` with
+    exit 2 naming the edge and the option, before it serves a hop (not a 500 at the first)."""
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text(
+        "connectors:\n  http: {name: HttpConnector, extra: {timeout_s: 30}}\n"
+        "stages:\n  - stage_id: 0\n    output_connectors: {to_stage_1: http}\n"
+        "  - stage_id: 1\n    input_connectors: {from_stage_0: http}\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "omni_mesh.sidecar.cli_stage", "--pipeline", "tiny-tts",
+         "--stage-id", "0", "--headless", "--port", str(free_port()),
+         "--deploy-config", str(deploy)],
+        capture_output=True, text=True, timeout=60, env=clean_env(),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "omni-stage: error: connectors: edge 0->1: HttpConnector: unknown option 'timeout_s' "
+        "in extra (this connector takes no options)"
+    ]
+
+
 def test_a_hop_needs_the_deployment_token(tmp_path: Path) -> None:
     topo = Topology("tiny-tts", [1, 1], tmp_path, api=False).start()
     try:
