@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
@@ -73,7 +73,7 @@ def redact(url: str) -> str:
         f"{k}=***" if "password" in k else f"{k}={v}"
         for k, v in parse_qsl(parts.query, keep_blank_values=True)
     )
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
 
 
 def _host_port(item: str, url: str) -> tuple[str, int]:
@@ -163,7 +163,7 @@ def connect_redis(url: str) -> Redis:
     pool_kwargs = {"max_connections": REDIS_POOL_SIZE, "timeout": POOL_WAIT_S}
     if urlsplit(url).scheme not in SENTINEL_SCHEMES:
         pool = BlockingConnectionPool.from_url(url, **pool_kwargs, **_client_kwargs())
-        return Redis(connection_pool=pool)
+        return Redis.from_pool(pool)  # closing the client closes its pool
     target = parse_sentinel_url(url)
     sentinel = Sentinel(  # type: ignore[no-untyped-call]
         list(target.sentinels),

@@ -34,7 +34,7 @@ def redis_cmd(port: int, *args: str, timeout: float = 1.0) -> str:
 
 
 def start_redis(
-    log_dir: Path, port: int, extra: Sequence[str] = (), *, name: str, ready: str = "TCP"
+    log_dir: Path, port: int, extra: Sequence[str] = (), *, name: str
 ) -> ManagedProcess:
     """A Debian redis-server on ``port`` (``port=0`` with ``--tls-port`` in ``extra``)."""
     data = log_dir / f"{name}-data"
@@ -51,7 +51,11 @@ def start_redis(
         *extra,
     ]  # fmt: skip
     proc = ManagedProcess(argv, name=name, log_dir=log_dir).start()
-    proc.wait_for_output(r"Ready to accept connections", 15)
+    try:
+        proc.wait_for_output(r"(?i)ready to accept connections", 15)
+    except BaseException:
+        proc.cleanup()
+        raise
     return proc
 
 
