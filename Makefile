@@ -23,15 +23,21 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-# promtool/prometheus and docker-compose for tests/observability (Debian packages).
-# Installed only when missing and we are root; otherwise those tests skip.
+# Debian packages some tests need: promtool/prometheus and docker-compose (tests/observability);
+# redis-server, redis-sentinel and openssl (tests/control_plane: Sentinel failover, TLS);
+# iproute2 (ip netns, tc netem: tests/multihost). Installed only when missing and we are root;
+# otherwise those tests skip.
 test-tools:
 	@missing=""; \
 	{ command -v promtool && command -v prometheus; } >/dev/null 2>&1 || missing="$$missing prometheus"; \
 	command -v docker-compose >/dev/null 2>&1 || missing="$$missing docker-compose"; \
+	[ -x /usr/bin/redis-server ] || missing="$$missing redis-server"; \
+	command -v redis-sentinel >/dev/null 2>&1 || missing="$$missing redis-sentinel"; \
+	command -v openssl >/dev/null 2>&1 || missing="$$missing openssl"; \
+	{ command -v ip && command -v tc; } >/dev/null 2>&1 || missing="$$missing iproute2"; \
 	if [ -z "$$missing" ]; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	  echo "make: installing$$missing (Debian packages) for tests/observability"; \
+	  echo "make: installing$$missing (Debian packages) for tests"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 	    apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	else echo "make: not root or no apt-get: tests that need$$missing will skip"; fi
