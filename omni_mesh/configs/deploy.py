@@ -18,6 +18,7 @@ from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
+from omni_mesh.configs.autoscale import AutoscaleConfig
 from omni_mesh.configs.deploy_checks import config_problems, disagreement, duplicate_ids
 from omni_mesh.configs.deploy_fields import (
     DEFAULT_CONNECTOR,
@@ -53,6 +54,7 @@ __all__ = [
     "MAX_REPLICAS",
     "PIPELINE_ONLY_KEYS",
     "STAGE_DEFAULT_KEYS",
+    "AutoscaleConfig",
     "ConfigIssue",
     "ConnectorClass",
     "ConnectorSpec",
@@ -191,6 +193,10 @@ class StageDeployConfig(BaseModel):
         le=1024,
         description="Synthetic engine: chunks a whole input's output is streamed in (async_chunk).",
     )
+    autoscale: AutoscaleConfig | None = Field(
+        default=None,
+        description="Per-stage autoscaling policy; num_replicas is then the starting count.",
+    )
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
         max_length=256,
@@ -211,6 +217,24 @@ class StageDeployConfig(BaseModel):
     def _collect_engine_extras(cls, data: Any) -> Any:
         return split_engine_extras(data) if isinstance(data, Mapping) else data
 
+    @model_validator(mode="after")
+    def _check_autoscale(self, info: ValidationInfo) -> Self:
+        scale = self.autoscale
+        if scale is None or _context(info, "layer"):
+            return self
+        if not scale.min_replicas <= self.num_replicas <= scale.max_replicas:
+            raise ValueError(
+                f"num_replicas ({self.num_replicas}) is the starting count of an autoscaled "
+                f"stage and must lie in [autoscale.min_replicas, autoscale.max_replicas] = "
+                f"[{scale.min_replicas}, {scale.max_replicas}]"
+            )
+        return self
+
+    @property
+    def max_pool_size(self) -> int:
+        """The most replicas the pool may have: ``autoscale.max_replicas``, else num_replicas."""
+        return self.autoscale.max_replicas if self.autoscale else self.num_replicas
+
     @property
     def world_size(self) -> int:
         """Devices one replica uses: tp x (local dp, else dp) x pp."""
@@ -223,7 +247,7 @@ class StageDeployConfig(BaseModel):
 
     def replica_devices(self, replica: int) -> tuple[int, ...]:
         """The slice of ``devices`` that replica ``replica`` (0-based) runs on; () on CPU."""
-        if not 0 <= replica < self.num_replicas:
+        if not 0 <= replica < self.max_pool_size:
             raise ValueError(f"stage {self.stage_id} has no replica {replica}")
         ws = self.world_size
         return self.device_ids[replica * ws : (replica + 1) * ws]

@@ -96,13 +96,15 @@ def _stage_sizes(s: StageDeployConfig) -> list[ConfigIssue]:
                 f"{where}.data_parallel_size_local", msg, s.stage_id, "data_parallel_size_local"
             )
         )
-    if s.devices is not None and len(s.device_ids) != s.world_size * s.num_replicas:
-        need = s.world_size * s.num_replicas
+    pool = s.max_pool_size  # an autoscaled pool needs devices for its largest size
+    if s.devices is not None and len(s.device_ids) != s.world_size * pool:
+        need = s.world_size * pool
+        pool_field = "autoscale.max_replicas" if s.autoscale else "num_replicas"
         msg = (
             f"stage {s.stage_id} lists {len(s.device_ids)} device(s) ({s.devices!r}) but needs "
             f"{need} = world_size {s.world_size} (tp {s.tensor_parallel_size} x dp "
-            f"{dp_local or s.data_parallel_size} x pp {s.pipeline_parallel_size}) x num_replicas "
-            f"{s.num_replicas}; set tensor_parallel_size and devices together for this stage "
+            f"{dp_local or s.data_parallel_size} x pp {s.pipeline_parallel_size}) x {pool_field} "
+            f"{pool}; set tensor_parallel_size and devices together for this stage "
             f'with --stage-overrides \'{{"{s.stage_id}": {{"tensor_parallel_size": T, '
             f'"devices": "<T x num_replicas ids>"}}}}\''
         )

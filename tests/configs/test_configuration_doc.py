@@ -21,6 +21,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from omni_mesh.configs.cli_flags import STAGE_FLAG_FIELDS, field_bounds, flag_name
+from omni_mesh.configs.autoscale import AutoscaleConfig
 from omni_mesh.configs.deploy import ConnectorSpec, DeployConfig, PlatformSection, StageDeployConfig
 
 pytestmark = pytest.mark.unit
@@ -30,6 +31,7 @@ MODELS: dict[str, type[BaseModel]] = {
     "top-level": DeployConfig,
     "connector": ConnectorSpec,
     "stage": StageDeployConfig,
+    "autoscale": AutoscaleConfig,
     "platform": PlatformSection,
 }
 _BLOCK = re.compile(r"(<!-- generated:([\w-]+):begin -->\n).*?(<!-- generated:\2:end -->)", re.S)
