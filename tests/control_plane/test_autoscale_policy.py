@@ -6,12 +6,15 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Mapping
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from omni_mesh.configs.autoscale import AutoscaleConfig
-from omni_mesh.configs.deploy import StageDeployConfig
+from omni_mesh.configs.deploy import DeployConfigError, StageDeployConfig
+from omni_mesh.configs.loader import load_deploy_config
+from omni_mesh.configs.pipeline import get_pipeline
 from omni_mesh.control_plane import autoscale as policy_mod
 from omni_mesh.control_plane.autoscale import (
     MAX_HISTORY,
@@ -340,3 +343,23 @@ def test_devices_must_cover_the_largest_pool() -> None:
     bad = {"stage_id": 0, "devices": "0", "autoscale": {"max_replicas": 3}}
     with pytest.raises(ValidationError, match=r"x autoscale\.max_replicas 3"):
         DeployConfig.model_validate({"stages": [bad]})
+
+
+def test_yaml_autoscale_merges_and_bad_values_name_the_stage_field(tmp_path: Path) -> None:
+    spec = get_pipeline("synthetic")
+    path = tmp_path / "deploy.yaml"
+    path.write_text(
+        "stages:\n"
+        "  - stage_id: 1\n"
+        "    num_replicas: 2\n"
+        "    autoscale: {min_replicas: 0, max_replicas: 3, target_utilization: 0.7}\n"
+    )
+    cfg = load_deploy_config(path, spec, stage_overrides={"1": {"autoscale": {"max_replicas": 5}}})
+    scale = cfg.stage(1).autoscale
+    assert scale is not None
+    assert (scale.min_replicas, scale.max_replicas, scale.target_utilization) == (0, 5, 0.7)
+    assert cfg.stage(0).autoscale is None
+    path.write_text("stages:\n  - stage_id: 1\n    autoscale: {target_utilization: 1.5}\n")
+    with pytest.raises(DeployConfigError, match=r"autoscale\.target_utilization") as info:
+        load_deploy_config(path, spec)
+    assert "stage" in str(info.value) and "1" in str(info.value)
