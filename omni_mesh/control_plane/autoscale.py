@@ -2,14 +2,18 @@
 ``autoscaler.py``).
 
 1. **Inputs** (:func:`stage_inputs`): each ready replica's utilization is its demand over its
-   capacity. Demand is the sidecar's in-flight count, or the engine's ``running + waiting``
-   where a vLLM engine reports them; capacity is the engine's ``max_num_seqs`` where reported,
-   else the replica's reported capacity. A replica whose engine queues work is saturated at its
-   batch, so its utilization is at least ``(running + queued) / running``; a reported
-   ``kv_cache_usage`` (0..1) is a floor too. The stage's utilization is the mean over replicas.
+   capacity. Where the heartbeat's engine figures (``LoadReport.engine``) count the engine's
+   own work (``running``, plus a model engine's own ``waiting``), demand is
+   ``running + waiting + queued``: a sidecar's in-flight count also holds hops that wait on
+   later stages, which are not this stage's load. Without ``running`` demand is ``in_flight``.
+   Capacity is the engine's ``max_num_seqs`` where reported, else the replica's capacity. A
+   replica whose work queues is saturated at its batch (``running``, else the last step's
+   ``batch_size``): its utilization is at least ``(batch + queued) / batch``. A reported
+   ``kv_cache_usage`` (0..1) is a floor too. The stage's utilization is the mean over its
+   ready replicas.
 2. **Recommendation** (:func:`recommend`): ``ceil(sum of utilizations / target)`` replicas
    (Kubernetes HPA's rule), unchanged while the mean is within ``target x (1 +- tolerance)``;
-   0 when nothing is in flight or queued (idle); more when the estimated queue + step time
+   0 when nothing is running or queued (idle); more when the estimated queue + step time
    exceeds ``target_latency_ms``; at least enough for the waiting requests of a stage at zero.
 3. **Hysteresis** (:func:`decide`): the desired count rises only to what every recommendation
    of the last ``scale_up_window_s`` asked for (sustained load), falls only to the highest
@@ -62,14 +66,18 @@ def replica_figures(info: InstanceInfo) -> tuple[float, int, float | None, float
     """(utilization, capacity, kv_cache_usage, estimated latency ms) of one replica."""
     load, engine = info.load, info.load.engine
     capacity = int(_engine_value(engine, "max_num_seqs") or load.capacity or info.capacity or 1)
-    running = _engine_value(engine, "running", "batch_size")
-    waiting = _engine_value(engine, "waiting")
-    demand = float(load.in_flight)
-    if running is not None and waiting is not None:
-        demand = max(demand, running + waiting)
+    running = _engine_value(engine, "running")
+    waiting = _engine_value(engine, "waiting") or 0.0
+    if running is None:  # no count of the engine's own work: the sidecar's in-flight count
+        demand = float(load.in_flight)
+        batch = _engine_value(engine, "batch_size")  # the last step's: current while queueing
+        queueing = load.queued
+    else:  # the engine's own work: a hop waiting on later stages is not this stage's load
+        demand = running + waiting + load.queued
+        batch, queueing = running, int(waiting) + load.queued
     utilization = demand / max(1, capacity)
-    if load.queued > 0 and running is not None and running >= 1:
-        utilization = max(utilization, (running + load.queued) / running)
+    if queueing > 0 and batch is not None and batch >= 1:
+        utilization = max(utilization, (batch + queueing) / batch)  # saturated at its batch
     kv = _engine_value(engine, "kv_cache_usage", "gpu_cache_usage")
     if kv is not None:
         kv = kv / 100.0 if kv > 1.0 else kv  # some engines report a percentage
@@ -77,7 +85,7 @@ def replica_figures(info: InstanceInfo) -> tuple[float, int, float | None, float
     latency = _engine_value(engine, "latency_ms")
     step_ms = _engine_value(engine, "step_ms")
     if latency is None and step_ms:
-        batches_ahead = load.queued / running if running and running >= 1 else 0.0
+        batches_ahead = queueing / batch if batch is not None and batch >= 1 else 0.0
         latency = step_ms * (1.0 + batches_ahead)
     return utilization, capacity, kv, latency
 
@@ -116,7 +124,7 @@ def recommend(policy: AutoscaleConfig, inputs: ScaleInputs) -> tuple[int, str]:
             return 0, REASON_IDLE
         per_replica = max(1.0, target * (inputs.capacity or 1))
         return max(1, math.ceil(inputs.wake_waiting / per_replica)), REASON_WAKE
-    if inputs.in_flight == 0 and inputs.queued == 0 and inputs.utilization <= 0.0:
+    if inputs.queued == 0 and inputs.utilization <= 0.0:
         return 0, REASON_IDLE
     ratio = inputs.utilization / target
     if abs(ratio - 1.0) <= policy.tolerance:

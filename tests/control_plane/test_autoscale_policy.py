@@ -124,13 +124,32 @@ def test_vllm_fields_are_read_when_present() -> None:
     engine = {"running": 6.0, "waiting": 10.0, "max_num_seqs": 8.0, "kv_cache_usage": 0.3}
     util, cap, kv, _ = replica_figures(replica(1, capacity=64, engine=engine))
     assert cap == 8  # the engine's batch limit, not the sidecar's admission limit
-    assert util == pytest.approx(16 / 8)
+    assert util == pytest.approx(16 / 6)  # 16 requests for the 6 its KV cache lets run
+    engine = {"running": 2.0, "waiting": 0.0, "max_num_seqs": 8.0}
+    assert replica_figures(replica(2, capacity=64, engine=engine))[0] == pytest.approx(2 / 8)
     assert kv == pytest.approx(0.3)
     # KV-cache use is a floor: a nearly idle replica whose cache is 90% full is 90% used.
     util, _, kv, _ = replica_figures(replica(1, engine={"kv_cache_usage": 90.0}))  # percent
     assert kv == pytest.approx(0.9) and util == pytest.approx(0.9)
     inputs = stage_inputs([replica(1, engine={"kv_cache_usage": 0.2}), replica(1, n=1)])
     assert inputs.kv_cache_usage == pytest.approx(0.2)
+
+
+def test_hops_waiting_on_later_stages_are_not_load() -> None:
+    # 30 requests in flight through this pod, but its engine is idle: they wait downstream.
+    engine = {"running": 0.0, "batch_size": 4.0, "step_ms": 5.0}
+    waiting_downstream = replica(30, capacity=64, engine=engine)
+    assert replica_figures(waiting_downstream)[0] == 0.0
+    inputs = stage_inputs([waiting_downstream])
+    assert inputs.in_flight == 30
+    assert recommend(policy(), inputs) == (0, "idle")
+
+
+def test_without_an_engine_count_a_stale_batch_size_is_not_load() -> None:
+    # The last step's batch_size stays reported while the engine idles: only a queue counts.
+    idle = replica(0, capacity=64, engine={"batch_size": 8.0, "step_ms": 50.0})
+    assert replica_figures(idle)[0] == 0.0
+    assert recommend(policy(), stage_inputs([idle])) == (0, "idle")
 
 
 def test_a_reported_latency_wins_over_the_estimate() -> None:
