@@ -182,6 +182,7 @@ class VllmEngine(StageEngine):
     # ---- requests ------------------------------------------------------------------------
 
     def _add(self, request: EngineRequest) -> VllmStream:
+        from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
         prompt = self._prompt(request)
@@ -191,7 +192,7 @@ class VllmEngine(StageEngine):
         vid = f"{request.request_id}/{request.chunk}#{self._serial}"
         try:
             self._llm.add_request(vid, prompt, params)
-        except ValueError as exc:  # vLLM's own input checks (too long, bad token id, …)
+        except (ValueError, VLLMClientError) as exc:  # vLLM's input checks (too long, bad id…)
             raise EngineInputError(
                 f"stage {self.ctx.stage.stage_id}: {' '.join(str(exc).split())}"
             ) from None
@@ -241,6 +242,7 @@ class VllmEngine(StageEngine):
         return {"prompt": text}
 
     def _sampling(self, request: EngineRequest) -> Any:
+        from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import SamplingParams
 
         d = self.ctx.config.sampling
@@ -271,7 +273,7 @@ class VllmEngine(StageEngine):
         clean = {k: v for k, v in values.items() if v is not None}
         try:
             return SamplingParams(seed=(request.seed + request.chunk) % (1 << 63), **clean)
-        except ValueError as exc:
+        except (ValueError, VLLMClientError) as exc:
             raise EngineInputError(
                 f"stage {self.ctx.stage.stage_id}: sampling params: {' '.join(str(exc).split())}"
             ) from None

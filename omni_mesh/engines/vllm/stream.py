@@ -125,7 +125,10 @@ class VllmStream:
         self._history += self._ids
         self._ids, self._text, self._logprobs = [], [], []
         self.chunks += 1
-        final = StageData(fields={"text": text, **usage}) if self.text_final else None
+        final = None
+        if self.text_final:  # the client's part: text (+ the sampled tokens' logprobs)
+            lp = {"logprobs": arrays["logprobs"]} if self.want_logprobs else {}
+            final = StageData(fields={"text": text, **usage}, arrays=lp)
         return EngineResult(
             self.request_id,
             output=StageData(fields={**fields, **usage}, arrays=arrays),
