@@ -27,9 +27,12 @@ class Autoscaler:
 
     async def tick(self, token: str) -> list[ScaleDecision]:
         """Decide every autoscaled stage; stops early if the lock turns out to be lost."""
+        stages = await self._scale.stages()
+        if not stages:
+            return []
         now_ms = await self._scale.now_ms()
         decisions: list[ScaleDecision] = []
-        for pipeline, stage_id in await self._scale.stages():
+        for pipeline, stage_id in stages:
             scale = await self._scale.stage(pipeline, stage_id)
             if scale is None:
                 continue
