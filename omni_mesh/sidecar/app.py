@@ -39,9 +39,9 @@ from omni_mesh.observability.metrics import SidecarMetrics
 from omni_mesh.sidecar import routes_api, routes_hop, routes_run
 from omni_mesh.sidecar.appkeys import POD
 from omni_mesh.sidecar.engine_client import EngineClient
-from omni_mesh.sidecar.errors import api_metrics_middleware, error_middleware
 from omni_mesh.sidecar.hop_client import HOP_TOKEN_HEADER, HopClient, HopStats
 from omni_mesh.sidecar.hop_http import HopHttpClient
+from omni_mesh.sidecar.middleware import api_metrics_middleware, error_middleware
 from omni_mesh.sidecar.pod import Pod, resolve_secret
 from omni_mesh.sidecar.router import Replica, Router
 from omni_mesh.sidecar.runner import StageRunner

@@ -237,3 +237,8 @@ class ChunkAssembler:
             join_outputs([have[c] for c in sorted(have)])
             for _, have in sorted(self._chunks.items())
         ]
+
+
+def final_stage(pipeline: PipelineSpec, kind: OutputKind) -> int | None:
+    """The first stage whose final output is of ``kind``."""
+    return next((s.stage_id for s in pipeline.stages if s.final_output is kind), None)

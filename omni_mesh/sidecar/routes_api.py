@@ -3,7 +3,7 @@
 ``/v1/generate`` runs the whole pipeline on a prompt object and returns the final outputs; the
 OpenAI-compatible routes adapt it. ``/health`` and ``/metrics`` are served by every instance.
 
-With ``async_chunk`` the answer may stream (see ``streaming.py``): ``/v1/audio/speech`` sends
+With ``async_chunk`` the answer may stream (see ``sinks.py``): ``/v1/audio/speech`` sends
 audio as it comes (chunked WAV/PCM, or OpenAI's ``stream_format: "sse"``),
 ``/v1/chat/completions`` with ``stream: true`` sends ``chat.completion.chunk`` events and
 ``/v1/generate?stream=true`` one event per output chunk. Unary answers are unchanged.
@@ -24,20 +24,17 @@ from omni_mesh.configs.pipeline import OutputKind
 from omni_mesh.data_plane import wire
 from omni_mesh.data_plane.messages import Prompt, SamplingParams
 from omni_mesh.sidecar.appkeys import POD
+from omni_mesh.sidecar.client_requests import collect, entry, request_frames
 from omni_mesh.sidecar.errors import ApiError, bad_request, decode_body
 from omni_mesh.sidecar.openai_types import ChatRequest, ImageRequest, SpeechRequest
-from omni_mesh.sidecar.outputs import FinalOutput
+from omni_mesh.sidecar.outputs import FinalOutput, final_stage
 from omni_mesh.sidecar.pod import Pod
-from omni_mesh.sidecar.streaming import (
+from omni_mesh.sidecar.sinks import (
     ChatEvents,
     GenerateEvents,
     Sink,
     SpeechAudio,
     SpeechEvents,
-    collect,
-    entry,
-    final_stage,
-    request_frames,
     respond,
 )
 
@@ -210,7 +207,7 @@ async def images(request: web.Request) -> web.Response:
     pod = request.app[POD]
     req: ImageRequest = await _body(request, ImageRequest)
     _check_model(pod, req.model)
-    if OutputKind.IMAGE not in {s.final_output for s in pod.pipeline.stages}:
+    if final_stage(pod.pipeline, OutputKind.IMAGE) is None:
         raise bad_request(f"pipeline {pod.pipeline.name!r} produces no images", "model")
     size = _parse_size(req.size)
     data = []

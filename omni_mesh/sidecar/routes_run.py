@@ -37,9 +37,9 @@ from omni_mesh.data_plane.messages import (
 from omni_mesh.data_plane.shm import inline
 from omni_mesh.sidecar.admission import admitted
 from omni_mesh.sidecar.appkeys import POD
+from omni_mesh.sidecar.client_requests import entry
 from omni_mesh.sidecar.deadlines import request_timeout
 from omni_mesh.sidecar.errors import bad_request, decode_body, from_stage_error
-from omni_mesh.sidecar.inputs import BadPrompt, entry_input
 from omni_mesh.sidecar.outputs import final_output, join_outputs
 from omni_mesh.sidecar.pod import Pod
 
@@ -77,28 +77,18 @@ def _decode(body: bytearray, binary: bool) -> RunRequest | RunRequestBin:
 
 
 def _stage_input(
-    pod: Pod, req: RunRequest | RunRequestBin, traceparent: str, timeout_s: float
+    pod: Pod, req: RunRequest | RunRequestBin, request: web.Request, timeout_s: float
 ) -> StageInput:
-    entry = pod.pipeline.entry_stage_id
+    entry_stage = pod.pipeline.entry_stage_id
     raw = req.stage_input
-    if req.stage_id == entry:
+    if req.stage_id == entry_stage:
         if not isinstance(raw, Prompt):
             raise bad_request(
-                f"stage_input: stage {entry} is the entry stage and takes a prompt object "
+                f"stage_input: stage {entry_stage} is the entry stage and takes a prompt object "
                 '({"prompt": "…"}), not an opaque string',
                 "stage_input",
             )
-        try:
-            si = entry_input(
-                pod.pipeline,
-                raw,
-                timeout_s=timeout_s,
-                sampling=req.sampling_params,
-                traceparent=traceparent,
-            )
-        except BadPrompt as exc:
-            raise bad_request(str(exc), "stage_input") from None
-        return si
+        return entry(pod, request, raw, req.sampling_params, param="stage_input")
     if isinstance(raw, Prompt):
         raise bad_request(
             f"stage_input: stage {req.stage_id} takes the opaque stage_input returned by the "
@@ -128,7 +118,7 @@ async def _run_local(
 ) -> web.Response:
     assert pod.runner is not None
     timeout_s = request_timeout(pod, request)
-    si = _stage_input(pod, req, request.headers.get("traceparent", ""), timeout_s)
+    si = _stage_input(pod, req, request, timeout_s)
     labels = (pod.pipeline.name, str(pod.stage_id))
     t0 = time.monotonic()
     with admitted(pod, transfer_key(si), "run"):

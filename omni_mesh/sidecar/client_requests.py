@@ -1,0 +1,81 @@
+"""Running a client request: its entry-stage input, its answer frames, their final outputs.
+
+A request runs as :func:`request_frames`: the orchestrated path from the entry stage on, as
+:class:`HopResult` frames (one frame when nothing streams). :func:`collect` joins them into the
+final outputs (the unary routes); ``sinks.respond`` streams them to the client. Leaving early
+(the client went away) closes the frame iterator, which aborts the request upstream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncGenerator
+
+import msgspec
+from aiohttp import web
+
+from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.data_plane.messages import HopResult, Prompt, SamplingParams, StageInput
+from omni_mesh.observability.tracing import stage_span
+from omni_mesh.sidecar.admission import admitted
+from omni_mesh.sidecar.deadlines import request_timeout
+from omni_mesh.sidecar.errors import bad_request, from_stage_error
+from omni_mesh.sidecar.inputs import BadPrompt, entry_input
+from omni_mesh.sidecar.outputs import ChunkAssembler, FinalOutput
+from omni_mesh.sidecar.pod import Pod
+
+
+def entry(
+    pod: Pod,
+    request: web.Request,
+    prompt: Prompt,
+    sampling: SamplingParams | None = None,
+    *,
+    param: str | None = None,
+) -> StageInput:
+    """The entry stage's input for a client request (a bad prompt → 400 naming ``param``):
+    the one entry step of the API routes and of ``/v1/run`` on the entry stage."""
+    try:
+        return entry_input(
+            pod.pipeline,
+            prompt,
+            timeout_s=request_timeout(pod, request),
+            sampling=sampling,
+            traceparent=request.headers.get("traceparent", ""),
+        )
+    except BadPrompt as exc:
+        raise bad_request(str(exc), param) from None
+
+
+async def request_frames(
+    pod: Pod, request: web.Request, si: StageInput
+) -> AsyncGenerator[HopResult, None]:
+    """The answer frames of ``si``: run here when this pod runs the entry stage, else handed to
+    a replica of it. Admitted (counted, so a drain waits for it) until the iterator closes."""
+    attributes = {"omni.request_id": si.request_id, "omni.pipeline": pod.pipeline.name}
+    with stage_span(f"{request.method} {request.path}", si.traceparent, attributes) as tp:
+        si = msgspec.structs.replace(si, traceparent=tp)
+        with admitted(pod, si.request_id, "api"):
+            if pod.runner is not None and pod.stage_id == pod.pipeline.entry_stage_id:
+                frames = pod.runner.run_stream(si)
+            else:
+                frames = pod.hop.stream(si)
+            async with contextlib.aclosing(frames) as stream:
+                async for frame in stream:
+                    yield frame
+
+
+async def collect(
+    pipeline: PipelineSpec, frames: AsyncGenerator[HopResult, None]
+) -> list[FinalOutput]:
+    """Every final output of the request, its chunks joined; the first error → its ApiError."""
+    assembler = ChunkAssembler(pipeline)
+    async with contextlib.aclosing(frames) as stream:
+        async for frame in stream:
+            assembler.add(frame)
+            if assembler.error is not None:
+                break
+    error = assembler.end()
+    if error is not None:
+        raise from_stage_error(error)
+    return assembler.joined()

@@ -1,0 +1,108 @@
+"""The pod's aiohttp middlewares: every error answered in one JSON shape
+(:func:`error_middleware`) and the client API's request metrics (:func:`api_metrics_middleware`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
+
+from omni_mesh.observability.metrics import SidecarMetrics
+from omni_mesh.sidecar.engine_client import EngineBusyError, EngineDeadError
+from omni_mesh.sidecar.errors import ApiError, error_response, hop_unavailable_error
+from omni_mesh.sidecar.hop_client import HopUnavailable
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as err:
+        return error_response(err)
+    except msgspec.ValidationError as exc:
+        return error_response(ApiError(400, f"invalid body: {exc}"))
+    except msgspec.DecodeError as exc:
+        return error_response(ApiError(400, f"undecodable body: {exc}"))
+    except HopUnavailable as exc:
+        return error_response(hop_unavailable_error(exc))
+    except EngineDeadError as exc:
+        return error_response(ApiError(503, str(exc), type_="unavailable"))
+    except EngineBusyError as exc:
+        return error_response(
+            ApiError(429, str(exc), type_="rate_limit", headers={"Retry-After": "1"})
+        )
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            return error_response(ApiError(exc.status, exc.text or exc.reason))
+        raise
+    except (RequestPayloadError, HttpProcessingError) as exc:
+        # A body that cannot be read: bad compression, a truncated chunked body, …
+        return error_response(ApiError(400, f"unreadable request body: {exc}", param="body"))
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        # A bug: logged with its traceback, answered in the same JSON shape.
+        logger.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(ApiError(500, "internal error (logged)", type_="internal_error"))
+
+
+_API_ROUTES = frozenset(
+    {
+        "/v1/generate",
+        "/v1/models",
+        "/v1/audio/speech",
+        "/v1/chat/completions",
+        "/v1/images/generations",
+        "/v1/run",
+    }
+)
+
+
+#: Request keys the metrics middleware and the streaming routes share.
+API_ROUTE = web.RequestKey("omni_api_route", str)  # the route template, for labels
+API_STARTED = web.RequestKey("omni_api_started", float)  # time.monotonic() at arrival
+STREAM_FAILED = web.RequestKey("omni_stream_failed", bool)  # broke off after its 200
+
+
+def api_metrics_middleware(metrics: SidecarMetrics) -> Any:
+    """Client API requests by route template and status (outermost, so it sees the status
+    the error middleware chose). A streamed answer that failed after its 200 went out counts
+    as status 500: its client got an incomplete answer."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"
+        if route not in _API_ROUTES:
+            return await handler(request)
+        t0 = time.monotonic()
+        request[API_ROUTE] = route
+        request[API_STARTED] = t0
+        status = 500
+        try:
+            response = await handler(request)
+            status = 500 if request.get(STREAM_FAILED) else response.status
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        except asyncio.CancelledError:
+            status = 499  # the client went away
+            raise
+        finally:
+            metrics.api_requests.labels(route, str(status)).inc()
+            metrics.api_duration.labels(route).observe(time.monotonic() - t0)
+
+    return middleware

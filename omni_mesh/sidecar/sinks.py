@@ -1,0 +1,332 @@
+"""Answering a client request from its stream of answer frames, through a :class:`Sink` that
+says what each output chunk looks like on the wire (WAV/PCM audio, OpenAI's SSE events).
+
+The response starts lazily, at the first bytes a sink has to send: an error before that is an
+ordinary 4xx/5xx; an error after it is an error event where the format has one (SSE), else a
+cut connection (the client sees a truncated body, never a wrong one).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from typing import Protocol
+
+import msgspec
+from aiohttp import web
+
+from omni_mesh.configs.pipeline import OutputKind, PipelineSpec
+from omni_mesh.data_plane import codec, media
+from omni_mesh.data_plane.messages import HopResult
+from omni_mesh.sidecar.appkeys import POD
+from omni_mesh.sidecar.errors import (
+    ApiError,
+    error_body,
+    from_stage_error,
+    hop_unavailable_error,
+)
+from omni_mesh.sidecar.hop_client import HopUnavailable
+from omni_mesh.sidecar.middleware import API_ROUTE, API_STARTED, STREAM_FAILED
+from omni_mesh.sidecar.outputs import ChunkAssembler, FinalOutput, OutputChunk, final_stage
+
+logger = logging.getLogger(__name__)
+
+SSE_CONTENT_TYPE = "text/event-stream"
+
+
+class Sink(Protocol):
+    """What one route sends for a request's output chunks."""
+
+    content_type: str
+    always_stream: bool  # True (SSE): a stream even when the answer is one frame
+
+    def piece(self, chunk: OutputChunk) -> bytes:
+        """The bytes to send for a chunk, as soon as it is in order (b"": nothing)."""
+        ...
+
+    def unary(self, outputs: list[FinalOutput]) -> web.StreamResponse:
+        """The whole answer, when nothing was streamed (``always_stream`` False)."""
+        ...
+
+    def tail(self, outputs: list[FinalOutput]) -> bytes:
+        """The last bytes of a stream (the joined outputs at hand)."""
+        ...
+
+    def error_event(self, err: ApiError) -> bytes:
+        """An error after the response started (b"": none; the connection is cut)."""
+        ...
+
+
+class _LazyResponse:
+    """A chunked response prepared at its first bytes."""
+
+    def __init__(self, request: web.Request, sink: Sink) -> None:
+        self.request = request
+        self.sink = sink
+        self.response: web.StreamResponse | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.response is not None
+
+    async def write(self, data: bytes) -> None:
+        if not data:
+            return
+        if self.response is None:
+            headers = {"Content-Type": self.sink.content_type, "Cache-Control": "no-cache"}
+            response = web.StreamResponse(headers=headers)  # no length: chunked (HTTP/1.1)
+            await response.prepare(self.request)
+            self.response = response
+            started = self.request.get(API_STARTED)
+            if started is not None:  # the first-packet latency operators watch
+                metrics = self.request.app[POD].metrics
+                route = self.request.get(API_ROUTE, self.request.path)
+                metrics.api_first_chunk.labels(route).observe(time.monotonic() - started)
+        await self.response.write(data)
+
+    async def finish(self) -> web.StreamResponse:
+        assert self.response is not None
+        await self.response.write_eof()
+        return self.response
+
+    async def fail(self, err: ApiError) -> web.StreamResponse:
+        """End a started response on an error: an error event, or a cut connection."""
+        assert self.response is not None
+        self.request[STREAM_FAILED] = True
+        event = self.sink.error_event(err)
+        if event:
+            with contextlib.suppress(ConnectionResetError):
+                await self.response.write(event)
+                await self.response.write_eof()
+                return self.response
+        self.cut()
+        return self.response
+
+    def cut(self) -> None:
+        transport = self.request.transport
+        if transport is not None:
+            transport.close()  # no last chunk: the client sees an incomplete body
+
+
+async def respond(
+    request: web.Request,
+    pipeline: PipelineSpec,
+    frames: AsyncGenerator[HopResult, None],
+    sink: Sink,
+) -> web.StreamResponse:
+    """Answer ``request`` from ``frames`` through ``sink`` (see the module docstring)."""
+    assembler = ChunkAssembler(pipeline)
+    out = _LazyResponse(request, sink)
+    try:
+        async with contextlib.aclosing(frames) as stream:
+            async for frame in stream:
+                ready = assembler.add(frame)
+                if assembler.error is not None:
+                    break
+                if sink.always_stream or assembler.streamed:
+                    await out.write(b"".join(sink.piece(c) for c in ready))
+        error = assembler.end()
+        if error is not None:
+            raise from_stage_error(error)
+        outputs = assembler.joined()
+        if not out.started and not sink.always_stream:
+            return sink.unary(outputs)
+        await out.write(sink.tail(outputs))
+        return await out.finish()
+    except ConnectionResetError:
+        if out.response is None:
+            raise
+        logger.info("client went away: %s %s", request.method, request.path)
+        out.cut()
+        return out.response
+    except Exception as exc:
+        if out.response is None:
+            raise
+        err = _api_error(exc)
+        logger.warning(
+            "stream of %s %s failed after the response started: %s",
+            request.method,
+            request.path,
+            err.message,
+            exc_info=not isinstance(exc, ApiError | HopUnavailable),
+        )
+        return await out.fail(err)
+
+
+def _api_error(exc: Exception) -> ApiError:
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, HopUnavailable):
+        return hop_unavailable_error(exc)
+    return ApiError(500, "internal error (logged)", type_="internal_error")
+
+
+def sse(event: object) -> bytes:
+    """One server-sent event carrying ``event`` as JSON."""
+    return b"data: " + codec.encode_json(event) + b"\n\n"
+
+
+def _pcm(chunk: OutputChunk) -> bytes:
+    return b"" if chunk.output.array is None else media.pcm_bytes(chunk.output.array)
+
+
+class SpeechAudio:
+    """``/v1/audio/speech`` audio: streamed as a WAV of unknown length (or raw PCM16) when the
+    pipeline streams; otherwise the whole file with its length, as without ``async_chunk``."""
+
+    always_stream = False
+
+    def __init__(self, audio_stage: int, response_format: str) -> None:
+        self.audio_stage = audio_stage
+        self.raw = response_format == "pcm"
+        self.content_type = "audio/pcm" if self.raw else "audio/wav"
+        self._header_sent = False
+
+    def piece(self, chunk: OutputChunk) -> bytes:
+        if chunk.stage_id != self.audio_stage:
+            return b""
+        data = _pcm(chunk)
+        if not self.raw and not self._header_sent:
+            self._header_sent = True
+            data = media.wav_stream_header(chunk.sample_rate) + data
+        return data
+
+    def unary(self, outputs: list[FinalOutput]) -> web.StreamResponse:
+        audio = next((o for o in outputs if o.stage_id == self.audio_stage), None)
+        if audio is None or audio.data is None or audio.array is None:
+            raise ApiError(500, f"stage {self.audio_stage}: no audio output", type_="engine_error")
+        if self.raw:
+            rate = int((audio.fields or {}).get("sample_rate") or 24000)
+            return web.Response(body=media.pcm_bytes(audio.array, rate), content_type="audio/pcm")
+        return web.Response(body=audio.data, content_type="audio/wav")
+
+    def tail(self, outputs: list[FinalOutput]) -> bytes:
+        return b""
+
+    def error_event(self, err: ApiError) -> bytes:
+        return b""
+
+
+class SpeechEvents:
+    """``/v1/audio/speech`` with ``stream_format: "sse"``: base64 PCM16 deltas, then done."""
+
+    always_stream = True
+    content_type = SSE_CONTENT_TYPE
+
+    def __init__(self, audio_stage: int) -> None:
+        self.audio_stage = audio_stage
+
+    def piece(self, chunk: OutputChunk) -> bytes:
+        if chunk.stage_id != self.audio_stage:
+            return b""
+        audio = base64.b64encode(_pcm(chunk)).decode()
+        return sse({"type": "speech.audio.delta", "audio": audio})
+
+    def unary(self, outputs: list[FinalOutput]) -> web.StreamResponse:
+        raise AssertionError("an event stream is always streamed")
+
+    def tail(self, outputs: list[FinalOutput]) -> bytes:
+        usage = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
+        return sse({"type": "speech.audio.done", "usage": usage})
+
+    def error_event(self, err: ApiError) -> bytes:
+        return sse({"type": "error", "error": error_body(err)})
+
+
+class ChatEvents:
+    """``/v1/chat/completions`` with ``stream: true``: ``chat.completion.chunk`` events as
+    OpenAI sends them — the role with the first delta, the text as ``content`` deltas, the audio
+    (when asked for) as ``delta.audio`` PCM16 chunks, a last chunk with ``finish_reason``, then
+    ``[DONE]``."""
+
+    always_stream = True
+    content_type = SSE_CONTENT_TYPE
+
+    def __init__(self, pipeline: PipelineSpec, *, want_audio: bool, include_usage: bool) -> None:
+        self.model = pipeline.name
+        self.text_stage = final_stage(pipeline, OutputKind.TEXT)
+        self.audio_stage = final_stage(pipeline, OutputKind.AUDIO) if want_audio else None
+        self.include_usage = include_usage
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self._role_sent = False
+        self._text: list[str] = []
+        self._audio_id = ""
+
+    def _event(self, choices: list[dict[str, object]], **extra: object) -> bytes:
+        return sse(
+            {
+                "id": self.id,
+                "object": "chat.completion.chunk",
+                "created": self.created,
+                "model": self.model,
+                "choices": choices,
+                **extra,
+            }
+        )
+
+    def _delta(self, delta: dict[str, object], finish_reason: str | None = None) -> bytes:
+        if not self._role_sent:
+            delta = {"role": "assistant", **delta}
+            self._role_sent = True
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        return self._event([choice])
+
+    def piece(self, chunk: OutputChunk) -> bytes:
+        if chunk.stage_id == self.text_stage:
+            text = chunk.output.text or ""
+            self._text.append(text)
+            return self._delta({"content": text})
+        if chunk.stage_id != self.audio_stage:
+            return b""
+        audio: dict[str, object] = {"data": base64.b64encode(_pcm(chunk)).decode()}
+        if not self._audio_id:
+            self._audio_id = f"audio_{uuid.uuid4().hex}"
+            audio["expires_at"] = int(time.time()) + 3600
+            audio["transcript"] = "".join(self._text)
+        audio["id"] = self._audio_id
+        return self._delta({"audio": audio})
+
+    def unary(self, outputs: list[FinalOutput]) -> web.StreamResponse:
+        raise AssertionError("an event stream is always streamed")
+
+    def tail(self, outputs: list[FinalOutput]) -> bytes:
+        out = b"" if self._role_sent else self._delta({"content": ""})
+        out += self._delta({}, "stop")
+        if self.include_usage:
+            usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+            out += self._event([], usage=usage)
+        return out + b"data: [DONE]\n\n"
+
+    def error_event(self, err: ApiError) -> bytes:
+        return sse({"error": error_body(err)})
+
+
+class GenerateEvents:
+    """``/v1/generate?stream=true``: one event per output chunk, in order per stage
+    (``{"type": "output.chunk", "stage_id", "chunk", "output"}``, the output as ``/v1/run``
+    shows a chunk's), then ``{"type": "done"}``."""
+
+    always_stream = True
+    content_type = SSE_CONTENT_TYPE
+
+    def __init__(self, pipeline: PipelineSpec) -> None:
+        self.pipeline = pipeline.name
+
+    def piece(self, chunk: OutputChunk) -> bytes:
+        output = msgspec.to_builtins(chunk.output.to_run_output())
+        event = {"type": "output.chunk", "stage_id": chunk.stage_id, "chunk": chunk.chunk}
+        return sse({**event, "output": output})
+
+    def unary(self, outputs: list[FinalOutput]) -> web.StreamResponse:
+        raise AssertionError("an event stream is always streamed")
+
+    def tail(self, outputs: list[FinalOutput]) -> bytes:
+        return sse({"type": "done", "pipeline": self.pipeline})
+
+    def error_event(self, err: ApiError) -> bytes:
+        return sse({"type": "error", "error": error_body(err)})
