@@ -159,6 +159,8 @@ async def test_unix_socket(tmp_path: Path) -> None:
 
 def test_cluster_node_refused_with_exit_2(tmp_path: Path) -> None:
     port = free_port()
+    while port > 55535:  # a cluster node also listens on port + 10000
+        port = free_port()
     node = start_redis(
         tmp_path, port, ["--cluster-enabled", "yes", "--cluster-config-file",
                          str(tmp_path / "nodes.conf")], name="redis-cluster-node",
