@@ -8,8 +8,9 @@ Accepted URLs:
 - ``unix:///path/redis.sock[?db=N&password=…]`` - a Unix socket;
 - ``redis+sentinel://[[user]:password@]host:port[,host:port…]/service_name[/db]`` - the primary
   that Redis Sentinel manages for ``service_name`` (``rediss+sentinel://`` for TLS to the
-  primary). The user/password are the primary's; a ``?sentinel_password=`` (and
-  ``sentinel_username``) query parameter authenticates to the sentinels themselves. After a
+  primary, with the ``ssl_*`` parameters above). The user/password are the primary's; a
+  ``?sentinel_password=`` (and ``sentinel_username``) query parameter authenticates to the
+  sentinels themselves. After a
   failover every new connection asks the sentinels for the current primary, and a connection
   still open to the demoted one is dropped at its first ``READONLY`` reply.
 
@@ -43,6 +44,16 @@ PLAIN_SCHEMES = ("redis", "rediss", "unix")
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 DEFAULT_SENTINEL_PORT = 26379
 _SENTINEL_QUERY = ("sentinel_password", "sentinel_username")
+#: TLS settings of the connections to a Sentinel-managed primary (``rediss+sentinel://``).
+_PRIMARY_TLS_QUERY = (
+    "ssl_ca_certs",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_cert_reqs",
+    "ssl_check_hostname",
+)
+_BOOL_QUERY = ("ssl_check_hostname",)
+_TLS_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
 class RedisUrlError(ValueError):
@@ -112,12 +123,15 @@ def parse_sentinel_url(url: str) -> SentinelTarget:
             primary["password"] = unquote(password)
     sentinel_kw: dict[str, Any] = {}
     for key, value in parse_qsl(parts.query, keep_blank_values=True):
-        if key not in _SENTINEL_QUERY:
+        if key in _PRIMARY_TLS_QUERY:
+            primary[key] = _TLS_BOOLS.get(value.lower(), value) if key in _BOOL_QUERY else value
+        elif key in _SENTINEL_QUERY:
+            sentinel_kw[key.removeprefix("sentinel_")] = value
+        else:
+            accepted = ", ".join((*_SENTINEL_QUERY, *_PRIMARY_TLS_QUERY))
             raise RedisUrlError(
-                f"{redact(url)}: unknown query parameter {key!r} "
-                f"(accepted: {', '.join(_SENTINEL_QUERY)})"
+                f"{redact(url)}: unknown query parameter {key!r} (accepted: {accepted})"
             )
-        sentinel_kw[key.removeprefix("sentinel_")] = value
     tls = parts.scheme == "rediss+sentinel"
     return SentinelTarget(sentinels, unquote(path[0]), db, tls, primary, sentinel_kw)
 

@@ -36,7 +36,9 @@ def test_sentinel_url_parsed() -> None:
     assert (target.service_name, target.db, target.tls) == ("mymaster", 3, False)
     assert target.primary_kwargs == {"password": "p@ss"}
     assert target.sentinel_kwargs == {"password": "sp"}
-    assert parse_sentinel_url("rediss+sentinel://h:1/s").tls
+    tls = parse_sentinel_url("rediss+sentinel://h:1/s?ssl_ca_certs=/ca.pem&ssl_check_hostname=no")
+    assert tls.tls
+    assert tls.primary_kwargs == {"ssl_ca_certs": "/ca.pem", "ssl_check_hostname": False}
 
 
 @pytest.mark.parametrize(
