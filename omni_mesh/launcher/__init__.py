@@ -3,6 +3,8 @@ pods), supervised, stopped in order.
 
 - :mod:`~omni_mesh.launcher.cli` - the ``omni-up`` flags; parses, sets up logging, delegates.
 - :mod:`~omni_mesh.launcher.local_deploy` - what to start, in which order, and the run loop.
+- :mod:`~omni_mesh.launcher.autoscale` - the autoscaled stages' pools follow the control
+  plane's desired replica counts (start replicas, retire them by draining).
 - :mod:`~omni_mesh.launcher.supervisor` / :mod:`~omni_mesh.launcher.supervised_child` - start,
   restart and stop local children.
 - :mod:`~omni_mesh.launcher.local_net` - free ports and readiness probes.

@@ -6,6 +6,10 @@ Starts ``omni-cp serve`` (embedded Redis), every replica of every stage as a hea
 ``omni-stage``, and one API server (``--api-only``) on ``--port``; waits until each answers;
 prints the endpoints and a final ``omni-up ready: …`` line; stays up until Ctrl-C or SIGTERM.
 
+A stage whose deploy entry has ``autoscale:`` follows the control plane's desired replica count
+(:mod:`omni_mesh.launcher.autoscale`): ``--replicas`` gives its starting count (0 allowed when
+its ``min_replicas`` is 0), replicas are started on free ports and removed by draining them.
+
 A process that dies while it runs is restarted on the same port with exponential backoff
 (0.5 s doubling to 10 s); omni-up gives up, stops everything, names the process and exits 1 only
 when one dies before it was ever ready or fails 5 times within 60 s.
@@ -37,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 
+from omni_mesh.configs.autoscale import AutoscaleConfig
 from omni_mesh.configs.deploy import MAX_REPLICAS, DeployConfig
 from omni_mesh.configs.loader import load_deploy_config
 from omni_mesh.configs.pipeline import PipelineError, PipelineSpec, get_pipeline
@@ -104,6 +109,7 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str]) -> UpConfig:
         # Fail here, once, rather than in every stage process.
         deploy = load_deploy_config(deploy_path, pipeline, stage_overrides=args.stage_overrides)
         replicas = parse_replicas(args.replicas, pipeline, deploy)
+        autoscale = autoscaled_stages(pipeline, deploy, replicas)
         secret, source = resolve_secret(args.secret, env)
         if args.ready_timeout <= 0:
             raise ValueError("--ready-timeout must be positive")
@@ -127,6 +133,7 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str]) -> UpConfig:
         stop_timeout_s=stop_timeout,
         log_level=args.log_level,
         drain_timeout_s=args.drain_timeout,
+        autoscale=autoscale,
     )
 
 
@@ -148,14 +155,38 @@ def parse_replicas(
         )
     out = []
     for stage_id, count in zip(stage_ids, counts, strict=True):
+        scale = deploy.stage(stage_id).autoscale if deploy else None
+        least = 0 if scale is not None and scale.min_replicas == 0 else 1
         text = count.strip()
-        if not text.isdigit() or not 1 <= int(text) <= MAX_REPLICAS:
+        if not text.isdigit() or not least <= int(text) <= MAX_REPLICAS:
             raise ValueError(
                 f"--replicas: the count for stage {stage_id} ({pipeline.stage(stage_id).name}) "
-                f"must be an integer from 1 to {MAX_REPLICAS}, got {count!r}"
+                f"must be an integer from {least} to {MAX_REPLICAS}, got {count!r}"
             )
         out.append(int(text))
     return tuple(out)
+
+
+def autoscaled_stages(
+    pipeline: PipelineSpec, deploy: DeployConfig | None, replicas: tuple[int, ...]
+) -> dict[int, AutoscaleConfig]:
+    """The stages with ``autoscale:`` in ``deploy`` and their policies; the starting count of
+    each (from ``--replicas``) must lie within its ``[min_replicas, max_replicas]``."""
+    if deploy is None:
+        return {}
+    out = {}
+    for stage_id, count in zip(sorted(pipeline.stage_ids), replicas, strict=True):
+        scale = deploy.stage(stage_id).autoscale
+        if scale is None:
+            continue
+        if not scale.min_replicas <= count <= scale.max_replicas:
+            raise ValueError(
+                f"--replicas: stage {stage_id} ({pipeline.stage(stage_id).name}) is autoscaled "
+                f"from {scale.min_replicas} to {scale.max_replicas} replicas; its starting count "
+                f"{count} is outside that range"
+            )
+        out[stage_id] = scale
+    return out
 
 
 def resolve_stop_timeout(drain_s: float, stop_s: float | None) -> float:

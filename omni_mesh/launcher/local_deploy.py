@@ -8,6 +8,10 @@ each answers. While it runs, a process that dies is started again on the same po
 exponential backoff (a restarted control plane starts empty: the pods re-register by
 themselves); one that dies before it was ever ready, or fails too often, stops everything.
 
+Stages with an ``autoscale:`` policy (``UpConfig.autoscale``) are then followed by the
+:class:`~omni_mesh.launcher.autoscale.StageActuator`: their policies are set on the control
+plane, and their pools grow and shrink (removal drains) to the desired counts it decides.
+
 Stopping (``stop`` set) drains the deployment in pipeline order, so that no request in flight
 is lost: the API server first, then stage 0's replicas, stage 1's, …, the control plane last,
 each group gone (SIGTERM: a pod leaves the pool, finishes its work, exits) before the next gets
@@ -29,11 +33,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from omni_mesh.configs.autoscale import AutoscaleConfig
 from omni_mesh.configs.pipeline import PipelineSpec
 from omni_mesh.configs.settings import LogLevel
 from omni_mesh.data_plane.shm_cleanup import (
     sweep_orphans,  # the host janitor, after the pods are gone
 )
+from omni_mesh.launcher.autoscale import StageActuator
 from omni_mesh.launcher.supervisor import (
     RestartPolicy,
     Supervisor,
@@ -46,6 +52,7 @@ logger = logging.getLogger(__name__)
 
 LOCALHOST = "127.0.0.1"
 SECRET_ENV = "OMNI_SECRET"
+_FOLLOW_POLL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,10 @@ class UpConfig:
     log_level: LogLevel
     drain_timeout_s: float = 30.0  # every pod's --drain-timeout
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+    # Stages whose pool follows the control plane's desired count (the deploy config's
+    # ``autoscale:``); their count in ``replicas`` is the starting one, 0 allowed.
+    autoscale: Mapping[int, AutoscaleConfig] = field(default_factory=dict)
+    scale_poll_s: float = 0.5  # how often the actuator reads the desired counts
 
     @property
     def replica_spec(self) -> str:
@@ -83,6 +94,7 @@ class Planned:
     label: str  # shown in the endpoint list
     health_path: str = "/health"
     stop_rank: int = 0  # stopped in ascending rank: API server, stage 0, 1, …, control plane
+    stage_id: int | None = None  # a stage replica's stage
 
     @property
     def ready_url(self) -> str:
@@ -105,6 +117,37 @@ def plan_control_plane(
 def plan_stages(config: UpConfig, cp_url: str) -> list[Planned]:
     """Every replica of every stage (headless, free ports), then the API server. Stop ranks:
     the API server 0, the stage with the k-th smallest id k + 1."""
+    plans = []
+    for stage_id, count in zip(sorted(config.pipeline.stage_ids), config.replicas, strict=True):
+        plans += [plan_replica(config, cp_url, stage_id, replica) for replica in range(count)]
+    entry = str(config.pipeline.entry_stage_id)
+    api = ("--stage-id", entry, "--api-only", "--host", config.host, "--port", str(config.port))
+    url = _url(config.host, config.port)
+    plans.append(Planned("api-server", (*_stage_cmd(config, cp_url), *api), url, "API server"))
+    return plans
+
+
+def plan_replica(config: UpConfig, cp_url: str, stage_id: int, replica: int) -> Planned:
+    """Replica number ``replica`` of ``stage_id``: a headless ``omni-stage`` on a free port."""
+    name = config.pipeline.stage(stage_id).name
+    port = free_port(LOCALHOST)
+    argv = ("--stage-id", str(stage_id), "--headless", "--host", LOCALHOST, "--port", str(port))
+    return Planned(
+        f"stage{stage_id}-{name}-{replica}",
+        (*_stage_cmd(config, cp_url), *argv),
+        _url(LOCALHOST, port),
+        f"stage {stage_id} {name} #{replica}",
+        stop_rank=stage_rank(config, stage_id),
+        stage_id=stage_id,
+    )
+
+
+def stage_rank(config: UpConfig, stage_id: int) -> int:
+    """When a stage's replicas stop: the stage with the k-th smallest id has rank k + 1."""
+    return sorted(config.pipeline.stage_ids).index(stage_id) + 1
+
+
+def _stage_cmd(config: UpConfig, cp_url: str) -> tuple[str, ...]:
     common = ["--pipeline", config.pipeline.name, "--control-plane", cp_url]
     common += ["--log-level", config.log_level.value]
     common += ["--drain-timeout", f"{config.drain_timeout_s:g}"]
@@ -112,28 +155,7 @@ def plan_stages(config: UpConfig, cp_url: str) -> list[Planned]:
         common += ["--deploy-config", str(config.deploy_config)]
     if config.stage_overrides is not None:
         common += ["--stage-overrides", config.stage_overrides]
-    stage_cmd = (sys.executable, "-m", "omni_mesh.sidecar.cli_stage", *common)
-    plans = []
-    stages = zip(sorted(config.pipeline.stage_ids), config.replicas, strict=True)
-    for rank, (stage_id, count) in enumerate(stages, start=1):
-        name = config.pipeline.stage(stage_id).name
-        for replica in range(count):
-            port = free_port(LOCALHOST)
-            argv = ("--stage-id", str(stage_id), "--headless", "--host", LOCALHOST)
-            plans.append(
-                Planned(
-                    f"stage{stage_id}-{name}-{replica}",
-                    (*stage_cmd, *argv, "--port", str(port)),
-                    _url(LOCALHOST, port),
-                    f"stage {stage_id} {name} #{replica}",
-                    stop_rank=rank,
-                )
-            )
-    entry = str(config.pipeline.entry_stage_id)
-    api = ("--stage-id", entry, "--api-only", "--host", config.host, "--port", str(config.port))
-    url = _url(config.host, config.port)
-    plans.append(Planned("api-server", (*stage_cmd, *api), url, "API server"))
-    return plans
+    return (sys.executable, "-m", "omni_mesh.sidecar.cli_stage", *common)
 
 
 def _url(host: str, port: int) -> str:
@@ -187,8 +209,11 @@ def run_local(
         if _start(sup, plans, child_env, config, stop):
             plans += plan_stages(config, plans[0].url)
             if _start(sup, plans[1:], child_env, config, stop):
-                on_ready(endpoints_text(config, plans, sup.log_dir))
-                sup.wait(stop)
+                if config.autoscale:
+                    _follow(sup, config, plans, child_env, stop, on_ready)
+                else:
+                    on_ready(endpoints_text(config, plans, sup.log_dir))
+                    sup.wait(stop)
     except SupervisorError as exc:
         ok = False
         sup.keep_logs = True
@@ -208,6 +233,35 @@ def run_local(
                 on_error(f"had to SIGKILL:\n{killed}\nlogs kept in {sup.log_dir}")
             sup.close()
     return ok
+
+
+def _follow(
+    sup: Supervisor,
+    config: UpConfig,
+    plans: Sequence[Planned],
+    env: Mapping[str, str],
+    stop: threading.Event,
+    on_ready: Callable[[str], None],
+) -> None:
+    """Run with the autoscaling actuator: set the policies, then until ``stop`` keep the
+    children up and the autoscaled pools at their desired counts."""
+    cp_url = plans[0].url
+    with StageActuator(
+        sup,
+        pipeline=config.pipeline.name,
+        policies=config.autoscale,
+        cp_url=cp_url,
+        plan_replica=lambda stage_id, n: plan_replica(config, cp_url, stage_id, n),
+        env=env,
+        restart=replace(config.restart, ready_timeout_s=config.ready_timeout_s),
+        poll_s=config.scale_poll_s,
+    ) as actuator:
+        actuator.adopt(zip(plans, sup.children, strict=True))
+        actuator.start()
+        on_ready(endpoints_text(config, plans, sup.log_dir))
+        while not stop.wait(_FOLLOW_POLL_S):
+            sup.check()
+            actuator.tick()
 
 
 def _start(

@@ -71,6 +71,8 @@ class Child:
     # its sidecar may still be cleaning up in there.
     old_groups: list[tuple[int, float]] = field(default_factory=list, repr=False)
     next_probe: float = field(default=0.0, repr=False)
+    probe_ready: bool = False  # :meth:`Supervisor.check` probes its ready URL (started late)
+    retiring_since: float | None = None  # removed on purpose: SIGTERM sent then (monotonic)
 
     @property
     def pid(self) -> int:

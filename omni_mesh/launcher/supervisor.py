@@ -23,6 +23,13 @@ PDEATHSIG or EOF) can still clean up; whatever of its process group is still run
 ``reap_s`` later is SIGKILLed as a group. Every SIGKILL is recorded in
 :attr:`Supervisor.killed`.
 
+**Removing one child on purpose** (:meth:`Supervisor.retire`, the autoscaler's scale-down):
+it gets SIGTERM (a stage pod drains: it leaves its pool, finishes its work, exits 0), is never
+restarted, and leaves :attr:`Supervisor.children` once it has exited; one still running
+``grace_s`` after the SIGTERM is SIGKILLed (and recorded). A child started with ``probe=True``
+(after the first :meth:`~Supervisor.wait_ready`) has its ready URL probed by
+:meth:`~Supervisor.check` instead of waited on.
+
 Blocking by design (``subprocess`` + short HTTP probes): use it from a CLI's main thread or a
 synchronous test fixture, not from inside an event loop.
 
@@ -143,6 +150,7 @@ class Supervisor:
         self.reap_s = reap_s
         self.killed: list[str] = []  # what had to be SIGKILLed, and why
         self._children: list[Child] = []
+        self._retired: list[Child] = []  # retired and gone, their process groups not yet reaped
         self._stopping = False
         self._stopped = False
         self._closed = False
@@ -163,12 +171,14 @@ class Supervisor:
         cwd: Path | None = None,
         stop_rank: int = 0,
         restart: RestartPolicy | None = None,
+        probe: bool = False,
     ) -> Child:
         """Start ``argv`` as child ``name``. ``env`` replaces the environment when given.
 
         ``stop_rank``: children stop in ascending rank (equal ranks together). ``restart``:
         restart the child when it dies (see the module docstring); without, its exit is an
-        error."""
+        error. ``probe``: :meth:`check` probes the ready URL (within the restart policy's
+        ``ready_timeout_s``) rather than the caller waiting with :meth:`wait_ready`."""
         if self._stopping or self._closed:
             raise SupervisorError(f"cannot start {name!r}: the supervisor is stopping")
         if not _NAME.match(name):
@@ -190,6 +200,7 @@ class Supervisor:
             restart=restart,
             ready=ready_url is None,
             ever_ready=ready_url is None,
+            probe_ready=probe,
         )
         self._children.append(child)
         logger.info("started process=%s pid=%d log=%s", name, process.pid, log_path)
@@ -249,15 +260,44 @@ class Supervisor:
         if self._stopping:
             return
         now = time.monotonic()
-        for child in self._children:
-            if child.restart_at is not None:
+        for child in list(self._children):
+            if child.retiring_since is not None:
+                self._check_retiring(child, now)
+            elif child.restart_at is not None:
                 if now >= child.restart_at:
                     self._respawn(child)
             elif child.returncode is not None:
                 self._exited(child, now)
-            elif not child.ready and child.restarts:
+            elif not child.ready and (child.restarts or child.probe_ready):
                 self._probe_restarted(child, now)
         self._reap_old_groups(now)
+
+    def retire(self, child: Child, why: str) -> None:
+        """Remove ``child`` on purpose: SIGTERM now (a pod drains), no restart; it leaves
+        :attr:`children` once it has exited (see :meth:`check`)."""
+        if child.retiring_since is not None or child not in self._children:
+            return
+        child.retiring_since = time.monotonic()
+        child.restart = None
+        if child.restart_at is not None or child.returncode is not None:
+            child.restart_at = None  # dead, waiting for a restart: nothing to drain
+            logger.info("retiring process=%s (not running): %s", child.name, why)
+            return
+        logger.info("retiring process=%s pid=%d (SIGTERM, drain): %s", child.name, child.pid, why)
+        signal_pid(child.pid, signal.SIGTERM)
+
+    def _check_retiring(self, child: Child, now: float) -> None:
+        code = child.returncode
+        if code is None:
+            if now - (child.retiring_since or now) > self.grace_s:
+                self._kill_child(child, f"did not exit within {self.grace_s:g}s of SIGTERM")
+            return
+        level = logging.INFO if code == 0 else logging.WARNING
+        logger.log(level, "retired process=%s pid=%d %s", child.name, child.pid,
+                   describe_exit(code))  # fmt: skip
+        self._children.remove(child)
+        child.old_groups.append((child.pid, now))  # its engine may still be cleaning up
+        self._retired.append(child)
 
     def wait(self, cancel: threading.Event, *, poll_s: float = 0.2) -> None:
         """Block until ``cancel`` is set, restarting children that die (see :meth:`check`,
@@ -307,15 +347,15 @@ class Supervisor:
         """SIGKILL what is left of a dead child's process group ``reap_s`` after it died."""
         due = [
             (child, pgid)
-            for child in self._children
+            for child in (*self._children, *self._retired)
             for pgid, died in child.old_groups
             if now - died >= self.reap_s
         ]
-        if not due:
-            return
         for child, pgid in due:
             child.old_groups = [g for g in child.old_groups if g[0] != pgid]
-        self._kill_leftovers(due, wait_s=0.0)
+        self._retired = [c for c in self._retired if c.old_groups]
+        if due:
+            self._kill_leftovers(due, wait_s=0.0)
 
     # ---- shutdown ----------------------------------------------------------------------------
 
@@ -330,6 +370,9 @@ class Supervisor:
         try:
             for rank in sorted({c.stop_rank for c in self._children}):
                 self._stop_rank([c for c in self._children if c.stop_rank == rank])
+            retired = [(c, pgid) for c in self._retired for pgid, _ in c.old_groups]
+            self._retired = []
+            self._kill_leftovers(retired, wait_s=self.reap_s)
         except BaseException:
             self._kill_all()
             raise

@@ -1,0 +1,231 @@
+"""``omni-up``'s autoscaling actuator: the local pools of the autoscaled stages follow the
+control plane's desired replica counts (DESIGN §9, "Autoscaling"; docs/operations.md).
+
+At start (:meth:`StageActuator.start`) each stage whose deploy entry has ``autoscale:`` gets its
+policy ``PUT`` on the control plane's stage scale resource, with the replicas omni-up started
+as the starting desired count. Then :meth:`StageActuator.tick` (called from the supervisor's
+thread every ``poll_s``) reads each stage's scale resource and
+
+- re-``PUT``s the policy when the control plane answers ``policy: null`` (it was restarted, or
+  Redis lost its data), with the replicas running now as the starting count;
+- starts replicas while fewer run (or start) than desired: a headless ``omni-stage`` on a free
+  port, which joins its pool by itself once its engine is READY;
+- retires replicas while more run than desired, newest first (those still starting before
+  those serving): SIGTERM, so the pod leaves its pool, finishes its in-flight work and exits 0;
+  the supervisor does not restart a retired replica.
+
+Every action is logged with the decision's reason and inputs. The control plane being
+unreachable changes nothing: the pools keep their size until it answers again.
+
+The control-plane client is async; the actuator runs it on a private event loop (one call at
+a time, each bounded by the client's timeout), so that starting children stays on the
+supervisor's thread (their parent-death signal is tied to it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from omni_mesh.configs.autoscale import AutoscaleConfig
+from omni_mesh.control_plane.client import ControlPlaneClient, ControlPlaneError, ScaleStatus
+from omni_mesh.launcher.supervisor import Child, RestartPolicy, Supervisor
+
+if TYPE_CHECKING:  # local_deploy runs the actuator
+    from omni_mesh.launcher.local_deploy import Planned
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+CLIENT_TIMEOUT_S = 1.0  # one control-plane call; the supervisor's thread waits for it
+QUIET_S = 30.0  # between two "control plane unreachable" warnings per stage
+
+
+@dataclass
+class StagePool:
+    """The replicas omni-up runs for one autoscaled stage."""
+
+    stage_id: int
+    policy: AutoscaleConfig
+    children: list[Child] = field(default_factory=list)  # oldest first, none retiring
+    next_replica: int = 0  # number of the next replica's name
+    warned_at: float = -QUIET_S
+
+    def live(self) -> list[Child]:
+        self.children = [c for c in self.children if c.retiring_since is None]
+        return self.children
+
+
+class StageActuator:
+    """Makes omni-up's pools of the autoscaled stages follow the control plane's desired
+    counts; see the module docstring. Close it when done."""
+
+    def __init__(
+        self,
+        sup: Supervisor,
+        *,
+        pipeline: str,
+        policies: Mapping[int, AutoscaleConfig],
+        cp_url: str,
+        plan_replica: Callable[[int, int], Planned],
+        env: Mapping[str, str],
+        restart: RestartPolicy,
+        poll_s: float,
+    ) -> None:
+        """``plan_replica(stage_id, n)``: the command line of the stage's replica number n."""
+        self._sup = sup
+        self._pipeline = pipeline
+        self._plan_replica = plan_replica
+        self._env = dict(env)
+        self._restart = restart
+        self.poll_s = poll_s
+        self._loop = asyncio.new_event_loop()
+        self._client = ControlPlaneClient(cp_url, timeout_s=CLIENT_TIMEOUT_S)
+        self._next_tick = 0.0
+        self.pools: dict[int, StagePool] = {
+            stage_id: StagePool(stage_id, policy) for stage_id, policy in sorted(policies.items())
+        }
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def adopt(self, started: Iterable[tuple[Planned, Child]]) -> None:
+        """Take over the replicas omni-up started for the autoscaled stages."""
+        for plan, child in started:
+            pool = self.pools.get(plan.stage_id) if plan.stage_id is not None else None
+            if pool is not None:
+                pool.children.append(child)
+                pool.next_replica += 1
+
+    def start(self) -> None:
+        """Set every autoscaled stage's policy on the control plane (starting count: the
+        replicas running now). One the control plane does not take now is set by a later
+        :meth:`tick`."""
+        for pool in self.pools.values():
+            try:
+                status = self._put_policy(pool)
+            except ControlPlaneError as exc:
+                self._warn(pool, f"cannot set its policy yet: {exc}")
+                continue
+            logger.info(
+                "autoscale stage=%d policy set: min=%d max=%d target_utilization=%g "
+                "replicas=%d desired=%s",
+                pool.stage_id,
+                pool.policy.min_replicas,
+                pool.policy.max_replicas,
+                pool.policy.target_utilization,
+                len(pool.live()),
+                status.desired,
+            )
+
+    def close(self) -> None:
+        """Close the control-plane client and the private event loop."""
+        try:
+            self._run(self._client.close())
+        finally:
+            self._loop.close()
+
+    def __enter__(self) -> StageActuator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- following the desired counts -------------------------------------------------------
+
+    def tick(self, now: float | None = None) -> None:
+        """Every ``poll_s``: read each autoscaled stage's desired count and act on it."""
+        now = time.monotonic() if now is None else now
+        if now < self._next_tick:
+            return
+        self._next_tick = now + self.poll_s
+        for pool in self.pools.values():
+            try:
+                status = self._run(self._client.scale(self._pipeline, pool.stage_id))
+                if status.policy is None:
+                    logger.warning(
+                        "autoscale stage=%d: the control plane has no policy for it (restarted, "
+                        "or Redis lost its data); setting it again with replicas=%d",
+                        pool.stage_id,
+                        len(pool.live()),
+                    )
+                    status = self._put_policy(pool)
+            except ControlPlaneError as exc:
+                self._warn(pool, f"cannot read its desired replicas: {exc}")
+                continue
+            if status.desired is not None:
+                self._reconcile(pool, status.desired, status)
+
+    def _reconcile(self, pool: StagePool, desired: int, status: ScaleStatus) -> None:
+        live = pool.live()
+        have = len(live)
+        if desired == have:
+            return
+        why = _reason(status, have, desired)
+        if desired > have:
+            for _ in range(desired - have):
+                self._start_replica(pool, why)
+            return
+        # Newest first, those still starting before those serving.
+        order = sorted(live, key=lambda c: (c.ready, -c.started_at))
+        for child in order[: have - desired]:
+            pool.children.remove(child)
+            self._sup.retire(child, f"autoscale stage={pool.stage_id} {why}")
+
+    def _start_replica(self, pool: StagePool, why: str) -> None:
+        plan = self._plan_replica(pool.stage_id, pool.next_replica)
+        pool.next_replica += 1
+        child = self._sup.start(
+            plan.name,
+            plan.argv,
+            env=self._env,
+            ready_url=plan.ready_url,
+            stop_rank=plan.stop_rank,
+            restart=self._restart,
+            probe=True,
+        )
+        pool.children.append(child)
+        logger.info(
+            "autoscale stage=%d starting process=%s pid=%d on %s: %s",
+            pool.stage_id,
+            plan.name,
+            child.pid,
+            plan.url,
+            why,
+        )
+
+    # ---- plumbing ----------------------------------------------------------------------------
+
+    def _put_policy(self, pool: StagePool) -> ScaleStatus:
+        replicas = pool.policy.clamp(len(pool.live()))
+        coro = self._client.set_scale_policy(
+            self._pipeline, pool.stage_id, pool.policy, replicas=replicas
+        )
+        return self._run(coro)
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self._loop.run_until_complete(coro)
+
+    def _warn(self, pool: StagePool, what: str) -> None:
+        now = time.monotonic()
+        if now - pool.warned_at >= QUIET_S:
+            pool.warned_at = now
+            logger.warning("autoscale stage=%d %s (keeping %d replicas)", pool.stage_id, what,
+                           len(pool.live()))  # fmt: skip
+
+
+def _reason(status: ScaleStatus, have: int, desired: int) -> str:
+    """``replicas 1->3 (reason=utilization utilization=0.93 ready=1 in_flight=…)``."""
+    text = f"replicas {have}->{desired}"
+    d = status.decision
+    if d is None:
+        return f"{text} (starting count)"
+    i = d.inputs
+    return (
+        f"{text} (reason={d.reason} utilization={i.utilization:.2f} ready={i.ready} "
+        f"in_flight={i.in_flight} queued={i.queued} wake_waiting={i.wake_waiting})"
+    )
