@@ -157,6 +157,26 @@ def _instances(cp: ControlPlaneProcess, pipeline: str, stage_id: int) -> list[di
     return list(body["instances"])  # type: ignore[call-overload]
 
 
+def _notified_within(cps: list[ControlPlaneProcess], limit_s: float) -> bool:
+    watch = f"{cps[1].url}/v1/watch?pipeline=tiny-image"
+    status, body = _call("GET", watch + "&timeout_s=0")
+    assert status == 200, status
+    seen: list[float] = []
+
+    def long_poll() -> None:
+        _call("GET", f"{watch}&since={body['version']}&timeout_s=4")
+        seen.append(time.monotonic())
+
+    thread = threading.Thread(target=long_poll, daemon=True)
+    thread.start()
+    time.sleep(0.3)  # the long poll is waiting
+    t0 = time.monotonic()
+    new = {"pipeline": "tiny-image", "stage_id": 0, "address": "http://10.98.0.1:1", "capacity": 1}
+    assert _call("POST", f"{cps[0].url}/v1/instances", new)[0] == 201
+    thread.join(10)
+    return bool(seen) and seen[0] - t0 < limit_s
+
+
 def test_failover_under_load_loses_nothing(sentinels: SentinelGroup, tmp_path: Path) -> None:
     cps = [
         start_control_plane(
@@ -211,6 +231,9 @@ def test_failover_under_load_loses_nothing(sentinels: SentinelGroup, tmp_path: P
         # writes during the failover are refused with a 503 (never a 500)
         statuses = {s for _, s in load.registrations + load.heartbeats}
         assert statuses <= {200, 201, 503}, statuses
+        # change notifications flow again (pub/sub on the new primary): a watcher on one
+        # omni-cp sees a registration through the other before its 5 s re-read
+        wait_until(lambda: _notified_within(cps, 1.5), 20, interval=0.5)
     finally:
         for proc in procs:
             proc.terminate(timeout=20)
