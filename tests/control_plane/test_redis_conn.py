@@ -145,6 +145,22 @@ def test_omni_cp_over_tls_with_password(tls_redis: int, tls_dir: Path, tmp_path:
         cp.terminate()
 
 
+async def test_password_without_tls(tmp_path: Path) -> None:
+    port = free_port()
+    proc = start_redis(tmp_path, port, ["--requirepass", PASSWORD], name="redis-pass")
+    good = connect_redis(f"redis://:{PASSWORD}@127.0.0.1:{port}/1")
+    anonymous = connect_redis(f"redis://127.0.0.1:{port}/1")
+    try:
+        assert await good.set("k", "v")
+        assert await good.get("k") == "v"
+        with pytest.raises(AuthenticationError):
+            await anonymous.get("k")
+    finally:
+        await good.aclose()
+        await anonymous.aclose()
+        proc.cleanup()
+
+
 async def test_unix_socket(tmp_path: Path) -> None:
     sock = tmp_path / "r.sock"
     proc = start_redis(tmp_path, 0, ["--unixsocket", str(sock)], name="redis-unix")
