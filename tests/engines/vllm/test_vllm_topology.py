@@ -1,0 +1,140 @@
+"""``tiny-omni-vllm`` as real processes: omni-cp, an API server, a vLLM thinker pod, two vLLM
+talker pods (headless) and a code2wav pod. ``/v1/generate`` gives the thinker's text and the
+audio, deterministic per seed; ``/v1/audio/speech`` answers a WAV; bad sampling values are a
+400 naming the field; and kill -9 of a talker's vLLM engine process mid-generation under load
+costs no request: its hops are replayed on the other talker with the same answer."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from tests.procs import LOCALHOST, wait_until
+from tests.sidecar import topology
+from tests.sidecar.topology import Topology, engine_pid, post_json
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+PIPELINE = "tiny-omni-vllm"
+
+
+def _port_below_ephemeral_range() -> int:
+    """A free port under Linux's ephemeral range (32768+). A vLLM engine listens on a dozen
+    kernel-chosen ports; a port picked the same way (bind to 0) before a pod binds it, a minute
+    later once its engine is ready, is likely to be taken by then."""
+    for _ in range(200):
+        port = random.randrange(20_000, 32_000)
+        with socket.socket() as s:
+            try:
+                s.bind((LOCALHOST, port))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no free port in 20000-32000")
+
+
+@pytest.fixture(scope="module")
+def topo(vllm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
+    top = Topology(PIPELINE, [1, 2, 1], tmp_path_factory.mktemp("vllm-topology"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(topology, "free_port", _port_below_ephemeral_range)
+        try:
+            top.start()
+            for stage_id, count in enumerate(top.replicas):
+                top.wait_discovered(stage_id, count, timeout=180)
+            yield top
+        finally:
+            top.close()
+
+
+def generate(topo: Topology, seed: int, max_tokens: int = 24) -> tuple[str, bytes]:
+    status, body = post_json(
+        f"{topo.api_url}/v1/generate",
+        {"prompt": f"tell me a story number {seed}", "seed": seed, "max_tokens": max_tokens},
+        timeout=120,
+    )
+    assert status == 200, body[:500]
+    outputs = json.loads(body)["outputs"]
+    return outputs["0"]["text"], base64.b64decode(outputs["2"]["data"])
+
+
+def test_generate_gives_text_and_audio_deterministic_per_seed(topo: Topology) -> None:
+    text, audio = generate(topo, seed=5)
+    assert text and audio[:4] == b"RIFF"
+    # 24 thinker tokens -> 2 frames each -> 48 frames of 1920 samples (int16) after the header
+    assert len(audio) >= 48 * 1920 * 2
+    assert generate(topo, seed=5) == (text, audio)
+    assert generate(topo, seed=6)[1] != audio
+
+
+def test_speech_route(topo: Topology) -> None:
+    status, body = post_json(
+        f"{topo.api_url}/v1/audio/speech",
+        {"model": PIPELINE, "input": "hello there", "voice": "echo", "seed": 3},
+        timeout=120,
+    )
+    assert status == 200, body[:500]
+    assert body[:4] == b"RIFF" and len(body) > 44
+
+
+@pytest.mark.parametrize(
+    ("sampling", "field"),
+    [({"top_p": 2.0}, "top_p"), ({"repetition_penalty": 0}, "repetition_penalty")],
+)
+def test_bad_sampling_is_a_400_naming_the_field(
+    topo: Topology, sampling: dict[str, float], field: str
+) -> None:
+    status, body = post_json(
+        f"{topo.api_url}/v1/run",
+        {"stage_id": 0, "stage_input": {"prompt": "hi"}, "sampling_params": sampling},
+    )
+    assert status == 400, body[:500]
+    assert field in json.loads(body)["error"]["message"]
+
+
+def test_kill_9_of_a_talker_engine_mid_generation_is_replayed(topo: Topology) -> None:
+    seeds = list(range(100, 106))
+    expected = {seed: generate(topo, seed, max_tokens=48) for seed in seeds}
+    retries_before = _hop_retries(topo)
+    results: dict[int, object] = {}
+
+    def client(seed: int) -> None:
+        try:
+            results[seed] = generate(topo, seed, max_tokens=48)
+        except AssertionError as exc:
+            results[seed] = exc
+
+    threads = [threading.Thread(target=client, args=(seed,)) for seed in seeds]
+    for t in threads:
+        t.start()
+    # Kill the engine of a talker while it generates (hops in flight there).
+    talkers = list(zip(topo.stages[1], topo.urls[1], strict=True))
+    victim: list[int] = []
+
+    def busy_talker() -> bool:
+        for proc, url in talkers:
+            if topo.metric(url, "omni_stage_in_flight") >= 1:
+                victim.append(engine_pid(proc))
+                return True
+        return False
+
+    wait_until(busy_talker, 60, interval=0.01)
+    os.kill(victim[0], signal.SIGKILL)
+    for t in threads:
+        t.join(180)
+    failed = {s: r for s, r in results.items() if r != expected[s]}
+    assert len(results) == len(seeds) and not failed, failed
+    assert _hop_retries(topo) > retries_before, "the kill hit no hop in flight"
+
+
+def _hop_retries(topo: Topology) -> float:
+    (thinker_url,) = topo.urls[0]
+    return topo.metric(thinker_url, "omni_stage_hop_retries_total")
