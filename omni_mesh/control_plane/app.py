@@ -23,7 +23,7 @@ from omni_mesh.control_plane.middleware import (
     error_middleware,
     metrics_middleware,
 )
-from omni_mesh.control_plane.redis_conn import connect_redis, refuse_cluster
+from omni_mesh.control_plane.redis_conn import close_redis, connect_redis, refuse_cluster
 from omni_mesh.control_plane.schema import MAX_BODY_BYTES
 from omni_mesh.control_plane.store import InstanceStore
 from omni_mesh.control_plane.suspect import SuspectChecker
@@ -48,12 +48,12 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     except RedisError as exc:
         logger.warning("redis not reachable at start-up (serving 503 until it is): %s", exc)
     except BaseException:
-        await redis.aclose()
+        await close_redis(redis)
         raise
     try:
         yield
     finally:
-        await redis.aclose()
+        await close_redis(redis)
 
 
 async def _hub_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -205,6 +205,14 @@ def connect_redis(url: str) -> Redis:
     )
 
 
+async def close_redis(redis: Redis) -> None:
+    """Close ``redis``, its pool and, for a Sentinel-managed primary, the sentinel clients."""
+    pool = redis.connection_pool
+    await redis.aclose()
+    if isinstance(pool, SentinelConnectionPool):
+        await pool.sentinel_manager.aclose()
+
+
 async def refuse_cluster(redis: Redis) -> None:
     """Raise :class:`RedisUrlError` when ``redis`` is a Redis Cluster node."""
     info = await redis.info("cluster")

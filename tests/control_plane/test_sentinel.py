@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from omni_mesh.control_plane.redis_conn import close_redis, connect_redis
 from tests.control_plane.redis_ha import SentinelGroup
 from tests.procs import (
     LOCALHOST,
@@ -155,6 +156,17 @@ def _instances(cp: ControlPlaneProcess, pipeline: str, stage_id: int) -> list[di
     status, body = _call("GET", f"{cp.url}/v1/pipelines/{pipeline}/stages/{stage_id}/instances")
     assert status == 200, status
     return list(body["instances"])  # type: ignore[call-overload]
+
+
+async def test_client_finds_the_primary_and_closes_cleanly(sentinels: SentinelGroup) -> None:
+    redis = connect_redis(sentinels.url)
+    try:
+        script = redis.register_script("return redis.call('INCR', KEYS[1])")
+        assert await script(keys=["sentinel-k"]) >= 1
+        info = await redis.info("replication")
+        assert info["role"] == "master"
+    finally:
+        await close_redis(redis)
 
 
 def _notified_within(cps: list[ControlPlaneProcess], limit_s: float) -> bool:
