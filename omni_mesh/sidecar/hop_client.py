@@ -79,6 +79,51 @@ def now_ms() -> int:
 
 
 @dataclass
+class HopBudget:
+    """One hop's replay budget: the request's deadline, the retries left and the attempt
+    numbers. Every replica failure of the hop, inside :meth:`HopClient.call` or mid-stream,
+    spends from this one object."""
+
+    stage_id: int
+    deadline_ms: int
+    retries: int  # replays allowed after the first failure
+    first_attempt: int = 0  # the attempt number of the hop's first try (``si.attempt``)
+    stats: HopStats = field(default_factory=HopStats)
+    failures: int = 0
+
+    @property
+    def attempt(self) -> int:
+        """The attempt number of the next try (one more per failed replica)."""
+        return self.first_attempt + self.failures
+
+    def remaining_s(self) -> float:
+        """Seconds left before the deadline; :class:`HopUnavailable` when none are."""
+        remaining_s = (self.deadline_ms - now_ms()) / 1000.0
+        if remaining_s > 0:
+            return remaining_s
+        tried = self.stats.tried
+        if not (tried or self.stats.waited_full):
+            raise HopUnavailable(
+                self.stage_id,
+                f"the request's deadline passed before its hand-off to stage {self.stage_id}",
+                code="deadline",
+            )
+        raise HopUnavailable(
+            self.stage_id,
+            f"no replica of stage {self.stage_id} answered before the request's deadline "
+            f"(tried {len(tried)}: {', '.join(tried) or 'pool empty'})",
+        )
+
+    def spend(self, spent: str) -> None:
+        """Count one failed replica; :class:`HopUnavailable` (``spent``, then the budget)
+        when that was the last retry."""
+        self.failures += 1
+        if self.failures > self.retries:
+            raise HopUnavailable(self.stage_id, f"{spent}; retry budget ({self.retries}) spent")
+        self.stats.retries += 1
+
+
+@dataclass
 class Answer:
     """A replica's answer to a replayed call (any status that is not a replica failure)."""
 
@@ -116,22 +161,14 @@ class HopClient:
 
     # ---- the hop -------------------------------------------------------------------------
 
-    async def send(self, si: StageInput) -> HopResult:
-        """Hand ``si`` to a replica whose answer is one frame (nothing downstream streams)."""
-        frames = [frame async for frame in self.stream(si)]
-        if len(frames) != 1:
-            raise RuntimeError(f"the answer to {si.request_id} streamed; use stream()")
-        return frames[0]
-
     async def stream(self, si: StageInput) -> AsyncGenerator[HopResult, None]:
         """Hand ``si`` to a replica of its stage and yield the answer's frames: one frame for a
         whole answer, or a stream (every frame but the last has ``more=True``). Replays on
         replica failure, mid-stream included, yielding each (stage, chunk) once."""
-        stats = HopStats()
+        budget = HopBudget(si.stage_id, si.deadline_ms, self.retries, si.attempt)
         t0 = time.monotonic()
         connector = self.connector_for(si.from_stage, si.stage_id)
         seen: set[tuple[int, int]] = set()
-        failures = 0
 
         def body_for(replica: Replica, attempt: int) -> bytes:
             same_host = replica.host_id == self.router.host_id
@@ -140,70 +177,69 @@ class HopClient:
 
         try:
             while True:
+                # 1) A replica answers (replayed on replica failures inside call()).
                 answer = await self.call(
                     si.stage_id,
                     HOP_PATH,
                     body_for,
                     content_type=MSGPACK,
-                    deadline_ms=si.deadline_ms,
+                    budget=budget,
                     prefer_same_host=connector.prefers_same_host,
-                    stats=stats,
-                    first_attempt=si.attempt + failures,
-                    failures=failures,
                     stream_type=HOP_FRAMES,
                 )
+                # 2) A whole answer: one frame, done.
                 if answer.frames is None:
                     yield _unseen(_hop_result(si, answer), seen)
                     return
-                replica = answer.replica
+                # 3) A streamed answer: pass on its frames until the last one …
                 try:
-                    async with answer.frames as frames:
-                        async for raw in frames:
-                            frame = _unseen(codec.decode(raw, HopResult), seen)
-                            if not frame.more:
-                                yield frame
-                                return
-                            if frame.outputs or frame.timings:  # not all replayed
-                                yield frame
-                    raise HopConnectionError("the stream ended before its last frame")
+                    async with contextlib.aclosing(_stream_frames(answer.frames, seen)) as frames:
+                        async for frame in frames:
+                            yield frame
+                    return
+                # 4) … or, when it breaks off, fail the replica and replay what is missing.
                 except (HopConnectionError, wire.WireError, ValueError, TimeoutError) as exc:
-                    # Broke off mid-stream: the replica failed; replay what is missing.
-                    if now_ms() < si.deadline_ms or not isinstance(exc, TimeoutError):
-                        self.router.eject(
-                            replica.instance_id,
-                            f"stream broke off: {type(exc).__name__}: {exc}",
-                            connection_level=isinstance(exc, HopConnectionError),
-                        )
-                    failures = stats.retries + 1  # those spent inside call() count too
-                    if now_ms() >= si.deadline_ms:
-                        raise HopUnavailable(
-                            si.stage_id,
-                            f"the request's deadline passed while stage {si.stage_id} "
-                            f"({replica.instance_id}) was streaming its answer",
-                            code="deadline",
-                        ) from exc
-                    if failures > self.retries:
-                        raise HopUnavailable(
-                            si.stage_id,
-                            f"stage {si.stage_id}: streamed answer from {replica.instance_id} "
-                            f"broke off ({type(exc).__name__}: {exc}); retry budget "
-                            f"({self.retries}) spent",
-                        ) from exc
-                    stats.retries += 1
-                    logger.info(
-                        "replaying streamed hop request_id=%s stage=%d after %s: %d chunk(s) "
-                        "already delivered",
-                        si.request_id,
-                        si.stage_id,
-                        replica.instance_id,
-                        len(seen),
-                    )
+                    self._stream_broke(budget, si, answer.replica, exc, delivered=len(seen))
                 finally:
-                    self.router.end(replica.instance_id)
+                    self.router.end(answer.replica.instance_id)
         finally:
-            stats.seconds = time.monotonic() - t0
+            budget.stats.seconds = time.monotonic() - t0
             if self.on_hop is not None:
-                self.on_hop(si, stats)
+                self.on_hop(si, budget.stats)
+
+    def _stream_broke(
+        self,
+        budget: HopBudget,
+        si: StageInput,
+        replica: Replica,
+        exc: Exception,
+        *,
+        delivered: int,
+    ) -> None:
+        """A streamed answer broke off: the replica failed (a stream cut by the request's
+        deadline is the deadline's doing: 504, no replay)."""
+        why = f"{type(exc).__name__}: {exc}"
+        self._replica_failed(replica, f"stream broke off: {why}", budget, exc)
+        if now_ms() >= si.deadline_ms:
+            raise HopUnavailable(
+                si.stage_id,
+                f"the request's deadline passed while stage {si.stage_id} "
+                f"({replica.instance_id}) was streaming its answer",
+                code="deadline",
+            ) from exc
+        try:
+            budget.spend(
+                f"stage {si.stage_id}: streamed answer from {replica.instance_id} broke off ({why})"
+            )
+        except HopUnavailable as spent:
+            raise spent from exc
+        logger.info(
+            "replaying streamed hop request_id=%s stage=%d after %s: %d chunk(s) already delivered",
+            si.request_id,
+            si.stage_id,
+            replica.instance_id,
+            delivered,
+        )
 
     # ---- replayed calls ------------------------------------------------------------------
 
@@ -214,11 +250,9 @@ class HopClient:
         body_for: BodyFor,
         *,
         content_type: str,
-        deadline_ms: int,
+        budget: HopBudget | None = None,
+        deadline_ms: int = 0,
         prefer_same_host: bool = False,
-        stats: HopStats | None = None,
-        first_attempt: int = 0,
-        failures: int = 0,
         stream_type: str | None = None,
     ) -> Answer:
         """POST to ``path`` on a replica of ``stage_id``. A replica failure (connection
@@ -226,52 +260,40 @@ class HopClient:
         replayed on another replica within the retry budget; busy replicas (409/429) are
         skipped; an empty or all-busy pool is waited on. Raises :class:`HopUnavailable`.
 
-        An answer of ``stream_type`` comes back unread (:attr:`Answer.frames`), its replica
-        still counted in flight: the caller reads the frames and calls ``router.end``.
-        ``failures`` is how much of the retry budget earlier calls of this hop spent."""
-        stats = stats or HopStats()
+        ``budget`` is the hop's (a fresh one for ``deadline_ms`` when not given). An answer
+        of ``stream_type`` comes back unread (:attr:`Answer.frames`), its replica still
+        counted in flight: the caller reads the frames and calls ``router.end``."""
+        budget = budget or HopBudget(stage_id, deadline_ms, self.retries)
         busy: set[str] = set()
-        first_attempt -= failures
-        backoff = 0.005
+        wait = _FullWait()
         while True:
-            remaining_s = (deadline_ms - now_ms()) / 1000.0
-            if remaining_s <= 0 and not (stats.tried or stats.waited_full):
-                raise HopUnavailable(
-                    stage_id,
-                    f"the request's deadline passed before its hand-off to stage {stage_id}",
-                    code="deadline",
-                )
-            if remaining_s <= 0:
-                raise HopUnavailable(
-                    stage_id,
-                    f"no replica of stage {stage_id} answered before the request's deadline "
-                    f"(tried {len(stats.tried)}: {', '.join(stats.tried) or 'pool empty'})",
-                )
+            remaining_s = budget.remaining_s()
             replica = self.router.pick(stage_id, exclude=busy, prefer_same_host=prefer_same_host)
             if replica is None:
-                # Empty pool, or every replica busy: wait (bounded by the deadline), retry.
                 busy.clear()
-                stats.waited_full += 1
-                await asyncio.sleep(min(backoff, remaining_s))
-                backoff = min(backoff * 2, 0.25)
+                await self._wait_for_a_replica(budget, wait, remaining_s)
                 continue
-            body = body_for(replica, first_attempt + failures)
+            body = body_for(replica, budget.attempt)
             answer = await self._attempt(
-                replica, path, body, content_type, deadline_ms, remaining_s, stats, stream_type
+                replica, path, body, content_type, budget, remaining_s, stream_type
             )
-            if answer is not None and answer.status not in _BUSY:
-                return answer
-            if answer is not None:  # busy: not a failure
-                busy.add(replica.instance_id)
-                continue
-            failures += 1
-            if failures > self.retries:
-                raise HopUnavailable(
-                    stage_id,
-                    f"stage {stage_id}: failed on {failures} replica(s), retry budget "
-                    f"({self.retries}) spent (last: {replica.instance_id})",
+            if answer is None:  # the replica failed (ejected): replay on another
+                budget.spend(
+                    f"stage {stage_id}: failed on {budget.failures + 1} replica(s) "
+                    f"(last: {replica.instance_id})"
                 )
-            stats.retries += 1
+            elif answer.status in _BUSY:  # busy: not a failure
+                busy.add(replica.instance_id)
+            else:
+                return answer
+
+    async def _wait_for_a_replica(
+        self, budget: HopBudget, wait: _FullWait, remaining_s: float
+    ) -> None:
+        """The pool is empty or every replica is full: wait a little (exponential back-off,
+        bounded by the deadline) before picking again."""
+        budget.stats.waited_full += 1
+        await asyncio.sleep(min(wait.next_s(), remaining_s))
 
     async def _attempt(
         self,
@@ -279,12 +301,12 @@ class HopClient:
         path: str,
         body: bytes,
         content_type: str,
-        deadline_ms: int,
+        budget: HopBudget,
         remaining_s: float,
-        stats: HopStats,
         stream_type: str | None = None,
     ) -> Answer | None:
-        """One try; ``None`` when the replica failed (it is ejected)."""
+        """One try; ``None`` when the replica failed (see :meth:`_replica_failed`)."""
+        stats = budget.stats
         stats.attempts += 1
         stats.bytes_sent += len(body)
         stats.tried.append(replica.instance_id)
@@ -306,24 +328,56 @@ class HopClient:
             )
             if resp.status in _REPLICA_FAILED:
                 text = bytes(resp.body[:300]).decode(errors="replace")
-                self.router.eject(replica.instance_id, f"status {resp.status}: {text}")
+                self._replica_failed(replica, f"status {resp.status}: {text}", budget)
                 return None
             streaming = resp.frames is not None
             return Answer(resp.status, resp.body, resp.content_type, replica, resp.frames)
-        except (HopConnectionError, wire.WireError) as exc:
-            self.router.eject(
-                replica.instance_id,
-                f"{type(exc).__name__}: {exc}",
-                connection_level=isinstance(exc, HopConnectionError),
-            )
-            return None
-        except TimeoutError:
-            if now_ms() < deadline_ms:
-                self.router.eject(replica.instance_id, "timed out")
+        except (HopConnectionError, wire.WireError, TimeoutError) as exc:
+            why = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
+            self._replica_failed(replica, why, budget, exc)
             return None
         finally:
             if not streaming:
                 self.router.end(replica.instance_id)
+
+    def _replica_failed(
+        self, replica: Replica, why: str, budget: HopBudget, exc: BaseException | None = None
+    ) -> None:
+        """The one place a replica is judged failed: it is ejected from the router (a
+        connection-level failure lets the router report it as suspect), except after a
+        timeout past the request's deadline, which is the request's doing, not the replica's."""
+        if isinstance(exc, TimeoutError) and now_ms() >= budget.deadline_ms:
+            return
+        self.router.eject(
+            replica.instance_id, why, connection_level=isinstance(exc, HopConnectionError)
+        )
+
+
+class _FullWait:
+    """Back-off between looks at a pool that is empty or full: 5 ms, doubling, at most 250 ms."""
+
+    def __init__(self) -> None:
+        self._next_s = 0.005
+
+    def next_s(self) -> float:
+        wait_s, self._next_s = self._next_s, min(self._next_s * 2, 0.25)
+        return wait_s
+
+
+async def _stream_frames(
+    reader: FrameReader, seen: set[tuple[int, int]]
+) -> AsyncGenerator[HopResult, None]:
+    """The frames of a streamed answer not passed on before, up to its last one; a stream that
+    ends without a last frame raises :class:`HopConnectionError`."""
+    async with reader as frames:
+        async for raw in frames:
+            frame = _unseen(codec.decode(raw, HopResult), seen)
+            if not frame.more:
+                yield frame
+                return
+            if frame.outputs or frame.timings:  # not all replayed
+                yield frame
+    raise HopConnectionError("the stream ended before its last frame")
 
 
 def _unseen(frame: HopResult, seen: set[tuple[int, int]]) -> HopResult:

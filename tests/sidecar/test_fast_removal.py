@@ -30,6 +30,7 @@ from omni_mesh.data_plane.shm import ShmReader
 from omni_mesh.sidecar.hop_client import HOP_PATH, HopClient, HopUnavailable
 from omni_mesh.sidecar.hop_http import HopHttpClient
 from omni_mesh.sidecar.router import Replica, Router
+from tests.sidecar.hops import send
 from tests.sidecar.topology import Topology, http_get, post_json
 
 logger = logging.getLogger(__name__)
@@ -183,7 +184,7 @@ async def test_hop_failures_are_reported_with_their_kind(
         try:
             hop = HopClient(http, router, lambda a, b: HttpConnector(), reader, retries=0)
             with pytest.raises(HopUnavailable):
-                await hop.send(si)
+                await send(hop, si)
         finally:
             await http.close()
     if kind == "slow":  # slower than the request's deadline: not the replica's fault

@@ -32,6 +32,7 @@ from omni_mesh.data_plane.tensors import array_from_tensor
 from omni_mesh.sidecar.hop_client import HOP_PATH, HopClient, HopStats, HopUnavailable
 from omni_mesh.sidecar.hop_http import HopHttpClient
 from omni_mesh.sidecar.router import Replica, Router
+from tests.sidecar.hops import send
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -245,7 +246,7 @@ async def test_a_hop_delivers_the_input_and_returns_the_result(
     ok = await start_replica("ok")
     hops = make_hops(ok.replica(), auth_header={"Authorization": "Bearer t0ken"})
     si = hop_input("deliver-1")
-    result = await hops.client.send(si)
+    result = await send(hops.client, si)
     assert result.error is None and result.request_id == "deliver-1"
     assert result.outputs[STAGE + 1].fields == {"served_by": "ok"}
     assert [t.instance_id for t in result.timings] == ["ok"]
@@ -270,7 +271,7 @@ async def test_shared_memory_tensors_are_streamed_inline_over_http(
         slot.view[:] = arr.tobytes()
         tensor = Tensor(dtype="float32", shape=(100_000,), shm=slot.ref)
         si = hop_input("tensor-1", payload=Payload(tensors={"hidden": tensor}))
-        result = await hops.client.send(si)
+        result = await send(hops.client, si)
     assert result.error is None
     sent = ok.received[0].payload.tensors["hidden"]
     assert sent.shm is None and sent.data is not None  # the bytes, not a handle
@@ -303,7 +304,7 @@ async def test_a_failed_replica_is_ejected_and_the_hop_replayed(
     good = await start_replica("good")
     # The good replica reports load, so that P2C tries the failing one first.
     hops = make_hops(bad, good.replica(reported=4), retries=2)
-    result = await hops.client.send(hop_input("replay-1"))
+    result = await send(hops.client, hop_input("replay-1"))
     assert result.error is None
     assert result.outputs[STAGE + 1].fields == {"served_by": "good"}
     (replayed,) = good.received
@@ -322,7 +323,7 @@ async def test_the_retry_budget_is_enforced(
     servers = [await start_replica(f"s{i}", [503]) for i in range(4)]
     hops = make_hops(*(s.replica() for s in servers), retries=2)
     with pytest.raises(HopUnavailable, match=r"retry budget \(2\) spent") as info:
-        await hops.client.send(hop_input("budget-1"))
+        await send(hops.client, hop_input("budget-1"))
     assert info.value.stage_id == STAGE
     received = [si for s in servers for si in s.received]
     assert sorted(si.attempt for si in received) == [0, 1, 2]  # 1 try + 2 replays
@@ -337,7 +338,7 @@ async def test_stats_count_the_replays_actually_made(
     servers = [await start_replica(f"s{i}", [503]) for i in range(3)]
     hops = make_hops(*(s.replica() for s in servers), retries=1)
     with pytest.raises(HopUnavailable):
-        await hops.client.send(hop_input("count-1"))
+        await send(hops.client, hop_input("count-1"))
     (stats,) = hops.stats
     assert stats.attempts == 2
     assert stats.retries == 1  # one replay (attempt 1) after the first failure
@@ -349,7 +350,7 @@ async def test_no_retry_budget_means_one_attempt(
     bad, good = await start_replica("bad", [503]), await start_replica("good")
     hops = make_hops(bad.replica(), good.replica(reported=4), retries=0)
     with pytest.raises(HopUnavailable):
-        await hops.client.send(hop_input())
+        await send(hops.client, hop_input())
     assert len(bad.received) == 1 and good.received == []
 
 
@@ -362,7 +363,7 @@ async def test_a_full_replica_moves_on_without_spending_the_budget(
 ) -> None:
     full, good = await start_replica("full", [status]), await start_replica("good")
     hops = make_hops(full.replica(), good.replica(reported=4), retries=0)
-    result = await hops.client.send(hop_input("full-1"))
+    result = await send(hops.client, hop_input("full-1"))
     assert result.outputs[STAGE + 1].fields == {"served_by": "good"}
     assert [si.attempt for si in full.received] == [0]
     assert [si.attempt for si in good.received] == [0]  # not a replay: same attempt
@@ -375,7 +376,7 @@ async def test_when_every_replica_is_full_the_hop_waits_for_one(
 ) -> None:
     busy = await start_replica("busy", [429, 429, 429, 200])
     hops = make_hops(busy.replica(), retries=0)
-    result = await hops.client.send(hop_input("wait-1", deadline_s=5.0))
+    result = await send(hops.client, hop_input("wait-1", deadline_s=5.0))
     assert result.outputs[STAGE + 1].fields == {"served_by": "busy"}
     assert [si.attempt for si in busy.received] == [0, 0, 0, 0]
     assert hops.stats[0].waited_full >= 3
@@ -388,7 +389,7 @@ async def test_full_until_the_deadline_is_unavailable_in_bounded_time(
     hops = make_hops(busy.replica(), retries=5)
     started = time.monotonic()
     with pytest.raises(HopUnavailable, match="deadline") as info:
-        await hops.client.send(hop_input(deadline_s=0.5))
+        await send(hops.client, hop_input(deadline_s=0.5))
     assert info.value.code == "unavailable"  # → 503 + Retry-After: the pool was full
     assert 0.4 < time.monotonic() - started < 1.5
     assert len(busy.received) >= 2
@@ -403,7 +404,7 @@ async def test_a_400_is_returned_as_bad_input_without_retry(
 ) -> None:
     picky, good = await start_replica("picky", [400]), await start_replica("good")
     hops = make_hops(picky.replica(), good.replica(reported=4), retries=3)
-    result = await hops.client.send(hop_input("bad-1"))
+    result = await send(hops.client, hop_input("bad-1"))
     assert result.request_id == "bad-1"
     assert result.error is not None
     assert (result.error.code, result.error.stage_id) == ("bad_input", STAGE)
@@ -420,7 +421,7 @@ async def test_an_empty_pool_waits_until_the_deadline(make_hops: MakeHops) -> No
     hops = make_hops()
     started = time.monotonic()
     with pytest.raises(HopUnavailable, match="pool empty") as info:
-        await hops.client.send(hop_input(deadline_s=0.5))
+        await send(hops.client, hop_input(deadline_s=0.5))
     assert 0.4 < time.monotonic() - started < 1.5
     assert info.value.stage_id == STAGE
     assert hops.stats[0].attempts == 0 and hops.stats[0].waited_full > 1
@@ -433,7 +434,7 @@ async def test_a_past_deadline_fails_at_once_without_sending(
     hops = make_hops(ok.replica())
     started = time.monotonic()
     with pytest.raises(HopUnavailable) as info:
-        await hops.client.send(hop_input(deadline_s=-1.0))
+        await send(hops.client, hop_input(deadline_s=-1.0))
     assert time.monotonic() - started < 0.2
     assert ok.received == []
     assert info.value.code == "deadline"  # → 504: nothing was tried, no replica is to blame
@@ -451,7 +452,7 @@ async def test_a_replica_that_appears_while_waiting_gets_the_hop(
 
     joiner = asyncio.create_task(discover_later())
     started = time.monotonic()
-    result = await hops.client.send(hop_input("late-1", deadline_s=10.0))
+    result = await send(hops.client, hop_input("late-1", deadline_s=10.0))
     await joiner
     assert result.outputs[STAGE + 1].fields == {"served_by": "late"}
     assert 0.25 < time.monotonic() - started < 2.0
@@ -469,7 +470,7 @@ async def test_every_replica_ejected_waits_for_discovery_of_a_new_one(
         hops.pools.members.append(fresh.replica())
 
     joiner = asyncio.create_task(discover_later())
-    result = await hops.client.send(hop_input("eject-1", deadline_s=10.0))
+    result = await send(hops.client, hop_input("eject-1", deadline_s=10.0))
     await joiner
     assert result.outputs[STAGE + 1].fields == {"served_by": "fresh"}
     assert [si.attempt for si in fresh.received] == [1]
@@ -486,7 +487,7 @@ async def test_a_shm_edge_prefers_a_replica_on_the_same_host(
         local.replica(host=HOST, reported=4), remote.replica(), connector=SharedMemoryConnector()
     )
     for i in range(3):
-        await hops.client.send(hop_input(f"local-{i}"))
+        await send(hops.client, hop_input(f"local-{i}"))
     assert len(local.received) == 3 and remote.received == []
 
 
@@ -496,7 +497,7 @@ async def test_an_http_edge_does_not_prefer_the_same_host(
     local, remote = await start_replica("local"), await start_replica("remote")
     hops = make_hops(local.replica(host=HOST, reported=4), remote.replica())
     for i in range(3):
-        await hops.client.send(hop_input(f"http-{i}"))
+        await send(hops.client, hop_input(f"http-{i}"))
     assert local.received == [] and len(remote.received) == 3
 
 
@@ -507,7 +508,7 @@ async def test_a_500_is_a_request_failure_not_replayed(
     replaying it would only spread it, and ejecting the replica would punish it."""
     bad = await start_replica("bad", [500, 500, 500])
     hops = make_hops(bad.replica(), retries=2)
-    result = await hops.client.send(hop_input("no-replay"))
+    result = await send(hops.client, hop_input("no-replay"))
     assert result.error is not None and result.error.code == "engine_error"
     assert "bad says 500" in result.error.message
     assert len(bad.received) == 1  # not replayed
