@@ -58,6 +58,14 @@ def build_engine_args(config: StageDeployConfig, cache_dir: Path | None = None) 
                 f"{where}.{key}: set the stage field {key!r} instead "
                 "(the deploy config's stage entry, its flag or --stage-overrides)"
             )
+    if not isinstance(args.get("model"), str):
+        raise EngineConfigError(f"{where}.model: required (a model folder or a tiny model name)")
+    for key in ("model", "tokenizer"):  # before importing vLLM: a typo costs no seconds
+        if isinstance(args.get(key), str):
+            try:
+                args[key] = str(resolve_model(args[key], cache_dir))
+            except TinyModelError as exc:
+                raise EngineConfigError(f"{where}.{key}: {exc}") from None
     fields = engine_arg_fields()
     for key in sorted(args):
         if key not in fields:
@@ -65,14 +73,6 @@ def build_engine_args(config: StageDeployConfig, cache_dir: Path | None = None) 
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise EngineConfigError(f"{where}.{key}: not a vLLM engine argument{hint}")
         _check_type(where, key, args[key], fields[key])
-    if not isinstance(args.get("model"), str):
-        raise EngineConfigError(f"{where}.model: required (a model folder or a tiny model name)")
-    for key in ("model", "tokenizer"):
-        if isinstance(args.get(key), str):
-            try:
-                args[key] = str(resolve_model(args[key], cache_dir))
-            except TinyModelError as exc:
-                raise EngineConfigError(f"{where}.{key}: {exc}") from None
     stage_values = {key: getattr(config, key) for key in STAGE_FIELD_ARGS}
     return {**DEFAULTS, **{k: v for k, v in stage_values.items() if v is not None}, **args}
 
