@@ -60,7 +60,7 @@ def setup_tracing(service_name: str, exporter: TracingExporter) -> TracerProvide
 
 def _otlp_exporter() -> SpanExporter:
     try:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # type: ignore[import-not-found]
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # type: ignore[import-not-found,unused-ignore]
             OTLPSpanExporter,
         )
     except ImportError:
