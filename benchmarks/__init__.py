@@ -13,6 +13,7 @@ the same run. Every process a benchmark starts is stopped at its end, also on er
 | control-plane | :mod:`benchmarks.control_plane` | heartbeats, watch propagation, kill -9 |
 | peer | :mod:`benchmarks.peer` | the same pipelines on Ray Serve (separate venv) |
 | streaming | :mod:`benchmarks.streaming` | async_chunk: time to first audio, cost per chunk |
+| autoscale | :mod:`benchmarks.autoscale` | omni-up autoscaling: step + square wave, cold start |
 """
 
-NAMES = ("hop", "handoff", "scaling", "control-plane", "peer", "streaming")
+NAMES = ("hop", "handoff", "scaling", "control-plane", "peer", "streaming", "autoscale")

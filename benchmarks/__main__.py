@@ -1,7 +1,7 @@
 """``python -m benchmarks NAME [--quick] [--reps N] [--profile DIR] [--write-doc FILE]``.
 
-NAME is one of ``hop``, ``handoff``, ``scaling``, ``control-plane``, ``peer``, ``streaming``
-or ``all``.
+NAME is one of ``hop``, ``handoff``, ``scaling``, ``control-plane``, ``peer``, ``streaming``,
+``autoscale`` or ``all``.
 ``--write-doc`` replaces the generated part of a markdown file (between the BEGIN/END
 GENERATED markers) with this run's tables, the command and the machine.
 """
@@ -36,6 +36,7 @@ MODULES = {
     "control-plane": "benchmarks.control_plane",
     "peer": "benchmarks.peer",
     "streaming": "benchmarks.streaming",
+    "autoscale": "benchmarks.autoscale",
 }
 
 

@@ -1,0 +1,453 @@
+"""autoscale — per-stage autoscaling under ``omni-up``: the synthetic pipeline with a slow stage 1
+(a 200 ms engine step, 4 requests per step and per replica: one replica carries at most
+20 requests/s), an open-loop load of ``/v1/generate`` that steps from 6 to 40 requests/s (what
+one replica cannot carry) and then follows a square wave between the two.
+
+The same load runs three times: with stage 1 autoscaled (``min_replicas: 1``,
+``max_replicas: 6``, target utilization 0.6), and against static pools at the minimum (1) and
+at the maximum (6). Figures: the time from the step until the p99 latency (of the requests sent
+in the last 2 s) is back under the target for good, failed requests (non-200 answers, and
+arrivals the generator had to drop with ``MAX_OUTSTANDING`` requests already waiting),
+replica-seconds of stage 1 (its processes, sampled every 0.25 s: starting and draining ones
+count) and goodput (requests answered 200 within the latency target, per second).
+
+Last, the cold start of a stage at zero (``min_replicas: 0``): a request that finds stage 1 with
+no replica waits while the hop client wakes it and omni-up starts one; its latency against the
+same request with a replica warm. A PNG of load, replicas and p99 over time goes to
+``docs/autoscale.png`` (matplotlib: the ``bench`` extra). ``--quick`` runs a shorter profile
+and only the autoscaled deployment (no static runs, no PNG).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import signal
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from benchmarks.common import ROOT, Options, Report
+from benchmarks.measure import Target, fmt_num, md_table, percentile
+from tests.procs import ManagedProcess, clean_env, free_port, pid_alive
+
+PIPELINE = "synthetic"
+STEP_MS = 200.0
+SEQS = 2  # per step and replica: 10 requests/s per replica
+INFLIGHT = 16  # per replica: beyond SEQS, requests queue in its engine (FIFO, counted as queued)
+LOW_RPS, HIGH_RPS = 3.0, 16.0
+MIN_REPLICAS, MAX_REPLICAS = 1, 4
+TARGET_P99_S = 1.0
+RECOVERY_BOUND_S = 10.0
+MAX_OUTSTANDING = 200  # arrivals beyond this many unanswered requests are dropped (failed)
+WINDOW_S = 2.0  # p99 over the requests sent in the last WINDOW_S
+SAMPLE_S = 0.25
+
+STAGES = """\
+pipeline: synthetic
+request_timeout_s: {timeout}
+hop_retries: 2
+connectors:
+  shm: {{name: SharedMemoryConnector}}
+  http: {{name: HttpConnector}}
+stages:
+  - {{stage_id: 0, max_num_seqs: 64, max_inflight: 512, output_bytes: 64,
+      output_connectors: {{to_stage_1: shm}}}}
+  - stage_id: 1
+    num_replicas: {start}
+    max_num_seqs: {seqs}
+    max_inflight: {inflight}
+    step_latency_ms: {step_ms}
+    output_bytes: 64
+    input_connectors: {{from_stage_0: shm}}
+    output_connectors: {{to_stage_2: shm}}
+{autoscale}
+  - {{stage_id: 2, max_num_seqs: 64, max_inflight: 512, output_bytes: 64,
+      input_connectors: {{from_stage_1: shm}}}}
+"""
+
+AUTOSCALE = """\
+    autoscale:
+      min_replicas: {min}
+      max_replicas: {max}
+      target_utilization: 0.6
+      scale_up_window_s: 1.0
+      scale_down_window_s: {down_window}
+      max_scale_up_step: 4
+      max_scale_down_step: {max}
+      cooldown_s: 2.0
+"""
+
+
+@dataclass
+class Phase:
+    name: str
+    seconds: float
+    rps: float
+
+
+@dataclass
+class Trace:
+    """One run: every request (send time, latency or None when failed) and the samples."""
+
+    label: str
+    phases: list[Phase]
+    sent: list[tuple[float, float | None]] = field(default_factory=list)
+    samples: list[tuple[float, int, int]] = field(default_factory=list)  # t, processes, ready
+    errors: list[str] = field(default_factory=list)
+    answered_failed: int = 0  # failed answers (the rest of the failures: dropped arrivals)
+
+    def fail(self, error: str) -> None:
+        self.answered_failed += 1
+        if len(self.errors) < 5:
+            self.errors.append(error)
+
+    def phase_start(self, name: str) -> float:
+        t = 0.0
+        for p in self.phases:
+            if p.name == name:
+                return t
+            t += p.seconds
+        raise KeyError(name)
+
+    @property
+    def duration(self) -> float:
+        return sum(p.seconds for p in self.phases)
+
+    def replica_seconds(self, t0: float, t1: float) -> float:
+        pts = [(t, n) for t, n, _ in self.samples if t0 <= t < t1]
+        return sum(n for _, n in pts) * SAMPLE_S
+
+    def failed(self, t0: float = 0.0, t1: float = math.inf) -> int:
+        return sum(1 for t, lat in self.sent if t0 <= t < t1 and lat is None)
+
+    def goodput(self, t0: float, t1: float) -> float:
+        good = sum(
+            1 for t, lat in self.sent if t0 <= t < t1 and lat is not None and lat <= TARGET_P99_S
+        )
+        return good / (t1 - t0)
+
+    def p99_series(self) -> list[tuple[float, float]]:
+        """(t, p99 of the requests sent in [t - WINDOW_S, t)), failures counting as infinite."""
+        out = []
+        t = WINDOW_S
+        while t <= self.duration + 1e-9:
+            lats = [
+                math.inf if lat is None else lat for s, lat in self.sent if t - WINDOW_S <= s < t
+            ]
+            out.append((t, percentile(lats, 99) if lats else math.nan))
+            t += 0.5
+        return out
+
+    def recovery_s(self, start: float, end: float) -> float:
+        """From ``start`` until the windowed p99 stays under the target until ``end``."""
+        last_bad = start
+        for t, p99 in self.p99_series():
+            if start < t <= end and not p99 <= TARGET_P99_S:
+                last_bad = t
+        return math.inf if last_bad >= end else last_bad - start
+
+
+def profile(opts: Options) -> list[Phase]:
+    warm, step = opts.pickf(10.0, 5.0), opts.pickf(40.0, 20.0)
+    half, cycles = opts.pickf(20.0, 10.0), opts.pick(3, 1)
+    phases = [Phase("warm", warm, LOW_RPS), Phase("step", step, HIGH_RPS)]
+    for i in range(cycles):
+        phases += [Phase(f"wave-low-{i}", half, LOW_RPS), Phase(f"wave-high-{i}", half, HIGH_RPS)]
+    return phases
+
+
+# ---- one deployment ----------------------------------------------------------------------------
+
+
+class Deployment:
+    """``omni-up`` for the synthetic pipeline with a deploy YAML of ours; stopped on exit."""
+
+    def __init__(self, tmp: Path, yaml_text: str, replicas: str, label: str) -> None:
+        self.port, self.cp_port = free_port(), free_port()
+        deploy = tmp / f"{label}.yaml"
+        deploy.write_text(yaml_text)
+        argv = [
+            sys.executable,
+            "-m",
+            "omni_mesh.launcher.cli",
+            "--pipeline",
+            PIPELINE,
+            "--port",
+            str(self.port),
+            "--cp-port",
+            str(self.cp_port),
+            "--deploy-config",
+            str(deploy),
+            "--replicas",
+            replicas,
+            "--drain-timeout",
+            "20",
+            "--log-level",
+            "info",
+        ]
+        self.proc = ManagedProcess(argv, name=f"omni-up-{label}", env=clean_env(), log_dir=tmp)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Deployment:
+        self.proc.start()
+        self.proc.wait_for_output(r"omni-up ready: ", timeout=180)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=90)
+        finally:
+            self.proc.cleanup()
+
+    def stage1(self) -> int:
+        """Stage-1 replica processes omni-up runs now (starting and draining ones too)."""
+        pid, n = self.proc.pid, 0
+        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+            try:
+                argv = Path(f"/proc/{child}/cmdline").read_bytes().decode().split("\0")
+            except OSError:
+                continue
+            if "--headless" in argv and argv[argv.index("--stage-id") + 1] == "1":
+                n += pid_alive(int(child))
+        return n
+
+    def ready(self) -> int:
+        url = f"http://127.0.0.1:{self.cp_port}/v1/pipelines/{PIPELINE}/stages/1/instances"
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                return len(json.loads(resp.read())["instances"])
+        except (OSError, ValueError, KeyError):
+            return -1
+
+
+async def drive(dep: Deployment, trace: Trace) -> None:
+    """Open-loop arrivals at each phase's rate; samples replicas meanwhile."""
+    loop_t0 = time.monotonic()
+    outstanding: set[asyncio.Task[None]] = set()
+    conn = aiohttp.TCPConnector(limit=MAX_OUTSTANDING, limit_per_host=MAX_OUTSTANDING)
+    async with aiohttp.ClientSession(connector=conn) as sess:
+
+        async def one(i: int, sent: float) -> None:
+            latency: float | None = None
+            try:
+                async with sess.post(
+                    f"{dep.url}/v1/generate", json={"prompt": "x", "seed": i}
+                ) as resp:
+                    body = await resp.read()
+                    if resp.status == 200:
+                        latency = time.monotonic() - loop_t0 - sent
+                    else:
+                        trace.fail(f"HTTP {resp.status}: {body[:200]!r}")
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                trace.fail(f"{type(exc).__name__}: {exc}")
+            trace.sent.append((sent, latency))
+
+        async def sample() -> None:
+            while True:
+                t = time.monotonic() - loop_t0
+                n, ready = await asyncio.to_thread(lambda: (dep.stage1(), dep.ready()))
+                trace.samples.append((t, n, ready))
+                await asyncio.sleep(max(0.0, SAMPLE_S - (time.monotonic() - loop_t0 - t)))
+
+        sampler = asyncio.create_task(sample())
+        i, next_at = 0, 0.0
+        for phase_end, rps in _boundaries(trace.phases):
+            while next_at < phase_end:
+                await asyncio.sleep(max(0.0, next_at - (time.monotonic() - loop_t0)))
+                if len(outstanding) >= MAX_OUTSTANDING:
+                    trace.sent.append((next_at, None))  # dropped: counted as failed
+                else:
+                    task = asyncio.create_task(one(i, next_at))
+                    outstanding.add(task)
+                    task.add_done_callback(outstanding.discard)
+                i += 1
+                next_at += 1.0 / rps
+        if outstanding:
+            await asyncio.wait(outstanding, timeout=90)
+        sampler.cancel()
+
+
+def _boundaries(phases: list[Phase]) -> list[tuple[float, float]]:
+    out, t = [], 0.0
+    for p in phases:
+        t += p.seconds
+        out.append((t, p.rps))
+    return out
+
+
+def deploy_yaml(*, start: int, autoscale: str = "", timeout: int = 30) -> str:
+    return STAGES.format(
+        timeout=timeout,
+        start=start,
+        seqs=SEQS,
+        inflight=INFLIGHT,
+        step_ms=STEP_MS,
+        autoscale=autoscale.rstrip("\n"),
+    )
+
+
+async def run(tmp: Path, label: str, yaml_text: str, replicas: int, opts: Options) -> Trace:
+    trace = Trace(label, profile(opts))
+    with Deployment(tmp, yaml_text, f"1:{replicas}:1", label) as dep:
+        await asyncio.sleep(1.0)
+        await drive(dep, trace)
+    dropped = sum(1 for _, lat in trace.sent if lat is None) - trace.answered_failed
+    print(
+        f"[autoscale] {label}: {len(trace.sent)} requests, {trace.failed()} failed "
+        f"({dropped} dropped by the generator), e.g. {trace.errors[:3]}",
+        flush=True,
+    )
+    return trace
+
+
+async def cold_start(tmp: Path, reps: int) -> tuple[list[float], list[float]]:
+    """Latency of one request that finds stage 1 at zero, and of the same with a replica warm."""
+    policy = AUTOSCALE.format(min=0, max=1, down_window=1.0)
+    cold, warm = [], []
+    with Deployment(tmp, deploy_yaml(start=0, autoscale=policy), "1:0:1", "cold") as dep:
+        async with aiohttp.ClientSession() as sess:
+            for i in range(reps):
+                await _until_zero(dep)
+                for bucket in (cold, warm):
+                    t0 = time.monotonic()
+                    async with sess.post(
+                        f"{dep.url}/v1/generate", json={"prompt": "x", "seed": i}
+                    ) as resp:
+                        body = await resp.read()
+                        if resp.status != 200:
+                            raise RuntimeError(f"cold start: HTTP {resp.status}: {body[:200]!r}")
+                    bucket.append(time.monotonic() - t0)
+    return cold, warm
+
+
+async def _until_zero(dep: Deployment, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while dep.stage1() or dep.ready():
+        if time.monotonic() > deadline:
+            raise RuntimeError("cold start: stage 1 did not scale to zero")
+        await asyncio.sleep(0.2)
+
+
+# ---- the report --------------------------------------------------------------------------------
+
+
+async def bench(opts: Options) -> Report:
+    report = Report("autoscale", "Autoscaling: a slow stage 1 under a step and a square wave")
+    policy = AUTOSCALE.format(min=MIN_REPLICAS, max=MAX_REPLICAS, down_window=opts.pickf(4, 3))
+    with tempfile.TemporaryDirectory(prefix="omni-bench-autoscale-") as tmp_name:
+        tmp = Path(tmp_name)
+        traces = [await run(tmp, "autoscaled", deploy_yaml(start=1, autoscale=policy), 1, opts)]
+        if not opts.quick:
+            for n in (MIN_REPLICAS, MAX_REPLICAS):
+                traces.append(await run(tmp, f"static {n}", deploy_yaml(start=n), n, opts))
+        try:
+            cold, warm = await cold_start(tmp, opts.repetitions(3, 1))
+        except (RuntimeError, AssertionError, aiohttp.ClientError) as exc:
+            cold, warm = [], []
+            report.notes.append(f"Cold start from zero not measured: {exc}")
+    auto = traces[0]
+    step_t = auto.phase_start("step")
+    wave_t = auto.phase_start("wave-low-0")
+    end = auto.duration
+    rows = []
+    for tr in traces:
+        rows.append(
+            [
+                tr.label,
+                f"{tr.recovery_s(step_t, wave_t):.1f} s",
+                str(tr.failed()),
+                fmt_num(tr.replica_seconds(0, end)),
+                fmt_num(tr.replica_seconds(wave_t, end)),
+                f"{tr.goodput(0, end):.1f}",
+                f"{tr.goodput(wave_t, end):.1f}",
+            ]
+        )
+    static_max = MAX_REPLICAS * (end - wave_t)
+    rows.append(
+        ["static 6 (computed)", "", "", fmt_num(MAX_REPLICAS * end), fmt_num(static_max), "", ""]
+    )
+    phases = ", ".join(f"{p.name} {p.seconds:g} s at {p.rps:g}/s" for p in auto.phases)
+    report.add(
+        md_table(
+            [
+                "deployment",
+                "step → p99 under target",
+                "failed",
+                "replica-s (all)",
+                "replica-s (wave)",
+                "goodput/s (all)",
+                "goodput/s (wave)",
+            ],
+            rows,
+            title="Step load then square wave (stage 1: 200 ms step, 4 per step per replica)",
+            notes=f"Load (open loop, `/v1/generate`): {phases}. Latency target (p99, requests "
+            f"sent in the last {WINDOW_S:g} s): {TARGET_P99_S:g} s. Goodput: requests answered 200 "
+            f"within the target per second. Replica-seconds: stage-1 processes sampled every "
+            f"{SAMPLE_S:g} s (starting and draining ones count).",
+        )
+    )
+    if cold:
+        cold_rows = [
+            [
+                "first request (wake, start, READY)",
+                f"{percentile(cold, 50):.2f} s",
+                f"{max(cold):.2f} s",
+            ],
+            ["the next one (warm)", f"{percentile(warm, 50):.3f} s", f"{max(warm):.3f} s"],
+        ]
+        title = f"Stage 1 at zero: a request's latency ({len(cold)} times)"
+        report.add(md_table(["request", "p50", "max"], cold_rows, title=title))
+    wave_ratio = auto.replica_seconds(wave_t, end) / static_max
+    report.targets += [
+        Target(
+            "p99 back under target after the step",
+            auto.recovery_s(step_t, wave_t),
+            RECOVERY_BOUND_S,
+            False,
+            "s",
+            lambda v: f"{v:.1f}",
+        ),
+        Target(
+            "failed requests (autoscaled)",
+            float(auto.failed()),
+            0.0,
+            False,
+            "",
+            lambda v: f"{v:.0f}",
+        ),
+        Target(
+            "replica-seconds vs static max, square wave",
+            wave_ratio * 100,
+            60.0,
+            False,
+            "%",
+            lambda v: f"{v:.0f}",
+        ),
+    ]
+    if not opts.quick:
+        static = traces[2]
+        report.notes.append(
+            f"Square-wave goodput autoscaled {auto.goodput(wave_t, end):.1f}/s vs static max "
+            f"{static.goodput(wave_t, end):.1f}/s: the replica-second ratio holds only at equal "
+            "goodput."
+        )
+        png = ROOT / "docs" / "autoscale.png"
+        try:
+            from benchmarks.autoscale_plot import plot
+
+            plot(traces, png, target_s=TARGET_P99_S)
+            report.notes.append(f"Plot: {png.relative_to(ROOT)} (load, stage-1 replicas, p99).")
+        except ImportError as exc:  # matplotlib: pip install -e '.[bench]'
+            report.notes.append(f"No plot ({exc}): install the bench extra.")
+    for tr in traces:
+        if tr.errors:
+            report.notes.append(f"{tr.label} errors, e.g.: {'; '.join(tr.errors[:3])}")
+    return report
