@@ -78,11 +78,6 @@ class BlockingChannel:
         self._poll = select.poll()
         self._poll.register(sock.fileno(), select.POLLIN)
 
-    @classmethod
-    def from_fd(cls, fd: int, *, max_frame: int = MAX_FRAME) -> BlockingChannel:
-        """Adopt an inherited socket file descriptor (the engine process's end)."""
-        return cls(socket.socket(fileno=fd), max_frame=max_frame)
-
     def send(self, msg: EngineMessage) -> None:
         frame = encode_frame(msg, max_frame=self.max_frame)
         try:

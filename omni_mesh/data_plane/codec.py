@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, TypeVar, overload
 
 import msgspec
@@ -134,70 +132,3 @@ def _malformed(exc: msgspec.DecodeError, type_: Any) -> CodecError:
 
 def _type_name(type_: Any) -> str:
     return getattr(type_, "__name__", None) or str(type_)
-
-
-# ---- reusable encode buffers -----------------------------------------------------------------
-
-
-class BufferPool:
-    """A few reusable ``bytearray`` encode buffers, bounded in count and total size.
-
-    Thread-safe. A buffer still exported (a live ``memoryview`` of it) when released is
-    dropped rather than pooled, since it could not be resized by the next encode."""
-
-    def __init__(self, *, max_buffers: int = 4, max_total_bytes: int = 256 << 20) -> None:
-        if max_buffers < 0 or max_total_bytes < 0:
-            raise ValueError("BufferPool limits must be >= 0")
-        self.max_buffers = max_buffers
-        self.max_total_bytes = max_total_bytes
-        self._free: list[bytearray] = []
-        self._lock = threading.Lock()
-
-    def acquire(self) -> bytearray:
-        """The largest pooled buffer, or a new empty one."""
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-        return bytearray()
-
-    def release(self, buf: bytearray) -> None:
-        """Give ``buf`` back; it is kept only within the pool's bounds."""
-        if not _resizable(buf):
-            return
-        with self._lock:
-            if len(self._free) >= self.max_buffers:
-                return
-            if self._pooled_bytes_locked() + len(buf) > self.max_total_bytes:
-                return
-            self._free.append(buf)
-            self._free.sort(key=len)
-
-    @contextmanager
-    def buffer(self) -> Iterator[bytearray]:
-        """``with pool.buffer() as buf: n = encode_into(msg, buf)`` — released on exit."""
-        buf = self.acquire()
-        try:
-            yield buf
-        finally:
-            self.release(buf)
-
-    @property
-    def pooled_bytes(self) -> int:
-        with self._lock:
-            return self._pooled_bytes_locked()
-
-    def _pooled_bytes_locked(self) -> int:
-        return sum(len(b) for b in self._free)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._free)
-
-
-def _resizable(buf: bytearray) -> bool:
-    try:
-        buf.append(0)
-    except BufferError:
-        return False
-    buf.pop()
-    return True

@@ -2,7 +2,7 @@
 
 Float waveforms are clipped to [-1, 1] and written as 16-bit signed little-endian PCM. The PNG
 encoder writes 8-bit RGB/RGBA/grey, filter type 0, zlib-compressed — enough for model outputs
-without Pillow. ``read_wav``, ``read_png`` and ``read_png_size`` read back what these write.
+without Pillow (the tests read them back with ``tests/media_readers.py``).
 A streamed WAV is :func:`wav_stream_header` followed by PCM as it is produced; chunked audio is
 joined with :func:`join_wavs` (the PCM of every part, in order, under one header).
 """
@@ -19,7 +19,6 @@ import numpy as np
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _PNG_COLOR_TYPES = {1: 0, 3: 2, 4: 6}  # channels → PNG colour type (grey, RGB, RGBA)
-_PNG_CHANNELS = {v: k for k, v in _PNG_COLOR_TYPES.items()}
 MAX_SAMPLE_RATE = 384_000
 
 
@@ -114,12 +113,6 @@ def join_wavs(parts: Sequence[bytes]) -> bytes:
     return buffer.getvalue()
 
 
-def read_wav(data: bytes) -> tuple[np.ndarray, int]:
-    """(float32 waveform in [-1, 1), sample rate) of a 16-bit PCM mono WAV file."""
-    frames, rate = wav_pcm(data)
-    return np.frombuffer(frames, dtype="<i2").astype(np.float32) / 32768.0, rate
-
-
 def _chunk(kind: bytes, body: bytes) -> bytes:
     crc = zlib.crc32(body, zlib.crc32(kind))
     return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", crc)
@@ -146,34 +139,3 @@ def png_bytes(image: np.ndarray, compression: int = 6) -> bytes:
             _chunk(b"IEND", b""),
         )
     )
-
-
-def read_png_size(data: bytes) -> tuple[int, int]:
-    """(width, height) from a PNG's IHDR chunk."""
-    if len(data) < 24 or not data.startswith(PNG_SIGNATURE) or data[12:16] != b"IHDR":
-        raise ValueError("not a PNG file")
-    width, height = struct.unpack(">II", data[16:24])
-    return int(width), int(height)
-
-
-def read_png(data: bytes) -> np.ndarray:
-    """Decode a PNG written by :func:`png_bytes` (8-bit, non-interlaced, filter type 0 only)."""
-    width, height = read_png_size(data)
-    pos, idat, channels = len(PNG_SIGNATURE), b"", 0
-    while pos + 8 <= len(data):
-        (length,) = struct.unpack(">I", data[pos : pos + 4])
-        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
-        if kind == b"IHDR":
-            depth, color, _, _, interlace = body[8:13]
-            if depth != 8 or color not in _PNG_CHANNELS or interlace:
-                raise ValueError("unsupported PNG format")
-            channels = _PNG_CHANNELS[color]
-        elif kind == b"IDAT":
-            idat += body
-        pos += 12 + length
-    rows = np.frombuffer(zlib.decompress(idat), dtype=np.uint8)
-    rows = rows.reshape(height, 1 + width * channels)
-    if rows[:, 0].any():
-        raise ValueError("only PNG filter type 0 is supported")
-    pixels = rows[:, 1:].reshape(height, width, channels)
-    return pixels[:, :, 0] if channels == 1 else pixels

@@ -12,8 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from aiohttp import ClientResponse, StreamReader, hdrs, web
-from aiohttp.abc import AbstractStreamWriter
-from aiohttp.payload import Payload
 
 from omni_mesh.data_plane.constants import MSGPACK
 
@@ -117,29 +115,3 @@ async def _read_unsized(
             raise too_large(len(buf) + len(chunk), False)
         buf += chunk
     return buf
-
-
-class BufferPayload(Payload):
-    """A request body written from a buffer in ``READ_CHUNK`` pieces: no copy (unlike
-    ``io.BytesIO``) and no event-loop stall on large bodies (unlike raw ``bytes``)."""
-
-    def __init__(self, value: bytes | bytearray | memoryview, *, content_type: str) -> None:
-        view = memoryview(value).cast("B")
-        super().__init__(view, content_type=content_type)
-        self._view = view
-        self._size = view.nbytes
-
-    async def write(self, writer: AbstractStreamWriter) -> None:
-        for start in range(0, self._view.nbytes, READ_CHUNK):
-            await writer.write(self._view[start : start + READ_CHUNK])
-
-    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
-        return f"<{self._view.nbytes} bytes>"
-
-
-def body_payload(data: bytes | bytearray | memoryview, content_type: str) -> bytes | Payload:
-    """What to pass as ``data=`` to aiohttp: small bodies as bytes (one write with the
-    headers), large ones as a :class:`BufferPayload`."""
-    if len(data) <= READ_CHUNK:
-        return bytes(data)
-    return BufferPayload(data, content_type=content_type)

@@ -7,7 +7,7 @@ process wrapper, plain bytes in tests) is injected as two callables.
 
 Streams (``async_chunk``): the core opens one stream of results per admitted input
 (:meth:`StageEngine.open`) and keeps the unfinished ones between steps, vLLM-style continuous
-batching at chunk granularity: each :meth:`EngineCore.step` admits a new batch, then advances
+batching at chunk granularity: each :meth:`EngineCore.advance` admits a new batch, then advances
 every running stream by one chunk. Chunk numbering rule:
 
 * a *whole* input (chunk 0, ``last``) may stream: its outputs are chunks 0, 1, 2, … and only
@@ -131,28 +131,19 @@ class EngineCore:
             stream.close()
         return hit[0].si if hit else None
 
-    def step(
-        self,
-        batch: Sequence[tuple[StageInput, float]],
-        read: ArrayReader,
-        write: ArrayWriter,
-    ) -> list[StageOutput]:
-        """Admit a batch of (input, enqueue time), then advance every stream by one chunk.
-
-        Returns the outputs of this step: deadline errors of running streams, then the next
-        chunk of each stream admitted earlier (in admission order), then exactly one output per
-        input of ``batch`` in its order (its first chunk, or its error). A whole-output engine
-        thus answers each request in the step that admits it, as before streaming existed."""
-        return [out for _, out in self.advance(batch, read, write)]
-
     def advance(
         self,
         batch: Sequence[tuple[StageInput, float]],
         read: ArrayReader,
         write: ArrayWriter,
     ) -> list[tuple[StageInput, StageOutput]]:
-        """:meth:`step`, with the input each output answers (its ``transfer_key`` names the
-        work to the sidecar)."""
+        """Admit a batch of (input, enqueue time), then advance every stream by one chunk.
+
+        Returns the outputs of this step, each with the input it answers (its
+        ``transfer_key`` names the work to the sidecar): deadline errors of running streams,
+        then the next chunk of each stream admitted earlier (in admission order), then exactly
+        one output per input of ``batch`` in its order (its first chunk, or its error). A
+        whole-output engine thus answers each request in the step that admits it."""
         outputs = self._expire(time.time() * 1000.0)
         t0 = time.monotonic()
         # 1) Resolve every input; a bad one fails alone, as data.

@@ -296,13 +296,6 @@ class EngineClient:
         being aborted (its last Result not back yet)."""
         return key in self._pending or key in self._abandoned
 
-    async def execute(self, si: StageInput) -> StageOutput:
-        """Run one request whose output is whole (one chunk); see :meth:`stream`."""
-        outputs = [out async for out in self.stream(si)]
-        if len(outputs) != 1:
-            raise RuntimeError(f"request {si.request_id} gave {len(outputs)} chunks; use stream()")
-        return outputs[0]
-
     async def stream(self, si: StageInput) -> AsyncGenerator[StageOutput, None]:
         """Run one request on the engine; yield its outputs as the engine emits them: one
         whole output, or its chunks in order (the last has ``last=True``; an error ends it).

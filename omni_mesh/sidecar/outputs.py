@@ -97,10 +97,6 @@ def final_output(pipeline: PipelineSpec, stage_id: int, payload: Payload) -> Fin
     )
 
 
-def final_outputs(pipeline: PipelineSpec, outputs: dict[int, Payload]) -> list[FinalOutput]:
-    return [final_output(pipeline, sid, outputs[sid]) for sid in sorted(outputs)]
-
-
 # ---- chunked outputs -------------------------------------------------------------------------
 
 

@@ -64,10 +64,6 @@ class Pod:
         return self.metrics.in_flight.labels(self.pipeline.name, str(self.stage_id))
 
     @property
-    def has_engine(self) -> bool:
-        return self.engine is not None
-
-    @property
     def serves_api(self) -> bool:
         return not self.settings.headless
 

@@ -40,10 +40,10 @@ arena.close()
 
 # argv: fd → an engine stand-in: HELLO, then answers Submit with Result until Shutdown/EOF.
 ENGINE = """
-import os, sys
+import os, socket, sys
 from omni_mesh.data_plane.channel import BlockingChannel
 from omni_mesh.data_plane.messages import Hello, Result, StageOutput, Shutdown, Submit
-with BlockingChannel.from_fd(int(sys.argv[1])) as chan:
+with BlockingChannel(socket.socket(fileno=int(sys.argv[1]))) as chan:
     chan.send(Hello(pid=os.getpid(), shm_prefix="omni-test"))
     while (msg := chan.recv()) is not None and not isinstance(msg, Shutdown):
         if isinstance(msg, Submit):

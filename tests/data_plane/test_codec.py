@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import msgspec
@@ -9,7 +8,6 @@ import pytest
 
 from omni_mesh.data_plane import messages as m
 from omni_mesh.data_plane.codec import (
-    BufferPool,
     CodecError,
     decode,
     decode_json,
@@ -133,67 +131,3 @@ def test_unsupported_objects_are_refused_not_pickled() -> None:
         encode(m.Payload(fields={"x": Opaque()}))  # type: ignore[dict-item]
     with pytest.raises(CodecError, match="cannot encode"):
         encode_into({"x": Opaque()}, bytearray())
-
-
-# ---- BufferPool ------------------------------------------------------------------------------
-
-
-def test_pool_hands_back_released_buffers() -> None:
-    pool = BufferPool(max_buffers=2, max_total_bytes=1 << 20)
-    with pool.buffer() as buf:
-        encode_into(sample_stage_input(), buf)
-        first = buf
-    assert len(pool) == 1
-    with pool.buffer() as again:
-        assert again is first
-    assert pool.pooled_bytes == len(first)
-
-
-def test_pool_is_bounded_in_count_and_bytes() -> None:
-    pool = BufferPool(max_buffers=2, max_total_bytes=1000)
-    for size in (100, 200, 300):
-        pool.release(bytearray(size))
-    assert len(pool) == 2
-    pool = BufferPool(max_buffers=8, max_total_bytes=1000)
-    pool.release(bytearray(800))
-    pool.release(bytearray(300))
-    assert pool.pooled_bytes == 800
-
-
-def test_pool_drops_a_buffer_that_is_still_viewed() -> None:
-    pool = BufferPool()
-    buf = bytearray(64)
-    view = memoryview(buf)
-    pool.release(buf)
-    assert len(pool) == 0
-    view.release()
-    pool.release(buf)
-    assert len(pool) == 1
-
-
-def test_pool_is_thread_safe() -> None:
-    pool = BufferPool(max_buffers=4, max_total_bytes=1 << 24)
-    msg = sample_stage_input()
-    errors: list[BaseException] = []
-
-    def work() -> None:
-        try:
-            for _ in range(200):
-                with pool.buffer() as buf:
-                    encode_into(msg, buf)
-                    assert decode(bytes(buf), m.StageInput) == msg
-        except BaseException as exc:  # surfaced by the assertion below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
-    assert len(pool) <= 4
-
-
-def test_pool_rejects_negative_limits() -> None:
-    with pytest.raises(ValueError):
-        BufferPool(max_buffers=-1)

@@ -14,13 +14,11 @@ from omni_mesh.data_plane.media import (
     join_wavs,
     pcm_bytes,
     png_bytes,
-    read_png,
-    read_png_size,
-    read_wav,
     wav_bytes,
     wav_pcm,
     wav_stream_header,
 )
+from tests.media_readers import read_png, read_png_size, read_wav
 
 pytestmark = pytest.mark.unit
 

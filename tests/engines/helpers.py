@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from omni_mesh.configs.deploy import StageDeployConfig
 from omni_mesh.configs.pipeline import get_pipeline
+from omni_mesh.data_plane.messages import StageInput, StageOutput
 from omni_mesh.engines.base import (
     EngineContext,
     EngineRequest,
@@ -14,6 +16,7 @@ from omni_mesh.engines.base import (
     StageEngine,
     import_object,
 )
+from omni_mesh.engines.core import ArrayReader, ArrayWriter, EngineCore
 
 
 def make_engine(pipeline: str, stage_id: int, **extras: Any) -> StageEngine:
@@ -31,3 +34,13 @@ def run_one(engine: StageEngine, data: StageData, seed: int = 7, **kw: Any) -> E
     (result,) = engine.execute([EngineRequest("req-1", seed, data, **kw)])
     assert result.error is None
     return result
+
+
+def core_step(
+    core: EngineCore,
+    batch: Sequence[tuple[StageInput, float]],
+    read: ArrayReader,
+    write: ArrayWriter,
+) -> list[StageOutput]:
+    """One :meth:`EngineCore.advance`, its outputs only (the inputs they answer dropped)."""
+    return [out for _, out in core.advance(batch, read, write)]

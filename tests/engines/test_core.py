@@ -43,6 +43,7 @@ from omni_mesh.engines.core import EngineCore
 from omni_mesh.engines.reference.code2wav import SAMPLE_RATE, SAMPLES_PER_FRAME
 from omni_mesh.engines.reference.talker import NUM_CODEBOOKS
 from omni_mesh.engines.synthetic import synthetic_bytes
+from tests.engines.helpers import core_step
 
 pytestmark = pytest.mark.unit
 
@@ -204,7 +205,7 @@ def step(
     core: EngineCore, inputs: Sequence[StageInput], writer: CountingWriter | None = None
 ) -> list[StageOutput]:
     now = time.monotonic()
-    return core.step([(si, now) for si in inputs], read, writer or CountingWriter())
+    return core_step(core, [(si, now) for si in inputs], read, writer or CountingWriter())
 
 
 class ScriptedEngine(StageEngine):
@@ -321,7 +322,7 @@ def test_engine_sees_fields_arrays_seed_and_sampling() -> None:
 def test_timings_count_queue_and_engine_time() -> None:
     core = synthetic_core(get_pipeline("synthetic"), 1, step_latency_ms=30)
     enqueued = time.monotonic() - 0.2
-    (out,) = core.step([(stage_input("synthetic", 1), enqueued)], read, CountingWriter())
+    (out,) = core_step(core, [(stage_input("synthetic", 1), enqueued)], read, CountingWriter())
     assert out.queue_ms >= 200.0
     assert out.engine_ms >= 29.0
 

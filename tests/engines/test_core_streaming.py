@@ -26,6 +26,7 @@ from omni_mesh.engines.base import (
 )
 from omni_mesh.engines.core import EngineCore
 from omni_mesh.engines.synthetic import chunk_bytes
+from tests.engines.helpers import core_step
 
 pytestmark = pytest.mark.unit
 
@@ -120,7 +121,7 @@ def write(arr: np.ndarray, owner: str) -> object:
 
 def step(core: EngineCore, *inputs: StageInput, enqueued: float | None = None) -> list[StageOutput]:
     now = time.monotonic() if enqueued is None else enqueued
-    return core.step([(x, now) for x in inputs], array_from_tensor, write)  # type: ignore[arg-type]
+    return core_step(core, [(x, now) for x in inputs], array_from_tensor, write)  # type: ignore[arg-type]
 
 
 def shape(outs: list[StageOutput]) -> list[tuple[str, int, bool]]:

@@ -30,7 +30,7 @@ from omni_mesh.engines.reference.code2wav import Code2WavEngine, receptive_field
 from omni_mesh.engines.reference.codec import CONTEXT_FRAMES, SAMPLES_PER_FRAME
 from omni_mesh.engines.reference.processors import talker_to_code2wav
 from omni_mesh.engines.reference.thinker import HIDDEN
-from tests.engines.helpers import make_engine, run_one
+from tests.engines.helpers import core_step, make_engine, run_one
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
@@ -228,7 +228,7 @@ def write(arr: np.ndarray, owner: str) -> Tensor:
 
 def run_step(c: EngineCore, inputs: list[StageInput]) -> list[Any]:
     now = time.monotonic()
-    return c.step([(x, now) for x in inputs], array_from_tensor, write)
+    return core_step(c, [(x, now) for x in inputs], array_from_tensor, write)
 
 
 def test_tiny_tts_streamed_through_engine_cores_gives_the_whole_audio() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from omni_mesh.data_plane.media import png_bytes, read_png, read_png_size
+from omni_mesh.data_plane.media import png_bytes
 from omni_mesh.engines.base import (
     EngineInputError,
     EngineRequest,
@@ -15,6 +15,7 @@ from omni_mesh.engines.base import (
 )
 from omni_mesh.engines.reference.processors import ar_to_dit
 from tests.engines.helpers import make_engine, run_one
+from tests.media_readers import read_png, read_png_size
 
 pytestmark = pytest.mark.unit
 

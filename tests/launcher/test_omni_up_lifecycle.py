@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from omni_mesh.data_plane import media
 from omni_mesh.launcher import cli as cli_up
 from omni_mesh.launcher import local_deploy
+from tests import media_readers
 from tests.procs import (
     ManagedProcess,
     clean_env,
@@ -129,7 +129,7 @@ def test_ctrl_c_under_load_drains_every_request_in_pipeline_order(tmp_path: Path
             status, body = result
             assert status in (200, 503), (status, body[:300])
             if status == 200:
-                assert media.read_wav(body)[1] == 24000
+                assert media_readers.read_wav(body)[1] == 24000
             statuses.append(status)
         assert statuses.count(200) >= 1, statuses
         # Pipeline order, each group after the one before: API server, stage 0, stage 1, cp.
@@ -158,7 +158,7 @@ def test_a_replica_killed_with_minus_9_is_restarted_on_its_port(tmp_path: Path) 
         os.kill(victim, signal.SIGKILL)
         # The other replica takes the work meanwhile (a hop to the dead one is replayed).
         status, body = _speech(port, "while one replica is down")
-        assert status == 200 and media.read_wav(body)[1] == 24000
+        assert status == 200 and media_readers.read_wav(body)[1] == 24000
 
         def back() -> bool:
             now = _stage_pods(up, 1)
@@ -172,7 +172,7 @@ def test_a_replica_killed_with_minus_9_is_restarted_on_its_port(tmp_path: Path) 
         wait_until(lambda: re.search(again, up.stderr), 5, message=lambda: up.stderr)
         for i in range(3):
             status, body = _speech(port, f"after the restart {i}")
-            assert status == 200 and media.read_wav(body)[1] == 24000
+            assert status == 200 and media_readers.read_wav(body)[1] == 24000
         children = descendants(up.pid)
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0, up.describe()

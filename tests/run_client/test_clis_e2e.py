@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_mesh.data_plane import media
+from tests import media_readers
 from tests.procs import ManagedProcess, clean_env, descendants, free_port, pid_alive
 from tests.sidecar.topology import SECRET, Topology, post_json, shm_segments
 
@@ -37,7 +37,7 @@ def test_omni_up_serves_and_leaves_nothing(tmp_path: Path, sig: signal.Signals) 
             f"http://127.0.0.1:{port}/v1/audio/speech",
             {"model": "tiny-tts", "input": "up", "voice": "echo"},
         )
-        assert status == 200 and media.read_wav(body)[1] == 24000
+        assert status == 200 and media_readers.read_wav(body)[1] == 24000
         up.send_signal(sig)
         assert up.wait(timeout=60) == 0
         assert [p for p in children if pid_alive(p)] == []

@@ -24,7 +24,8 @@ from omni_mesh.observability.metrics import SC_IN_FLIGHT, SC_REJECTED, SidecarMe
 from omni_mesh.sidecar.admission import admitted
 from omni_mesh.sidecar.errors import ApiError
 from omni_mesh.sidecar.inputs import BadPrompt, entry_input
-from omni_mesh.sidecar.outputs import final_output, final_outputs
+from omni_mesh.sidecar.outputs import final_output
+from tests import media_readers
 
 pytestmark = pytest.mark.unit
 
@@ -139,7 +140,7 @@ def test_audio_output_is_a_wav_file() -> None:
     out = final_output(omni, 2, payload)
     assert (out.kind, out.mime_type) == (OutputKind.AUDIO, "audio/wav")
     assert out.data is not None and out.data[:4] == b"RIFF" and out.data[8:12] == b"WAVE"
-    decoded, rate = media.read_wav(out.data)
+    decoded, rate = media_readers.read_wav(out.data)
     assert rate == 16000 and decoded.shape == wave.shape
     np.testing.assert_allclose(decoded, wave, atol=1e-4)
     assert out.array is not None
@@ -155,7 +156,7 @@ def test_audio_output_defaults_to_24_khz() -> None:
     payload = payload_from_arrays({}, {"waveform": np.zeros(240, dtype=np.float32)})
     out = final_output(omni, 2, payload)
     assert out.data is not None
-    assert media.read_wav(out.data)[1] == 24000
+    assert media_readers.read_wav(out.data)[1] == 24000
 
 
 def test_image_output_is_a_png_file() -> None:
@@ -166,8 +167,8 @@ def test_image_output_is_a_png_file() -> None:
     out = final_output(image_pipeline, 1, payload)
     assert (out.kind, out.mime_type) == (OutputKind.IMAGE, "image/png")
     assert out.data is not None and out.data.startswith(media.PNG_SIGNATURE)
-    assert media.read_png_size(out.data) == (48, 32)
-    np.testing.assert_array_equal(media.read_png(out.data), image)
+    assert media_readers.read_png_size(out.data) == (48, 32)
+    np.testing.assert_array_equal(media_readers.read_png(out.data), image)
     assert out.fields == {"width": 48, "height": 32}
     assert out.to_run_output().kind == "image"
 
@@ -180,13 +181,6 @@ def test_data_output_is_the_raw_bytes() -> None:
     assert out.data == blob.tobytes()
     assert out.fields == {"n": 1}
     assert final_output(syn, 2, Payload()).data == b""
-
-
-def test_final_outputs_come_in_stage_order() -> None:
-    omni = get_pipeline("tiny-omni")
-    audio = payload_from_arrays({}, {"waveform": np.zeros(10, dtype=np.float32)})
-    outs = final_outputs(omni, {2: audio, 0: Payload(fields={"text": "t"})})
-    assert [(o.stage_id, o.kind) for o in outs] == [(0, OutputKind.TEXT), (2, OutputKind.AUDIO)]
 
 
 # ---- admission -------------------------------------------------------------------------------

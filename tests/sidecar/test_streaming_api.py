@@ -33,6 +33,7 @@ from omni_mesh.sidecar.sinks import (
     SpeechEvents,
     respond,
 )
+from tests import media_readers
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -137,7 +138,7 @@ async def test_streamed_speech_is_a_wav_of_unknown_length_sent_as_it_comes(serve
     body = b"".join(pieces)
     assert body[:44] == media.wav_stream_header(RATE)
     assert body[44:] == pcm(4)  # the PCM16 of the joined waveform
-    assert media.read_wav(body)[0].size == 4 * 960
+    assert media_readers.read_wav(body)[0].size == 4 * 960
 
 
 async def test_streamed_pcm_is_the_raw_samples(serve: Serve) -> None:

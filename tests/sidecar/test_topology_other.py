@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from omni_mesh.data_plane import media
+from tests import media_readers
 from tests.procs import pid_alive
 from tests.sidecar.topology import Topology, engine_pid, post_json, shm_segments, wait_gone
 
@@ -39,7 +39,7 @@ def test_tiny_image_1_2(tmp_path: Path, no_shm_leak: None) -> None:
         ]
         for image in images:
             assert image.b64_json is not None
-            assert media.read_png_size(base64.b64decode(image.b64_json)) == (64, 64)
+            assert media_readers.read_png_size(base64.b64decode(image.b64_json)) == (64, 64)
         for url in topo.urls[1]:
             assert topo.metric(url, "omni_stage_requests_total", route="hop") > 0
     finally:
@@ -62,7 +62,7 @@ def test_tiny_tts_started_in_any_order(tmp_path: Path, no_shm_leak: None) -> Non
         topo.wait_discovered(1, 2)
         status, body = _post(topo.api_url + "/v1/audio/speech", req, timeout_s=60)
         assert status == 200, body
-        assert media.read_wav(body)[1] == 24000
+        assert media_readers.read_wav(body)[1] == 24000
     finally:
         topo.close()
 
