@@ -1,0 +1,281 @@
+"""The admission queue of a pod: who runs next when every slot is taken, and who is shed.
+
+Pure logic, no IO and no clock of its own (every call takes ``now``, monotonic seconds), so it
+is unit-tested on its own; :mod:`omni_mesh.sidecar.admission` wraps it in asyncio.
+
+- **Order**: strict priority across classes (high > normal > low); round-robin between
+  tenants within a class (a deficit round-robin where every request costs one); FIFO within a
+  tenant.
+- **Bounds**: at most ``max_queue`` waiters; none waits longer than ``max_wait_s``. When the
+  queue is full, an arrival of a higher class evicts the newest waiter of the lowest class
+  below it (from the tenant with the longest backlog); otherwise the arrival is refused.
+- **Shed early**: at arrival the wait is estimated from the waiters that will be served first
+  and the pod's service rate (``slots`` / the EWMA of admitted work's duration); a request
+  that cannot finish before its deadline (or would wait past ``max_wait_s``) is shed at once.
+  A waiter is shed as soon as its deadline can no longer be met (:meth:`hopeless_at`).
+- Before any admitted work has finished the service time is unknown and the estimate is
+  optimistic (no shedding by estimate): the bounds and the per-waiter timer still hold.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Literal
+
+
+class Priority(IntEnum):
+    """Request classes; a lower value is served first."""
+
+    HIGH = 0
+    NORMAL = 1
+    LOW = 2
+
+
+PRIORITY_NAMES: tuple[str, ...] = tuple(p.name.lower() for p in Priority)
+
+ShedReason = Literal["queue_full", "evicted", "deadline", "wait_limit"]
+SHED_REASONS: tuple[ShedReason, ...] = ("queue_full", "evicted", "deadline", "wait_limit")
+#: The error ``type`` of a shed answer (503): the sender tells it from a replica failure.
+SHED_TYPE = "shed"
+_SHED_RETRY = re.compile(r"; retry after ([0-9]+(?:\.[0-9]+)?) s$")
+
+
+def parse_priority(value: str) -> Priority:
+    """``high|normal|low`` (any case) → :class:`Priority`; ValueError naming the choices."""
+    try:
+        return Priority[value.strip().upper()]
+    except KeyError:
+        raise ValueError(f"{value!r} is not one of {', '.join(PRIORITY_NAMES)}") from None
+
+
+@dataclass(frozen=True)
+class Shed:
+    """Why a request was refused, and when to come back."""
+
+    reason: ShedReason
+    retry_after_s: float
+    detail: str
+
+    def message(self) -> str:
+        """The error message of the 503; :func:`shed_retry_after` reads it back."""
+        return f"shed ({self.reason}): {self.detail}; retry after {self.retry_after_s:.3f} s"
+
+    @property
+    def retry_after_header(self) -> str:
+        """``Retry-After`` in whole seconds (at least 1)."""
+        return str(max(1, math.ceil(self.retry_after_s)))
+
+
+def shed_retry_after(message: str) -> float | None:
+    """The Retry-After of a shed answer's message; None when the message is not a shed's."""
+    found = _SHED_RETRY.search(message)
+    return float(found.group(1)) if found and message.startswith("shed (") else None
+
+
+@dataclass(eq=False)
+class Waiter:
+    """One request at the gate. ``deadline`` and ``arrived`` are monotonic seconds."""
+
+    priority: Priority
+    tenant: str
+    deadline: float
+    arrived: float
+    state: Literal["queued", "admitted", "shed", "gone"] = "queued"
+    shed: Shed | None = None
+    admitted_at: float = 0.0
+
+    @property
+    def waited_s(self) -> float:
+        return max(0.0, self.admitted_at - self.arrived)
+
+
+@dataclass
+class ServiceTime:
+    """EWMA of how long admitted work holds a slot; None until the first completion."""
+
+    alpha: float = 0.2
+    seconds: float | None = None
+
+    def observe(self, seconds: float) -> None:
+        seconds = max(seconds, 1e-6)
+        prev = self.seconds
+        self.seconds = seconds if prev is None else prev + self.alpha * (seconds - prev)
+
+
+@dataclass
+class _Class:
+    """The waiters of one priority class: a FIFO per tenant, tenants in round-robin order."""
+
+    tenants: OrderedDict[str, deque[Waiter]] = field(default_factory=OrderedDict)
+    size: int = 0
+
+    def push(self, w: Waiter) -> None:
+        self.tenants.setdefault(w.tenant, deque()).append(w)
+        self.size += 1
+
+    def pop(self) -> Waiter:
+        tenant, fifo = next(iter(self.tenants.items()))
+        w = fifo.popleft()
+        if fifo:
+            self.tenants.move_to_end(tenant)  # its turn is over
+        else:
+            del self.tenants[tenant]
+        self.size -= 1
+        return w
+
+    def remove(self, w: Waiter) -> bool:
+        fifo = self.tenants.get(w.tenant)
+        if fifo is None or w not in fifo:
+            return False
+        fifo.remove(w)
+        if not fifo:
+            del self.tenants[w.tenant]
+        self.size -= 1
+        return True
+
+    def newest_of_longest(self) -> Waiter:
+        fifo = max(self.tenants.values(), key=len)
+        return fifo[-1]
+
+    def ahead_of_newcomer(self, tenant: str) -> int:
+        """Waiters served before a new arrival of ``tenant`` under round-robin: each tenant
+        gets as many turns first as ``tenant`` has waiters ahead of it, plus one."""
+        turns = len(self.tenants.get(tenant, ())) + 1
+        return sum(min(len(fifo), turns) for fifo in self.tenants.values())
+
+
+class AdmissionQueue:
+    """``slots`` requests run at once; the rest wait here (see the module docstring)."""
+
+    def __init__(
+        self, slots: int, max_queue: int, max_wait_s: float, *, alpha: float = 0.2
+    ) -> None:
+        if slots < 1 or max_queue < 0 or max_wait_s <= 0:
+            raise ValueError("slots >= 1, max_queue >= 0 and max_wait_s > 0 are required")
+        self.slots = slots
+        self.max_queue = max_queue
+        self.max_wait_s = max_wait_s
+        self.in_use = 0
+        self.service = ServiceTime(alpha)
+        self._classes = [_Class() for _ in Priority]
+
+    # ---- reading ---------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return sum(c.size for c in self._classes)
+
+    def queued(self, priority: Priority) -> int:
+        return self._classes[priority].size
+
+    def rate(self) -> float | None:
+        """Completions per second with every slot busy; None before any was measured."""
+        s = self.service.seconds
+        return None if s is None else self.slots / s
+
+    def estimate_wait_s(self, priority: Priority, tenant: str) -> float:
+        """How long a request arriving now would wait for a slot (0 when one is free)."""
+        if self.in_use < self.slots and not len(self):
+            return 0.0
+        rate = self.rate()
+        if rate is None:
+            return 0.0  # no measurement yet: optimistic
+        ahead = sum(self._classes[p].size for p in Priority if p < priority)
+        ahead += self._classes[priority].ahead_of_newcomer(tenant)
+        return (ahead + 1) / rate  # its slot frees with the completion after theirs
+
+    def retry_after_s(self) -> float:
+        """When to come back: the time the whole queue takes to drain (1 s unmeasured)."""
+        rate = self.rate()
+        return 1.0 if rate is None else (len(self) + 1) / rate
+
+    def hopeless_at(self, w: Waiter) -> float:
+        """When a waiter still queued is shed: its deadline less one service time, or
+        ``max_wait_s`` after it arrived, whichever comes first."""
+        return min(w.deadline - (self.service.seconds or 0.0), w.arrived + self.max_wait_s)
+
+    # ---- changing --------------------------------------------------------------------------
+
+    def offer(self, w: Waiter, now: float) -> list[Waiter]:
+        """Admit ``w`` at once, queue it, or shed it. Returns the waiters whose state changed:
+        ``w`` when admitted or shed, and a waiter evicted to make room for it."""
+        if self.in_use < self.slots and not len(self):
+            return [self._admit(w, now)]
+        wait_s = self.estimate_wait_s(w.priority, w.tenant)
+        service_s = self.service.seconds or 0.0
+        if now + wait_s + service_s > w.deadline:
+            why = (
+                f"the deadline ({max(0.0, w.deadline - now):.3f} s away) cannot be met: "
+                f"about {wait_s:.3f} s in the queue ({len(self)} waiting) "
+                f"plus {service_s:.3f} s of service"
+            )
+            return [self._shed(w, "deadline", why, wait_s)]
+        if wait_s > self.max_wait_s:
+            why = (
+                f"about {wait_s:.3f} s in the queue exceeds max_queue_wait_s ({self.max_wait_s:g})"
+            )
+            return [self._shed(w, "wait_limit", why, wait_s)]
+        changed: list[Waiter] = []
+        if len(self) >= self.max_queue:
+            victim = self._victim(w.priority)
+            if victim is None:
+                why = f"the queue is full ({self.max_queue} waiting, none of a lower class)"
+                return [self._shed(w, "queue_full", why, self.retry_after_s())]
+            self._classes[victim.priority].remove(victim)
+            why = f"evicted from a full queue by a {w.priority.name.lower()}-priority request"
+            changed.append(self._shed(victim, "evicted", why, self.retry_after_s()))
+        self._classes[w.priority].push(w)
+        return changed
+
+    def release(self, now: float, service_s: float | None) -> list[Waiter]:
+        """A slot freed (``service_s``: how long the work held it; None when it ended without
+        being served, e.g. cancelled at once). Returns the waiters admitted into free slots."""
+        self.in_use -= 1
+        if service_s is not None:
+            self.service.observe(service_s)
+        admitted: list[Waiter] = []
+        while self.in_use < self.slots and len(self):
+            cls = next(c for c in self._classes if c.size)
+            admitted.append(self._admit(cls.pop(), now))
+        return admitted
+
+    def cancel(self, w: Waiter) -> None:
+        """A queued waiter went away (its client left): it leaves the queue."""
+        if w.state == "queued" and self._classes[w.priority].remove(w):
+            w.state = "gone"
+
+    def expire(self, w: Waiter, now: float) -> Waiter:
+        """Shed a waiter whose time ran out (:meth:`hopeless_at` passed)."""
+        self._classes[w.priority].remove(w)
+        if now >= w.arrived + self.max_wait_s:
+            why = f"waited max_queue_wait_s ({self.max_wait_s:g} s) without a slot"
+            return self._shed(w, "wait_limit", why, self.retry_after_s())
+        why = "its deadline could no longer be met while it waited"
+        return self._shed(w, "deadline", why, self.retry_after_s())
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _admit(self, w: Waiter, now: float) -> Waiter:
+        self.in_use += 1
+        w.state = "admitted"
+        w.admitted_at = now
+        return w
+
+    @staticmethod
+    def _shed(w: Waiter, reason: ShedReason, detail: str, retry_after_s: float) -> Waiter:
+        w.state = "shed"
+        w.shed = Shed(reason, retry_after_s, detail)
+        return w
+
+    def _victim(self, priority: Priority) -> Waiter | None:
+        """The waiter evicted for an arrival of ``priority``: the newest of the longest
+        backlog in the lowest class below it; None when no class is below it or all are empty."""
+        for p in reversed(Priority):
+            if p <= priority:
+                return None
+            if self._classes[p].size:
+                return self._classes[p].newest_of_longest()
+        return None
