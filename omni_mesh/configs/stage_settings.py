@@ -57,6 +57,37 @@ class StageSettings(BaseSettings):
     max_body_bytes: int = Field(
         default=256 * 1024 * 1024, ge=1024, le=1 << 34, description="Largest accepted HTTP body."
     )
+    hop_connect_timeout_s: float = Field(
+        default=0.3,
+        gt=0,
+        le=30,
+        description="Connect timeout of a hop's connection (never past the request's deadline).",
+    )
+    hop_probe_after_s: float = Field(
+        default=0.5,
+        ge=0.05,
+        le=60,
+        description="A replica with a hop unanswered this long gets a GET /health probe.",
+    )
+    hop_probe_interval_s: float = Field(
+        default=0.5,
+        ge=0.05,
+        le=60,
+        description="Re-probe period of a replica while hops to it stay unanswered.",
+    )
+    hop_probe_timeout_s: float = Field(
+        default=1.0,
+        gt=0,
+        le=30,
+        description="A connected probe's answer bound; a failed probe replays the replica's hops.",
+    )
+    hop_keepalive_s: int = Field(
+        default=5,
+        ge=0,
+        le=600,
+        description="Kernel bound on a hop connection whose peer went silent (TCP keepalive and "
+        "TCP_USER_TIMEOUT); 0 keeps the kernel's defaults.",
+    )
     log_level: str = Field(default="INFO", description="Logging level.")
     tracing: Literal["none", "console", "otlp"] = Field(
         default="none", description="OpenTelemetry span exporter (otlp reads OTEL_* env vars)."

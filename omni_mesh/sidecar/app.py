@@ -41,6 +41,7 @@ from omni_mesh.sidecar.appkeys import POD
 from omni_mesh.sidecar.engine_client import EngineClient
 from omni_mesh.sidecar.hop_client import HOP_TOKEN_HEADER, HopClient, HopStats
 from omni_mesh.sidecar.hop_http import HopHttpClient
+from omni_mesh.sidecar.liveness import HopLiveness, LivenessConfig
 from omni_mesh.sidecar.middleware import api_metrics_middleware, error_middleware
 from omni_mesh.sidecar.pod import Pod, resolve_secret
 from omni_mesh.sidecar.router import Replica, Router
@@ -84,7 +85,9 @@ async def build_pod(
     metrics = SidecarMetrics(CollectorRegistry())
     router = Router(WatchedPools(None), host_id=settings.host_id)
     reader = ShmReader()
-    http = HopHttpClient()
+    http = HopHttpClient(
+        connect_timeout_s=settings.hop_connect_timeout_s, keepalive_s=settings.hop_keepalive_s
+    )
     secret = resolve_secret(settings)
     hop = HopClient(
         http,
@@ -129,12 +132,24 @@ def _record_hop(metrics: SidecarMetrics, pipeline: str, si: StageInput, stats: H
 async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     pod = app[POD]
     janitor = asyncio.create_task(_prune_mappings(pod), name="prune-shm-mappings")
+    liveness = HopLiveness(pod.http, liveness_config(pod.settings))
+    liveness.start()  # hops to a replica that went silent fail in about a second: replayed
     yield
+    await liveness.close()
     janitor.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await janitor
     await pod.http.close()
     pod.reader.close()
+
+
+def liveness_config(settings: StageSettings) -> LivenessConfig:
+    return LivenessConfig(
+        probe_after_s=settings.hop_probe_after_s,
+        interval_s=settings.hop_probe_interval_s,
+        connect_timeout_s=settings.hop_connect_timeout_s,
+        answer_timeout_s=settings.hop_probe_timeout_s,
+    )
 
 
 async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:

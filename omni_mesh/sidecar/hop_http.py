@@ -9,14 +9,23 @@ and a request goes out in one write. Against aiohttp's general-purpose client th
 about a third of a sidecar's CPU per hop, which is most of what the fabric adds to a hop.
 
 Failures are typed for the replay logic: :class:`HopConnectionError` (refused, reset, closed
-before the answer ended: the replica's process is gone), ``TimeoutError`` (slow: maybe alive),
+before the answer ended, no connection within ``connect_timeout_s``: the replica is gone or out
+of reach), ``TimeoutError`` (the caller's deadline),
 :class:`~omni_mesh.data_plane.wire.ResponseTooLarge`.
+
+A host that drops off the network silently sends no reset: a request already sent would wait
+for its answer until the deadline. The client therefore exposes the connections in use and how
+long each has waited (:meth:`HopHttpClient.outstanding`), and :meth:`HopHttpClient.abort` fails
+every call in flight to one ``host:port`` with :class:`HopReplicaLost` — what
+:class:`~omni_mesh.sidecar.liveness.HopLiveness` does when that replica fails a health probe.
+TCP keepalive and ``TCP_USER_TIMEOUT`` (``keepalive_s``) are the kernel's second line.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from types import TracebackType
@@ -31,7 +40,11 @@ _HEAD_LIMIT = 64 * 1024
 
 
 class HopConnectionError(ConnectionError):
-    """The connection was refused, reset or closed before the answer ended."""
+    """The connection was refused, reset, not made in time or closed before the answer ended."""
+
+
+class HopReplicaLost(HopConnectionError):
+    """The call was cut by :meth:`HopHttpClient.abort`: its replica stopped answering probes."""
 
 
 @dataclass
@@ -42,23 +55,40 @@ class HopResponse:
     frames: FrameReader | None = None  # a streamed answer (``stream_type``): read these
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: kept in the client's set of connections in use
 class _Conn:
     key: tuple[str, int]
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
     reused: bool = False
+    since: float = 0.0  # loop time the call was sent (or its last frame came)
+    lost: str = ""  # why abort() cut it
 
     def close(self) -> None:
         self.writer.close()
+
+    def error(self, exc: BaseException) -> HopConnectionError:
+        """The typed error for ``exc`` raised while this connection carried a call."""
+        if self.lost:
+            return HopReplicaLost(self.lost)
+        return HopConnectionError(f"{type(exc).__name__}: {exc}")
 
 
 class HopHttpClient:
     """Keep-alive connections per ``host:port``; one request at a time per connection."""
 
-    def __init__(self, *, max_idle_per_host: int = 64) -> None:
+    def __init__(
+        self,
+        *,
+        max_idle_per_host: int = 64,
+        connect_timeout_s: float = 0.3,
+        keepalive_s: int = 5,
+    ) -> None:
         self.max_idle = max_idle_per_host
+        self.connect_timeout_s = connect_timeout_s
+        self.keepalive_s = keepalive_s
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
+        self._in_use: set[_Conn] = set()
         self._hosts: dict[str, tuple[str, int, bytes]] = {}
 
     async def post(
@@ -82,17 +112,35 @@ class HopHttpClient:
             conn = await self._connection(host, port)
             try:
                 response = await self._exchange(conn, head, body, max_bytes, stream_type, deadline)
-            except HopConnectionError:
-                conn.close()
-                if not conn.reused:
+            except HopConnectionError as exc:
+                if not conn.reused or isinstance(exc, HopReplicaLost):
                     raise
                 # A kept-alive connection the server had closed: once more on a fresh one.
                 conn = await self._connection(host, port, fresh=True)
                 response = await self._exchange(conn, head, body, max_bytes, stream_type, deadline)
-            except BaseException:
-                conn.close()
-                raise
         return response
+
+    def outstanding(self) -> dict[tuple[str, int], float]:
+        """``(host, port)`` → the loop time since which its longest-waiting call in flight
+        has had no answer (nor a frame of one)."""
+        oldest: dict[tuple[str, int], float] = {}
+        for conn in list(self._in_use):
+            if conn.writer.is_closing():  # closed on a path that did not discard it
+                self._in_use.discard(conn)
+            elif conn.since < oldest.get(conn.key, float("inf")):
+                oldest[conn.key] = conn.since
+        return oldest
+
+    def abort(self, key: tuple[str, int], reason: str) -> int:
+        """Fail every call in flight to ``key`` with :class:`HopReplicaLost` (``reason``) and
+        drop its idle connections; returns how many calls were cut."""
+        for conn in self._idle.pop(key, []):
+            conn.close()
+        cut = [conn for conn in self._in_use if conn.key == key]
+        for conn in cut:
+            conn.lost = reason
+            conn.writer.transport.abort()  # the pending read or write fails at once
+        return len(cut)
 
     async def close(self) -> None:
         for conns in self._idle.values():
@@ -121,16 +169,37 @@ class HopHttpClient:
 
     async def _connection(self, host: str, port: int, *, fresh: bool = False) -> _Conn:
         idle = self._idle.get((host, port))
+        conn: _Conn | None = None
         while idle and not fresh:
             conn = idle.pop()
             if not conn.writer.is_closing() and not conn.reader.at_eof():
                 conn.reused = True
-                return conn
+                break
             conn.close()
+            conn = None
+        if conn is None:
+            conn = await self._connect(host, port)
+        conn.since = asyncio.get_running_loop().time()
+        self._in_use.add(conn)
+        return conn
+
+    async def _connect(self, host: str, port: int) -> _Conn:
+        """A fresh connection within ``connect_timeout_s`` (the caller's deadline bounds it
+        too: that one raises ``TimeoutError``, not :class:`HopConnectionError`)."""
         try:
-            reader, writer = await asyncio.open_connection(host, port, limit=_HEAD_LIMIT)
+            async with asyncio.timeout(self.connect_timeout_s):
+                reader, writer = await asyncio.open_connection(host, port, limit=_HEAD_LIMIT)
+        except TimeoutError:
+            raise HopConnectionError(
+                f"cannot connect to {host}:{port}: no connection within "
+                f"{self.connect_timeout_s:g}s (hop_connect_timeout_s)"
+            ) from None
         except OSError as exc:
             raise HopConnectionError(f"cannot connect to {host}:{port}: {exc}") from exc
+        if self.keepalive_s:
+            sock = writer.get_extra_info("socket")
+            if sock is not None:
+                set_keepalive(sock, self.keepalive_s)
         return _Conn((host, port), reader, writer)
 
     async def _exchange(
@@ -142,6 +211,7 @@ class HopHttpClient:
         stream_type: str | None,
         deadline: float,
     ) -> HopResponse:
+        """One call on ``conn``; the connection is discarded when it fails."""
         try:
             await self._send(conn.writer, head, body)
             status, content_type, length, chunked, close = await self._read_head(conn.reader)
@@ -155,9 +225,13 @@ class HopHttpClient:
                     raise ResponseTooLarge(f"answer of {length} bytes exceeds {max_bytes}")
                 data = bytearray(await conn.reader.readexactly(length)) if length else bytearray()
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
-            raise HopConnectionError(f"{type(exc).__name__}: {exc}") from exc
+            self._discard(conn)
+            raise conn.error(exc) from exc
+        except BaseException:  # timeout, cancel, too large: the connection is not reusable
+            self._discard(conn)
+            raise
         if close:
-            conn.close()
+            self._discard(conn)
         else:
             self._release(conn)
         return HopResponse(status, content_type, data)
@@ -170,6 +244,8 @@ class HopHttpClient:
             writer.write(head)
             view = memoryview(body)
             for start in range(0, len(view), READ_CHUNK):
+                if writer.is_closing():  # aborted while draining (uvloop's write would raise)
+                    raise ConnectionResetError("the connection closed while sending the body")
                 writer.write(view[start : start + READ_CHUNK])
                 await writer.drain()
         await writer.drain()
@@ -203,13 +279,34 @@ class HopHttpClient:
             data += chunk
         return data
 
+    def _discard(self, conn: _Conn) -> None:
+        self._in_use.discard(conn)
+        conn.close()
+
     def _release(self, conn: _Conn) -> None:
+        self._in_use.discard(conn)
         conn.reused = False
         idle = self._idle.setdefault(conn.key, [])
         if len(idle) < self.max_idle:
             idle.append(conn)
         else:
             conn.close()
+
+
+def set_keepalive(sock: socket.socket, seconds: int) -> None:
+    """Have the kernel close ``sock`` about ``seconds`` after its peer went silent: keepalive
+    probes on an idle connection, ``TCP_USER_TIMEOUT`` on data sent and never acknowledged."""
+    step = max(1, seconds // 5)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (
+        ("TCP_KEEPIDLE", step),
+        ("TCP_KEEPINTVL", step),
+        ("TCP_KEEPCNT", max(1, (seconds - step) // step)),
+        ("TCP_USER_TIMEOUT", seconds * 1000),
+    ):
+        option = getattr(socket, name, None)
+        if option is not None:  # Linux has them all; others keep their defaults
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
 async def _read_chunk(reader: asyncio.StreamReader, max_size: int) -> bytes:
@@ -269,6 +366,7 @@ class FrameReader:
                         self._finish(reuse=not self._close)
                         raise StopAsyncIteration
                     self._frames.feed(data)
+                self._conn.since = asyncio.get_running_loop().time()  # progress: not silent
                 return frame
         except FrameTooLarge as exc:
             self._finish(reuse=False)
@@ -277,6 +375,8 @@ class FrameReader:
             self._finish(reuse=False)
             if isinstance(exc, ResponseTooLarge):
                 raise
+            if self._conn.lost:
+                raise HopReplicaLost(f"streamed answer cut: {self._conn.lost}") from exc
             raise HopConnectionError(
                 f"streamed answer broke off: {type(exc).__name__}: {exc}"
             ) from exc
@@ -306,7 +406,7 @@ class FrameReader:
         if reuse:
             self._client._release(self._conn)
         else:
-            self._conn.close()
+            self._client._discard(self._conn)
 
     async def _read_more(self) -> bytes:
         """The next piece of the body (a chunk, or up to ``READ_CHUNK`` bytes of a
