@@ -29,6 +29,7 @@ from omni_mesh.configs.deploy_fields import (
     MAX_REPLICAS,
     PIPELINE_ONLY_KEYS,
     STAGE_DEFAULT_KEYS,
+    ApiRoute,
     ConnectorClass,
     DeviceList,
     Dtype,
@@ -38,6 +39,7 @@ from omni_mesh.configs.deploy_fields import (
     OutputKey,
     PipelineRef,
     PlatformName,
+    PriorityClass,
     RefName,
     StageSampling,
     edge_stage,
@@ -147,7 +149,19 @@ class StageDeployConfig(BaseModel):
         default=64,
         ge=1,
         le=65536,
-        description="Requests a replica's sidecar admits at once before it answers 429.",
+        description="Requests a replica's sidecar runs at once; more wait in its admission queue.",
+    )
+    max_queue: int = Field(
+        default=1024,
+        ge=0,
+        le=1_000_000,
+        description="Requests that may wait for a slot (admission queue); more are shed (503).",
+    )
+    max_queue_wait_s: float = Field(
+        default=30.0,
+        gt=0.0,
+        le=3600.0,
+        description="Longest wait in the admission queue before a request is shed (503).",
     )
     gpu_memory_utilization: float | None = Field(
         default=None, gt=0.0, le=1.0, description="Fraction of device memory the engine may use."
@@ -338,6 +352,12 @@ class DeployConfig(BaseModel):
     )
     hop_retries: int = Field(
         default=2, ge=0, le=10, description="Replays of a failed hand-off on another replica."
+    )
+    priority_classes: dict[ApiRoute, list[PriorityClass]] = Field(
+        default_factory=dict,
+        max_length=16,
+        description="Priority classes a client route accepts, e.g. {/v1/audio/speech: "
+        "[normal, low]}; a route not listed accepts all.",
     )
     connectors: dict[RefName, ConnectorSpec] = Field(
         default_factory=dict, max_length=64, description="Named connectors stages refer to."

@@ -24,6 +24,7 @@ __all__ = [
     "MAX_REPLICAS",
     "PIPELINE_ONLY_KEYS",
     "STAGE_DEFAULT_KEYS",
+    "ApiRoute",
     "ConnectorClass",
     "DeviceList",
     "Dtype",
@@ -33,6 +34,7 @@ __all__ = [
     "OutputKey",
     "PipelineRef",
     "PlatformName",
+    "PriorityClass",
     "RefName",
     "StageSampling",
     "edge_stage",
@@ -43,6 +45,16 @@ DEFAULT_CONNECTOR: ConnectorClass = "SharedMemoryConnector"
 Dtype = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
 ExecutorBackend = Literal["uni", "mp", "ray", "external_launcher"]
 ExtraValue = str | int | float | bool
+#: Admission classes of a request (X-Omni-Priority), served high first.
+PriorityClass = Literal["high", "normal", "low"]
+#: A client route whose accepted priority classes may be capped (``priority_classes``).
+ApiRoute = Literal[
+    "/v1/generate",
+    "/v1/audio/speech",
+    "/v1/chat/completions",
+    "/v1/images/generations",
+    "/v1/run",
+]
 
 _NAME_PATTERN = r"^[A-Za-z][A-Za-z0-9_\-]{0,31}$"
 RefName = Annotated[str, StringConstraints(pattern=_NAME_PATTERN)]
@@ -65,6 +77,7 @@ PIPELINE_ONLY_KEYS = frozenset(
         "async_chunk",
         "request_timeout_s",
         "hop_retries",
+        "priority_classes",
         "connectors",
         "stages",
         "platforms",

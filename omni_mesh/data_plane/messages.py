@@ -29,6 +29,10 @@ MAX_REQUEST_ID = 128
 
 Scalar = str | int | float | bool | None
 StageId = Annotated[int, Meta(ge=0, lt=64)]
+#: Admission classes, served strictly in this order (high first) at every stage's queue.
+PriorityClass = Literal["high", "normal", "low"]
+#: Who a request is counted against for fair share: ``X-Omni-Tenant`` or a hash of its API key.
+Tenant = Annotated[str, Meta(max_length=64)]
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID, pattern=r"^[\w\-.:]+$")]
 
 
@@ -91,6 +95,7 @@ class Prompt(Struct, forbid_unknown_fields=True):
     size: Annotated[int, Meta(ge=16, le=512)] | None = None
     steps: Annotated[int, Meta(ge=1, le=200)] | None = None
     request_id: RequestId | None = None
+    priority: PriorityClass | None = None  # overrides the X-Omni-Priority header
 
 
 # ---- the hop ---------------------------------------------------------------------------------
@@ -115,6 +120,8 @@ class StageInput(Struct, kw_only=True):
     traceparent: str = ""  # W3C trace context of the request
     sampling: SamplingParams | None = None
     payload: Payload = msgspec.field(default_factory=Payload)
+    priority: PriorityClass = "normal"  # every stage's admission queue orders by it
+    tenant: Tenant = ""  # fair share between tenants of one class; "" = anonymous
 
 
 def is_whole(si: StageInput) -> bool:
@@ -145,7 +152,7 @@ class StageTiming(Struct):
 class StageError(Struct):
     """A request-level failure, travelling as data (the process itself is fine)."""
 
-    code: Literal["bad_input", "engine_error", "aborted", "deadline", "unavailable"]
+    code: Literal["bad_input", "engine_error", "aborted", "deadline", "unavailable", "shed"]
     message: str
     stage_id: int = -1
 

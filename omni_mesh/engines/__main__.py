@@ -1,18 +1,25 @@
 """Entry point of an engine process: ``python -m omni_mesh.engines …``.
 
 Started by the stage sidecar, never by hand: it inherits one end of a Unix socket pair
-(``--channel-fd``) and receives its stage configuration as JSON.
+(``--channel-fd``) and receives its stage configuration as JSON. It imports the same pipeline
+modules as its sidecar (``--pipeline-module``, else ``$OMNI_PIPELINE_MODULES``, which omni-stage
+sets for it, plus the ``omni_mesh.pipelines`` entry points) before it looks its pipeline up.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
 
 from omni_mesh.configs.deploy import StageDeployConfig
-from omni_mesh.configs.pipeline import get_pipeline
+from omni_mesh.configs.pipeline import (
+    get_pipeline,
+    load_pipeline_modules,
+    pipeline_modules_from,
+)
 from omni_mesh.data_plane.channel import BlockingChannel
 from omni_mesh.engines.base import EngineContext
 from omni_mesh.engines.process import EngineProc
@@ -32,6 +39,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="the pipeline streams chunks between stages: engines may emit their output in chunks",
     )
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--pipeline-module", action="append", metavar="MODULE")
     return p.parse_args(argv)
 
 
@@ -47,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tune_malloc()
     torch.set_num_threads(max(1, args.threads))
+    load_pipeline_modules(pipeline_modules_from(args.pipeline_module, os.environ))
     pipeline = get_pipeline(args.pipeline)
     ctx = EngineContext(
         pipeline=pipeline,

@@ -362,6 +362,8 @@ class EngineCore:
                     traceparent=si.traceparent,
                     sampling=si.sampling,
                     payload=payload(data),
+                    priority=si.priority,  # every stage's admission queue orders by them
+                    tenant=si.tenant,
                 )
             )
         return StageOutput(

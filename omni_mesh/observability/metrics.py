@@ -243,6 +243,11 @@ SC_API_DURATION = "omni_api_request_duration_seconds"
 SC_CHUNKS = "omni_stage_output_chunks"
 SC_HOP_FRAMES = "omni_stage_hop_frames"
 SC_API_FIRST_CHUNK = "omni_api_first_chunk_seconds"
+# Admission queue (overload): per stage and priority class.
+SC_QUEUE_LENGTH = "omni_stage_queue_length"
+SC_QUEUE_WAIT = "omni_stage_queue_wait_seconds"
+SC_SHED = "omni_stage_shed"
+SC_ADMITTED = "omni_stage_admitted"
 
 # Latency buckets (seconds) for whole stage executions and pipelines: 1 ms .. 2 min.
 STAGE_LATENCY_BUCKETS: tuple[float, ...] = (
@@ -383,5 +388,30 @@ class SidecarMetrics:
             "Streaming client API: time from the request to its first output bytes sent.",
             ["route"],
             buckets=STAGE_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.queue_length = Gauge(
+            SC_QUEUE_LENGTH,
+            "Requests waiting in this pod's admission queue, by priority class.",
+            ["pipeline", "stage", "priority"],
+            registry=registry,
+        )
+        self.queue_wait = Histogram(
+            SC_QUEUE_WAIT,
+            "Time admitted requests waited in the admission queue, by priority class.",
+            ["pipeline", "stage", "priority"],
+            buckets=STAGE_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.shed = Counter(
+            SC_SHED,
+            "Requests shed at admission (503, never started) by reason and priority class.",
+            ["pipeline", "stage", "reason", "priority"],
+            registry=registry,
+        )
+        self.admitted = Counter(
+            SC_ADMITTED,
+            "Requests admitted into a slot (at once or after queueing), by priority class.",
+            ["pipeline", "stage", "priority"],
             registry=registry,
         )

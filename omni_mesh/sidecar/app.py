@@ -74,6 +74,13 @@ class WatchedPools:
             for i in self.watcher.healthy(stage_id)
         )
 
+    async def wait_changed(self, timeout_s: float) -> None:
+        """Until the pools change (the watch cache's event) or ``timeout_s`` passes."""
+        if self.watcher is None:
+            await asyncio.sleep(min(timeout_s, 0.25))  # no control plane yet
+            return
+        await self.watcher.wait_changed(timeout_s)
+
 
 async def build_pod(
     settings: StageSettings,
@@ -83,7 +90,8 @@ async def build_pod(
 ) -> Pod:
     """Everything the pod holds that needs no child process (call inside the event loop)."""
     metrics = SidecarMetrics(CollectorRegistry())
-    router = Router(WatchedPools(None), host_id=settings.host_id)
+    pools = WatchedPools(None)
+    router = Router(pools, host_id=settings.host_id)
     reader = ShmReader()
     http = HopHttpClient(
         connect_timeout_s=settings.hop_connect_timeout_s, keepalive_s=settings.hop_keepalive_s
@@ -97,6 +105,7 @@ async def build_pod(
         retries=deploy.hop_retries,
         auth_header={HOP_TOKEN_HEADER: hop_token(secret)},
         on_hop=lambda si, stats: _record_hop(metrics, pipeline.name, si, stats),
+        pool_changes=pools,
     )
     return Pod(
         settings=settings,
@@ -224,8 +233,9 @@ def _load(pod: Pod) -> LoadReport:
     engine: dict[str, float] = {}
     if stats is not None:
         engine = {"step_ms": stats.step_ms, "batch_size": float(stats.batch_size)}
+    queued = pod.gate.queued if pod.gate is not None else 0
     return LoadReport(
-        in_flight=pod.in_flight,
+        in_flight=pod.in_flight + queued,  # waiters in the admission queue are load too
         queued=stats.queued if stats is not None else 0,
         capacity=pod.stage_config.max_inflight,
         engine=engine,

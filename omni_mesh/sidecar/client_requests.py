@@ -17,7 +17,7 @@ from aiohttp import web
 from omni_mesh.configs.pipeline import PipelineSpec
 from omni_mesh.data_plane.messages import HopResult, Prompt, SamplingParams, StageInput
 from omni_mesh.observability.tracing import stage_span
-from omni_mesh.sidecar.admission import admitted
+from omni_mesh.sidecar.admission import admitted, request_class
 from omni_mesh.sidecar.deadlines import request_timeout
 from omni_mesh.sidecar.errors import bad_request, from_stage_error
 from omni_mesh.sidecar.inputs import BadPrompt, entry_input
@@ -33,10 +33,12 @@ def entry(
     *,
     param: str | None = None,
 ) -> StageInput:
-    """The entry stage's input for a client request (a bad prompt → 400 naming ``param``):
-    the one entry step of the API routes and of ``/v1/run`` on the entry stage."""
+    """The entry stage's input for a client request (a bad prompt → 400 naming ``param``),
+    with its priority class and tenant: the one entry step of the API routes and of
+    ``/v1/run`` on the entry stage."""
+    priority, tenant = request_class(pod, request, prompt.priority)
     try:
-        return entry_input(
+        si = entry_input(
             pod.pipeline,
             prompt,
             timeout_s=request_timeout(pod, request),
@@ -45,6 +47,7 @@ def entry(
         )
     except BadPrompt as exc:
         raise bad_request(str(exc), param) from None
+    return msgspec.structs.replace(si, priority=priority, tenant=tenant)
 
 
 async def request_frames(
@@ -55,7 +58,7 @@ async def request_frames(
     attributes = {"omni.request_id": si.request_id, "omni.pipeline": pod.pipeline.name}
     with stage_span(f"{request.method} {request.path}", si.traceparent, attributes) as tp:
         si = msgspec.structs.replace(si, traceparent=tp)
-        with admitted(pod, si.request_id, "api"):
+        async with admitted(pod, si.request_id, "api", si):
             if pod.runner is not None and pod.stage_id == pod.pipeline.entry_stage_id:
                 frames = pod.runner.run_stream(si)
             else:

@@ -10,6 +10,7 @@ as data (:class:`StageError`) and is mapped here; only a bug gives a 500.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -66,6 +67,7 @@ _STAGE_ERROR_STATUS = {
     "aborted": 499,
     "deadline": 504,
     "unavailable": 503,
+    "shed": 503,  # a stage's admission queue refused it (overload)
     "engine_error": 500,
 }
 
@@ -92,5 +94,6 @@ def hop_unavailable_error(exc: HopUnavailable) -> ApiError:
     passed before the hand-off was tried at all."""
     if exc.code == "deadline":
         return ApiError(504, str(exc), type_="deadline")
-    retry_after = str(max(1, round(exc.retry_after_s)))
-    return ApiError(503, str(exc), type_="unavailable", headers={"Retry-After": retry_after})
+    retry_after = str(max(1, math.ceil(exc.retry_after_s)))
+    type_ = "shed" if exc.code == "shed" else "unavailable"
+    return ApiError(503, str(exc), type_=type_, headers={"Retry-After": retry_after})

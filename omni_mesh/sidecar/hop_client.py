@@ -2,9 +2,13 @@
 
 The sender keeps custody of the input until a replica answers (invariant 3): a hop that fails
 before an answer — connection refused or reset, a 5xx, a replica that vanished, a timeout — is
-replayed on another replica, within the retry budget and the request's deadline. A full replica
-(429) is not a failure: the next one is tried, and when every replica is full the hop waits,
-bounded by the deadline. The same goes for an empty pool (stages started in any order).
+replayed on another replica, within the retry budget and the request's deadline. A replica
+whose admission queue sheds the hop (503 of type ``shed``, see ``sidecar/admission.py``) or
+that is busy with the same work (409) is not a failure: the next one is tried (P2C already
+prefers the least loaded, queued hops included). When every replica sheds, the hop fails at
+once with the largest Retry-After they gave — no sleep-and-retry loop. An empty pool (stages
+started in any order) is waited on through the discovery cache's change event, bounded by the
+deadline.
 
 A receiver that streams (``async_chunk``) answers with frames; the sender keeps custody until
 the last frame. A stream that breaks off is replayed on another replica, which regenerates the
@@ -20,7 +24,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import msgspec
 
@@ -29,6 +33,7 @@ from omni_mesh.data_plane.connectors import Connector
 from omni_mesh.data_plane.constants import HOP_FRAMES, MSGPACK
 from omni_mesh.data_plane.messages import HopResult, StageError, StageInput
 from omni_mesh.data_plane.shm import ShmReader
+from omni_mesh.sidecar.admission_queue import SHED_TYPE, shed_retry_after
 from omni_mesh.sidecar.hop_http import FrameReader, HopConnectionError, HopHttpClient
 from omni_mesh.sidecar.router import Replica, Router
 
@@ -53,7 +58,7 @@ class HopUnavailable(Exception):
         stage_id: int,
         message: str,
         retry_after_s: float = 1.0,
-        code: Literal["unavailable", "deadline"] = "unavailable",
+        code: Literal["unavailable", "deadline", "shed"] = "unavailable",
     ) -> None:
         super().__init__(message)
         self.stage_id = stage_id
@@ -71,6 +76,7 @@ class HopStats:
     seconds: float = 0.0
     replica: str = ""
     waited_full: int = 0
+    shed: int = 0  # answers of replicas whose admission queue shed the hop
     tried: list[str] = field(default_factory=list)
 
 
@@ -137,6 +143,13 @@ class Answer:
 BodyFor = Callable[[Replica, int], bytes]
 
 
+class PoolChanges(Protocol):
+    """The discovery cache's change event: returns when a stage's pool may have changed, or
+    after ``timeout_s``."""
+
+    async def wait_changed(self, timeout_s: float) -> None: ...
+
+
 class HopClient:
     """Calls a replica of a stage, replaying on another one until an answer or the deadline."""
 
@@ -150,6 +163,7 @@ class HopClient:
         retries: int,
         auth_header: dict[str, str] | None = None,
         on_hop: Callable[[StageInput, HopStats], None] | None = None,
+        pool_changes: PoolChanges | None = None,
     ) -> None:
         self.http = http
         self.router = router
@@ -158,6 +172,7 @@ class HopClient:
         self.retries = retries
         self.auth_header = dict(auth_header or {})
         self.on_hop = on_hop
+        self.pool_changes = pool_changes
 
     # ---- the hop -------------------------------------------------------------------------
 
@@ -257,21 +272,26 @@ class HopClient:
     ) -> Answer:
         """POST to ``path`` on a replica of ``stage_id``. A replica failure (connection
         refused/reset, 502/503/504, a timeout before the deadline, an unreadable answer) is
-        replayed on another replica within the retry budget; busy replicas (409/429) are
-        skipped; an empty or all-busy pool is waited on. Raises :class:`HopUnavailable`.
+        replayed on another replica within the retry budget; replicas that shed it or are busy
+        (409/429) are skipped; when every replica shed it, it fails at once; an empty pool is
+        waited on (all-busy: a short back-off). Raises :class:`HopUnavailable`.
 
         ``budget`` is the hop's (a fresh one for ``deadline_ms`` when not given). An answer
         of ``stream_type`` comes back unread (:attr:`Answer.frames`), its replica still
         counted in flight: the caller reads the frames and calls ``router.end``."""
         budget = budget or HopBudget(stage_id, deadline_ms, self.retries)
         busy: set[str] = set()
+        sheds: dict[str, float] = {}  # replica → the Retry-After it gave
         wait = _FullWait()
         while True:
             remaining_s = budget.remaining_s()
-            replica = self.router.pick(stage_id, exclude=busy, prefer_same_host=prefer_same_host)
+            skip = busy | sheds.keys()
+            replica = self.router.pick(stage_id, exclude=skip, prefer_same_host=prefer_same_host)
             if replica is None:
+                if sheds:
+                    raise _every_replica_shed(stage_id, sheds)
+                await self._wait_for_a_replica(stage_id, budget, wait, remaining_s, busy)
                 busy.clear()
-                await self._wait_for_a_replica(budget, wait, remaining_s)
                 continue
             body = body_for(replica, budget.attempt)
             answer = await self._attempt(
@@ -282,18 +302,38 @@ class HopClient:
                     f"stage {stage_id}: failed on {budget.failures + 1} replica(s) "
                     f"(last: {replica.instance_id})"
                 )
+            elif (retry_after_s := _shed(answer.status, answer.body)) is not None:
+                budget.stats.shed += 1  # its queue is full: not a failure
+                sheds[replica.instance_id] = retry_after_s
             elif answer.status in _BUSY:  # busy: not a failure
                 busy.add(replica.instance_id)
             else:
                 return answer
 
     async def _wait_for_a_replica(
-        self, budget: HopBudget, wait: _FullWait, remaining_s: float
+        self,
+        stage_id: int,
+        budget: HopBudget,
+        wait: _FullWait,
+        remaining_s: float,
+        busy: set[str],
     ) -> None:
-        """The pool is empty or every replica is full: wait a little (exponential back-off,
-        bounded by the deadline) before picking again."""
+        """No replica to try: an empty pool is waited on (:meth:`_wait_for_pool`); replicas
+        that are busy with this very work (409) or ejected for a while are looked at again
+        after a short back-off, bounded by the deadline."""
         budget.stats.waited_full += 1
+        if not busy and not tuple(self.router.pools.replicas(stage_id)):
+            await self._wait_for_pool(remaining_s, wait)
+            return
         await asyncio.sleep(min(wait.next_s(), remaining_s))
+
+    async def _wait_for_pool(self, remaining_s: float, wait: _FullWait) -> None:
+        """The stage's pool is empty (not started yet, or scaled to zero): wait for the
+        discovery cache to change, bounded by the deadline (a back-off without one)."""
+        if self.pool_changes is None:
+            await asyncio.sleep(min(wait.next_s(), remaining_s))
+            return
+        await self.pool_changes.wait_changed(remaining_s)
 
     async def _attempt(
         self,
@@ -326,7 +366,7 @@ class HopClient:
                 max_bytes=MAX_RESULT_BYTES,
                 stream_type=stream_type,
             )
-            if resp.status in _REPLICA_FAILED:
+            if resp.status in _REPLICA_FAILED and _shed(resp.status, resp.body) is None:
                 text = bytes(resp.body[:300]).decode(errors="replace")
                 self._replica_failed(replica, f"status {resp.status}: {text}", budget)
                 return None
@@ -411,6 +451,28 @@ def _hop_result(si: StageInput, answer: Answer) -> HopResult:
     return HopResult(
         request_id=si.request_id,
         error=StageError(code=code, message=message, stage_id=si.stage_id),  # type: ignore[arg-type]
+    )
+
+
+def _shed(status: int, body: bytearray) -> float | None:
+    """The Retry-After of a receiver's shed answer (its admission queue refused the work:
+    not a replica failure); None for any other answer."""
+    if status != 503 or not body.startswith(b'{"error"'):
+        return None
+    with contextlib.suppress(msgspec.DecodeError, KeyError, TypeError):
+        error = msgspec.json.decode(body)["error"]
+        if error["type"] == SHED_TYPE:
+            return shed_retry_after(error["message"]) or 1.0
+    return None
+
+
+def _every_replica_shed(stage_id: int, sheds: dict[str, float]) -> HopUnavailable:
+    return HopUnavailable(
+        stage_id,
+        f"shed: every replica of stage {stage_id} shed the request "
+        f"({', '.join(sorted(sheds))}: queues full or its deadline out of reach)",
+        retry_after_s=max(sheds.values()),
+        code="shed",
     )
 
 

@@ -8,6 +8,7 @@ import functools
 import logging
 import secrets
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client import Gauge
 
@@ -22,6 +23,9 @@ from omni_mesh.sidecar.hop_client import HopClient
 from omni_mesh.sidecar.hop_http import HopHttpClient
 from omni_mesh.sidecar.router import Router
 from omni_mesh.sidecar.runner import StageRunner
+
+if TYPE_CHECKING:
+    from omni_mesh.sidecar.admission import AdmissionGate
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,7 @@ class Pod:
     ready: bool = False  # listening and registered (or no control plane configured)
     draining: bool = False
     in_flight: int = 0
+    gate: AdmissionGate | None = None  # the admission queue (admission.gate_of)
     exit_code: int = 0
     stop_event: asyncio.Event = field(default_factory=asyncio.Event)
 

@@ -51,7 +51,7 @@ async def hop(request: web.Request) -> web.StreamResponse:
         )
     t0 = time.monotonic()
     labels = (pod.pipeline.name, str(pod.stage_id))
-    with admitted(pod, transfer_key(si), "hop"):
+    async with admitted(pod, transfer_key(si), "hop", si):
         response, outcome = await _answer(request, pod, si)
     pod.metrics.requests.labels(*labels, "hop", outcome).inc()
     pod.metrics.request_duration.labels(*labels, "hop").observe(time.monotonic() - t0)

@@ -121,13 +121,12 @@ async def _run_local(
     si = _stage_input(pod, req, request, timeout_s)
     labels = (pod.pipeline.name, str(pod.stage_id))
     t0 = time.monotonic()
-    with admitted(pod, transfer_key(si), "run"):
-        async with pod.runner.executed(si) as outs:
-            error = next((o.error for o in outs if o.error is not None), None)
-            if error is not None:
-                pod.metrics.requests.labels(*labels, "run", error.code).inc()
-                raise from_stage_error(error)
-            body = _response(pod, si, outs, binary)
+    async with admitted(pod, transfer_key(si), "run", si), pod.runner.executed(si) as outs:
+        error = next((o.error for o in outs if o.error is not None), None)
+        if error is not None:
+            pod.metrics.requests.labels(*labels, "run", error.code).inc()
+            raise from_stage_error(error)
+        body = _response(pod, si, outs, binary)
     pod.metrics.requests.labels(*labels, "run", "ok").inc()
     pod.metrics.request_duration.labels(*labels, "run").observe(time.monotonic() - t0)
     content_type = MSGPACK if binary else JSON
@@ -179,7 +178,8 @@ async def _forward(pod: Pod, stage_id: int, body: bytearray, request: web.Reques
     content_type = request.content_type
     deadline_ms = int((time.time() + request_timeout(pod, request)) * 1000)
     payload = bytes(body)
-    with admitted(pod, f"forward-{id(request)}", "run"):  # counted, so a drain waits for it
+    # counted, so a drain waits for it
+    async with admitted(pod, f"forward-{id(request)}", "run", deadline_ms=deadline_ms):
         answer = await pod.hop.call(
             stage_id,
             RUN_PATH,

@@ -1,15 +1,13 @@
-"""The sidecar's edges in-process: prompt → entry StageInput, final payloads → client outputs,
-and admission (503 draining / 429 full / 409 duplicate)."""
+"""The sidecar's edges in-process: prompt → entry StageInput, final payloads → client outputs
+(admission is tested in test_admission.py)."""
 
 from __future__ import annotations
 
 import base64
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry, Gauge
 
 from omni_mesh.configs.pipeline import OutputKind, get_pipeline
 from omni_mesh.data_plane import codec, media
@@ -20,9 +18,6 @@ from omni_mesh.data_plane.messages import (
     StageInput,
 )
 from omni_mesh.data_plane.tensors import payload_from_arrays
-from omni_mesh.observability.metrics import SC_IN_FLIGHT, SC_REJECTED, SidecarMetrics
-from omni_mesh.sidecar.admission import admitted
-from omni_mesh.sidecar.errors import ApiError
 from omni_mesh.sidecar.inputs import BadPrompt, entry_input
 from omni_mesh.sidecar.outputs import final_output
 from tests import media_readers
@@ -181,113 +176,3 @@ def test_data_output_is_the_raw_bytes() -> None:
     assert out.data == blob.tobytes()
     assert out.fields == {"n": 1}
     assert final_output(syn, 2, Payload()).data == b""
-
-
-# ---- admission -------------------------------------------------------------------------------
-
-
-@dataclass
-class FakeEngine:
-    running: set[str] = field(default_factory=set)
-
-    def is_running(self, request_id: str) -> bool:
-        return request_id in self.running
-
-
-@dataclass
-class FakeStageConfig:
-    max_inflight: int = 2
-
-
-@dataclass
-class FakeSettings:
-    api_max_inflight: int = 3
-
-
-@dataclass
-class FakePod:
-    """The attributes of :class:`~omni_mesh.sidecar.pod.Pod` that admission reads."""
-
-    metrics: SidecarMetrics
-    pipeline: object = field(default_factory=lambda: get_pipeline("synthetic"))
-    stage_id: int = 1
-    stage_config: FakeStageConfig = field(default_factory=FakeStageConfig)
-    engine: FakeEngine | None = field(default_factory=FakeEngine)
-    draining: bool = False
-    in_flight: int = 0
-    settings: FakeSettings = field(default_factory=lambda: FakeSettings())
-
-    def sample(self, name: str, **labels: str) -> float:
-        value = self.metrics.registry.get_sample_value(
-            name, {"pipeline": "synthetic", "stage": "1", **labels}
-        )
-        return 0.0 if value is None else value
-
-    def rejected(self, reason: str) -> float:
-        return self.sample(f"{SC_REJECTED}_total", reason=reason)
-
-    def in_flight_value(self) -> float:
-        return self.sample(SC_IN_FLIGHT)
-
-    @property
-    def in_flight_gauge(self) -> Gauge:
-        return self.metrics.in_flight.labels("synthetic", "1")
-
-
-@pytest.fixture
-def pod() -> FakePod:
-    return FakePod(metrics=SidecarMetrics(CollectorRegistry()))
-
-
-def test_admitted_counts_in_flight_and_releases_on_exit(pod: FakePod) -> None:
-    with admitted(pod, "r1", "hop"):  # type: ignore[arg-type]
-        assert pod.in_flight == 1 and pod.in_flight_value() == 1
-        with admitted(pod, "r2", "run"):  # type: ignore[arg-type]
-            assert pod.in_flight == 2 and pod.in_flight_value() == 2
-    assert pod.in_flight == 0 and pod.in_flight_value() == 0
-    with pytest.raises(RuntimeError), admitted(pod, "r3", "hop"):  # type: ignore[arg-type]
-        raise RuntimeError("handler failed")
-    assert pod.in_flight == 0 and pod.in_flight_value() == 0
-
-
-def test_a_draining_pod_answers_503(pod: FakePod) -> None:
-    pod.draining = True
-    pod.in_flight = 2  # also full: draining is what the client is told
-    with pytest.raises(ApiError) as info, admitted(pod, "r", "hop"):  # type: ignore[arg-type]
-        pytest.fail("admitted while draining")
-    err = info.value
-    assert (err.status, err.type, err.headers) == (503, "unavailable", {"Retry-After": "1"})
-    assert "draining" in err.message
-    assert pod.rejected("draining") == 1 and pod.rejected("full") == 0
-    assert pod.in_flight == 2
-
-
-def test_a_full_pod_answers_429(pod: FakePod) -> None:
-    pod.in_flight = 2
-    with pytest.raises(ApiError) as info, admitted(pod, "r", "hop"):  # type: ignore[arg-type]
-        pytest.fail("admitted while full")
-    err = info.value
-    assert (err.status, err.type, err.headers) == (429, "rate_limit", {"Retry-After": "0"})
-    assert "stage 1" in err.message and "(2)" in err.message
-    assert pod.rejected("full") == 1
-    assert pod.in_flight == 2
-
-
-def test_a_duplicate_request_answers_409(pod: FakePod) -> None:
-    assert pod.engine is not None
-    pod.engine.running.add("dup")
-    with pytest.raises(ApiError) as info, admitted(pod, "dup", "hop"):  # type: ignore[arg-type]
-        pytest.fail("admitted a duplicate")
-    assert (info.value.status, info.value.type) == (409, "conflict")
-    assert "dup" in info.value.message
-    assert pod.rejected("duplicate") == 1
-    assert pod.in_flight == 0
-    with admitted(pod, "other", "hop"):  # type: ignore[arg-type]
-        assert pod.in_flight == 1
-
-
-def test_an_api_only_pod_has_no_duplicate_check(pod: FakePod) -> None:
-    pod.engine = None
-    with admitted(pod, "any", "run"):  # type: ignore[arg-type]
-        assert pod.in_flight == 1
-    assert pod.rejected("duplicate") == 0

@@ -48,6 +48,7 @@ class PoolWatcher:
         self.connected = False
         self.last_sync: float | None = None  # loop time of the last answer
         self._updated = asyncio.Event()
+        self._changed = asyncio.Event()  # set (and replaced) when a new version arrives
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._down = False
@@ -81,6 +82,17 @@ class PoolWatcher:
                 if self.snapshot is not None and predicate(self.snapshot):
                     return self.snapshot
                 await updated.wait()
+
+    async def wait_changed(self, timeout_s: float) -> bool:
+        """Wait until a new version of the pools arrives (True) or ``timeout_s`` passes
+        (False): how a hop waiting for an empty pool wakes up without polling."""
+        changed = self._changed
+        try:
+            async with asyncio.timeout(max(0.0, timeout_s)):
+                await changed.wait()
+        except TimeoutError:
+            return False
+        return True
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -141,6 +153,8 @@ class PoolWatcher:
         updated, self._updated = self._updated, asyncio.Event()
         updated.set()
         if changed:
+            changed_event, self._changed = self._changed, asyncio.Event()
+            changed_event.set()
             logger.debug("pipeline=%s: pools at version %d", self.pipeline, snapshot.version)
             for listener in list(self._listeners):
                 try:
