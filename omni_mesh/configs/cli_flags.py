@@ -1,9 +1,13 @@
-"""Command-line flags for stage deploy settings, derived from :class:`StageDeployConfig`.
+"""Command-line flags and environment variables for deploy settings, derived from the models.
 
-Each flag's type, bounds, choices and help come from the model field, so a flag and the YAML key
-it overrides can never disagree. Every flag defaults to ``None``: a flag is *explicit* exactly
-when it was given, and only explicit flags override the deploy config (precedence: above the
-YAML layers, below ``--stage-overrides``).
+Each stage flag's type, bounds, choices and help come from :class:`StageDeployConfig` (and the
+pipeline-wide ``--async-chunk`` from :class:`DeployConfig`), so a flag and the YAML key it
+overrides can never disagree. Every flag defaults to ``None``: a flag is *explicit* exactly when
+it was given, and only explicit flags override the deploy config. The same settings are read
+from ``OMNI_STAGE_<FIELD>`` variables (:func:`env_overrides`), one level below the flags.
+
+Precedence, lowest first: defaults < bundled YAML < overlay < platform section < environment <
+flags < ``--stage-overrides``.
 """
 
 from __future__ import annotations
@@ -11,18 +15,23 @@ from __future__ import annotations
 import argparse
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
-from omni_mesh.configs.deploy import StageDeployConfig
+from omni_mesh.configs.deploy import DeployConfig, StageDeployConfig
 
 __all__ = [
+    "DEPLOY_FLAG_FIELDS",
+    "PIPELINE_FLAG_FIELDS",
     "STAGE_FLAG_FIELDS",
     "add_stage_flags",
     "cli_overrides_from_args",
+    "deploy_field",
+    "env_name",
+    "env_overrides",
     "field_bounds",
     "flag_name",
 ]
@@ -44,6 +53,11 @@ STAGE_FLAG_FIELDS: tuple[str, ...] = (
     "output_bytes",
     "output_chunks",
 )
+#: Pipeline-wide deploy settings that have a flag (they must agree across a pipeline's pods).
+PIPELINE_FLAG_FIELDS: tuple[str, ...] = ("async_chunk",)
+DEPLOY_FLAG_FIELDS: tuple[str, ...] = STAGE_FLAG_FIELDS + PIPELINE_FLAG_FIELDS
+#: Environment prefix of the deploy settings of ``omni-stage`` (and of the stages omni-up starts).
+STAGE_ENV_PREFIX = "OMNI_STAGE_"
 
 
 _METAVARS: dict[Any, str] = {int: "N", float: "X", "devices": "IDS"}
@@ -54,15 +68,29 @@ def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
-def add_stage_flags(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per field in :data:`STAGE_FLAG_FIELDS` (all default to None)."""
+def env_name(field: str, prefix: str = STAGE_ENV_PREFIX) -> str:
+    """``max_num_seqs`` -> ``OMNI_STAGE_MAX_NUM_SEQS``."""
+    return prefix + field.upper()
+
+
+def deploy_field(name: str) -> FieldInfo:
+    """The model field behind a deploy flag (a stage field, or a pipeline-wide one)."""
+    if name in PIPELINE_FLAG_FIELDS:
+        return DeployConfig.model_fields[name]
+    return StageDeployConfig.model_fields[name]
+
+
+def add_stage_flags(
+    parser: argparse.ArgumentParser, fields: tuple[str, ...] = DEPLOY_FLAG_FIELDS
+) -> None:
+    """Add one flag per field in ``fields`` (all default to None)."""
     group = parser.add_argument_group(
-        "stage deploy settings",
-        "Override the deploy config for the stage(s) this process runs; "
-        "--stage-overrides JSON takes precedence over these flags.",
+        "deploy settings",
+        "Override the deploy config for the stage(s) this process runs (environment: "
+        f"{STAGE_ENV_PREFIX}<FIELD>); --stage-overrides JSON takes precedence over these flags.",
     )
-    for name in STAGE_FLAG_FIELDS:
-        field = StageDeployConfig.model_fields[name]
+    for name in fields:
+        field = deploy_field(name)
         base = _base_type(field.annotation)
         help_text = _help(field)
         if base is bool:
@@ -87,10 +115,25 @@ def add_stage_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def cli_overrides_from_args(ns: argparse.Namespace) -> dict[str, Any]:
-    """The stage flags that were given explicitly, as ``{field: value}``."""
+    """The deploy flags that were given explicitly, as ``{field: value}``."""
     return {
-        name: value for name in STAGE_FLAG_FIELDS if (value := getattr(ns, name, None)) is not None
+        name: value for name in DEPLOY_FLAG_FIELDS if (value := getattr(ns, name, None)) is not None
     }
+
+
+def env_overrides(env: Mapping[str, str], prefix: str = STAGE_ENV_PREFIX) -> dict[str, Any]:
+    """The deploy settings set in the environment (``OMNI_STAGE_MAX_INFLIGHT=64``), validated
+    as their flags are; a bad value raises ValueError naming the variable."""
+    out: dict[str, Any] = {}
+    for name in DEPLOY_FLAG_FIELDS:
+        text = env.get(env_name(name, prefix))
+        if text is None:
+            continue
+        try:
+            out[name] = _field_parser(name, deploy_field(name))(text)
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"{env_name(name, prefix)}: {exc}") from None
+    return out
 
 
 def _field_parser(name: str, field: FieldInfo) -> Callable[[str], Any]:

@@ -105,13 +105,7 @@ def split_engine_extras(data: Mapping[Any, Any]) -> dict[Any, Any]:
             f"{', '.join(misplaced)}: pipeline-wide setting(s); set them at the top level of "
             "the deploy config, not inside a stage"
         )
-    unknown = {k: v for k, v in data.items() if k not in fields}
-    if not unknown:
-        return dict(data)
-    known = {k: v for k, v in data.items() if k in fields}
-    given = known.get("engine_extras")
-    known["engine_extras"] = {**given, **unknown} if isinstance(given, Mapping) else unknown
-    return known
+    return dict(data)
 
 
 class StageDeployConfig(BaseModel):
@@ -223,13 +217,13 @@ class StageDeployConfig(BaseModel):
     engine_extras: dict[str, Any] = Field(
         default_factory=dict,
         max_length=256,
-        description="Other keys of the stage entry, forwarded to the engine unchanged.",
+        description="Free-form engine knobs, forwarded to the engine unchanged.",
     )
 
     @model_validator(mode="before")
     @classmethod
-    def _collect_engine_extras(cls, data: Any) -> Any:
-        return split_engine_extras(data) if isinstance(data, Mapping) else data
+    def _check_keys(cls, data: Any) -> Any:
+        return check_stage_keys(data) if isinstance(data, Mapping) else data
 
     @model_validator(mode="after")
     def _check_autoscale(self, info: ValidationInfo) -> Self:

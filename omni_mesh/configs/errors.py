@@ -103,7 +103,10 @@ def _message(e: Any, known_keys: Sequence[str]) -> str:
     if e["type"] == "extra_forbidden":
         name = str(e["loc"][-1]) if e["loc"] else ""
         close = difflib.get_close_matches(name, known_keys, n=1, cutoff=0.75)
-        return "unknown key" + (f" (did you mean {close[0]!r}?)" if close else "")
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        if "stages" in e["loc"]:
+            hint += "; free-form engine keys go under engine_extras:"
+        return "unknown key" + hint
     value = e.get("input")
     if e["type"] not in ("value_error", "missing") and isinstance(value, _SCALARS):
         shown = repr(value)

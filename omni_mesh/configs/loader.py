@@ -1,10 +1,10 @@
 """Load a deploy config: YAML with ``base_config:`` overlays, a platform section, command-line
 flags and ``--stage-overrides``, merged into one validated :class:`DeployConfig`.
 
-Precedence, highest first: ``--stage-overrides`` JSON > explicit CLI flags > platform section >
-overlay YAML > base YAML > defaults. Stages merge by ``stage_id``, mappings merge deeply, lists
-replace. Every layer is validated on its own first, so an error names the file (or flag) that
-holds the bad value, the field path and the stage.
+Precedence, highest first: ``--stage-overrides`` JSON > explicit CLI flags > environment
+(``OMNI_STAGE_<FIELD>``) > platform section > overlay YAML > base YAML > defaults. Stages merge
+by ``stage_id``, mappings merge deeply, lists replace. Every layer is validated on its own first,
+so an error names the file (or flag) that holds the bad value, the field path and the stage.
 
 Parsing lives in :mod:`~omni_mesh.configs.yaml_io`, merging in :mod:`~omni_mesh.configs.merge`
 and error conversion in :mod:`~omni_mesh.configs.errors`; their public names are re-exported here.
@@ -12,7 +12,6 @@ and error conversion in :mod:`~omni_mesh.configs.errors`; their public names are
 
 from __future__ import annotations
 
-import difflib
 import logging
 import os
 import re
@@ -47,6 +46,7 @@ from omni_mesh.configs.yaml_io import (
 __all__ = [
     "BUNDLED_DIR",
     "CLI_SOURCE",
+    "ENV_SOURCE",
     "MAX_BASE_DEPTH",
     "MAX_ISSUES",
     "MAX_OVERRIDES_BYTES",
@@ -65,6 +65,7 @@ logger = logging.getLogger(__name__)
 MAX_BASE_DEPTH = 8
 BUNDLED_DIR = Path(__file__).with_name("deploy")
 CLI_SOURCE = "command line"
+ENV_SOURCE = "environment"
 OVERRIDES_SOURCE = "--stage-overrides"
 
 _STAGE_KEYS = frozenset(StageDeployConfig.model_fields) - {"stage_id"}
@@ -89,15 +90,20 @@ def load_deploy_config(
     pipeline: PipelineSpec,
     *,
     platform: str | None = None,
+    env_overrides: Mapping[str, Any] | None = None,
     cli_overrides: Mapping[str, Any] | None = None,
+    cli_stage_overrides: Mapping[int, Mapping[str, Any]] | None = None,
     stage_overrides: str | Mapping[str, Mapping[str, Any]] | None = None,
     target_stages: Collection[int] | None = None,
 ) -> DeployConfig:
     """Merge every configuration layer for ``pipeline`` and validate the result.
 
     ``path=None`` loads the pipeline's bundled YAML (defaults only if it has none).
-    ``cli_overrides`` apply to ``target_stages`` (all stages when None); a key that is only a
-    pipeline-wide setting is set at the top level. Raises :class:`DeployConfigError`.
+    ``env_overrides`` (the ``OMNI_STAGE_*`` variables) and ``cli_overrides`` (explicit flags)
+    apply to ``target_stages`` (all stages when None); a key that is only a pipeline-wide
+    setting is set at the top level. ``cli_stage_overrides`` are flags that name their stage
+    (``omni-up --replicas``): they sit with the flags, below ``--stage-overrides``.
+    Raises :class:`DeployConfigError`.
     """
     entry = Path(path) if path is not None else _bundled_or_none(pipeline.name)
     label = str(entry) if entry is not None else f"<defaults of {pipeline.name}>"
@@ -109,8 +115,12 @@ def load_deploy_config(
         _apply_platform(merged, platform, label)
     targets = _targets(pipeline, target_stages)
     merged.add_missing_stages(pipeline.topological_order())
+    if env_overrides:
+        merged.apply(_cli_layer(env_overrides, targets, ENV_SOURCE), ENV_SOURCE)
     if cli_overrides:
         merged.apply(_cli_layer(cli_overrides, targets), CLI_SOURCE)
+    for sid, values in sorted((cli_stage_overrides or {}).items()):
+        merged.apply(_cli_layer(values, _targets(pipeline, [sid])), CLI_SOURCE)
     if stage_overrides is not None:
         merged.apply(_overrides_layer(stage_overrides), OVERRIDES_SOURCE)
     return _finish(merged, pipeline, label)
@@ -198,8 +208,9 @@ def _targets(pipeline: PipelineSpec, target_stages: Collection[int] | None) -> l
     return sorted(set(target_stages))
 
 
-def _cli_layer(overrides: Mapping[str, Any], targets: list[int]) -> Raw:
-    """Explicit flags: stage settings go to each target stage, pipeline-wide ones to the top."""
+def _cli_layer(overrides: Mapping[str, Any], targets: list[int], source: str = CLI_SOURCE) -> Raw:
+    """Explicit flags (or their variables): stage settings go to each target stage,
+    pipeline-wide ones to the top."""
     top: Raw = {}
     stage: Raw = {}
     for key, value in overrides.items():
@@ -207,16 +218,16 @@ def _cli_layer(overrides: Mapping[str, Any], targets: list[int]) -> Raw:
             stage[key] = value  # unknown keys become engine_extras
         elif key in ("pipeline", "connectors", "stages", "platforms", "base_config"):
             msg = "cannot be set from a command-line flag"
-            raise DeployConfigError(ConfigIssue(key, msg, source=CLI_SOURCE))
+            raise DeployConfigError(ConfigIssue(key, msg, source=source))
         else:
             top[key] = value
     if "stage_id" in stage:
         msg = "select stages with target_stages, not a stage_id override"
-        raise DeployConfigError(ConfigIssue("stage_id", msg, source=CLI_SOURCE))
+        raise DeployConfigError(ConfigIssue("stage_id", msg, source=source))
     layer: Raw = dict(top)
     if stage:
         layer["stages"] = [{**stage, "stage_id": sid} for sid in targets]
-    return _validate_layer(layer, CLI_SOURCE)
+    return _validate_layer(layer, source)
 
 
 def _overrides_layer(value: str | Mapping[str, Mapping[str, Any]]) -> Raw:
@@ -271,18 +282,7 @@ def _finish(merged: MergedLayers, pipeline: PipelineSpec, label: str) -> DeployC
 
 
 def _warn_suspicious(cfg: DeployConfig) -> None:
-    fields = sorted(StageDeployConfig.model_fields)
     for s in cfg.stages:
-        for key in s.engine_extras:
-            close = difflib.get_close_matches(key, fields, n=1, cutoff=0.8)
-            if close:
-                logger.warning(
-                    "stage=%d key %r is not a stage field (did you mean %r?); "
-                    "forwarding it to the engine in engine_extras",
-                    s.stage_id,
-                    key,
-                    close[0],
-                )
         if s.max_inflight < s.max_num_seqs:
             logger.warning(
                 "stage=%d max_inflight=%d is below max_num_seqs=%d: batches never fill",

@@ -11,11 +11,21 @@ side (``omni-up``) without one's ``PORT`` leaking into the other.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import re
 from enum import StrEnum
+from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, SecretStr, UrlConstraints, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    Field,
+    SecretStr,
+    UrlConstraints,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import MultiHostUrl
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -36,6 +46,25 @@ RedisUrl = Annotated[
         host_required=False,
     ),
 ]
+
+
+_HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9_-]{1,63}(?<!-)$")
+
+
+def check_host(text: str) -> str:
+    """``text`` if it is a hostname (RFC 1123 labels) or an IP address; ValueError otherwise,
+    so that a typo (``"bad host"``) fails at start instead of being retried forever."""
+    bare = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    try:
+        ipaddress.ip_address(bare)
+    except ValueError:
+        pass
+    else:
+        return text
+    labels = bare.removesuffix(".").split(".")
+    if 0 < len(bare) <= 253 and all(_HOST_LABEL.match(label) for label in labels):
+        return text
+    raise ValueError(f"{text!r} is not a hostname or IP address")
 
 
 class LogLevel(StrEnum):
@@ -109,6 +138,11 @@ class ControlPlaneSettings(BaseSettings):
     )
     log_level: LogLevel = Field(default=LogLevel.INFO, description="Log level of the process.")
 
+    @field_validator("host")
+    @classmethod
+    def _check_host(cls, value: str) -> str:
+        return check_host(value)
+
     @field_validator("auth_token")
     @classmethod
     def _token_not_blank(cls, value: SecretStr | None) -> SecretStr | None:
@@ -166,3 +200,60 @@ class ControlPlaneClientSettings(BaseSettings):
     @property
     def token(self) -> str | None:
         return None if self.auth_token is None else self.auth_token.get_secret_value()
+
+
+class UpSettings(BaseSettings):
+    """Settings of one ``omni-up`` run (env prefix ``OMNI_UP_``; the secret ``OMNI_SECRET``)."""
+
+    model_config = SettingsConfigDict(env_prefix="OMNI_UP_", extra="forbid", frozen=True)
+
+    pipeline: str = Field(min_length=1, max_length=48, description="Registered pipeline name.")
+    replicas: str | None = Field(
+        default=None,
+        max_length=512,
+        description="Replicas per stage, e.g. 1:2:1 (a flag: --stage-overrides num_replicas wins).",
+    )
+    port: int = Field(default=8000, ge=1, le=65535, description="API server port.")
+    host: str = Field(default="127.0.0.1", description="API server interface.")
+    deploy_config: Path | None = Field(
+        default=None, description="Deploy YAML for every stage (default: bundled)."
+    )
+    secret: SecretStr | None = Field(
+        default=None,
+        validation_alias=AliasChoices("secret", "OMNI_SECRET"),
+        description="Deployment secret (default: generated for this run).",
+    )
+    cp_port: int | None = Field(
+        default=None, ge=1, le=65535, description="Control plane port (default: a free one)."
+    )
+    stage_overrides: str | None = Field(
+        default=None, description='Per-stage deploy JSON, e.g. {"1": {"max_num_seqs": 4}}.'
+    )
+    async_chunk: bool | None = Field(
+        default=None, description="Stream chunks between stages (default: the deploy config's)."
+    )
+    keep_logs: bool = Field(default=False, description="Keep the process logs on exit.")
+    ready_timeout_s: float = Field(
+        default=180.0, gt=0, le=3600, description="Seconds per start phase."
+    )
+    drain_timeout_s: float = Field(
+        default=30.0, ge=0, le=3600, description="How long each pod finishes in-flight work."
+    )
+    stop_timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=7200,
+        description="SIGTERM to SIGKILL per stop group (default: drain timeout + 10 s).",
+    )
+    log_level: LogLevel = Field(default=LogLevel.INFO, description="Log level.")
+
+    @field_validator("host")
+    @classmethod
+    def _check_host(cls, value: str) -> str:
+        return check_host(value)
+
+    @model_validator(mode="after")
+    def _check_ports(self) -> UpSettings:
+        if self.cp_port is not None and self.cp_port == self.port:
+            raise ValueError(f"--cp-port and --port are both {self.port}")
+        return self

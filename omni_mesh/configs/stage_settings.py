@@ -1,14 +1,25 @@
 """Settings of one stage pod (``omni-stage``), read once at the edge from flags and
-``OMNI_STAGE_*`` environment variables (the deployment secret also from ``OMNI_SECRET``)."""
+``OMNI_STAGE_*`` environment variables (the deployment secret also from ``OMNI_SECRET``).
+
+Every field has one flag and one variable (:data:`STAGE_FLAGS`); a flag given on the command
+line beats the variable, which beats the default. The deploy settings (``--max-num-seqs`` and
+the like) are not here: they are layers of the deploy config (:mod:`omni_mesh.configs.loader`).
+"""
 
 from __future__ import annotations
 
 import socket
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from omni_mesh.configs.settings import check_host
+from omni_mesh.configs.settings_flags import flag_specs
+
+DEFAULT_CP_PORT = 7700
 
 
 class StageSettings(BaseSettings):
@@ -22,14 +33,22 @@ class StageSettings(BaseSettings):
     api_only: bool = Field(
         default=False, description="Serve the client API with no engine; route into stage-0 pool."
     )
-    control_plane: tuple[str, ...] = Field(
-        default=(), description="Control plane base URLs (several: failover)."
+    control_plane: Annotated[tuple[str, ...], NoDecode] = Field(
+        default=(),
+        description="Control plane base URLs, repeated or comma-separated (several: failover).",
+    )
+    omni_master_address: str | None = Field(
+        default=None, description="Control plane host (the seeds' form; adds http://HOST:PORT)."
+    )
+    omni_master_port: int | None = Field(
+        default=None, ge=1, le=65535, description="Control plane port with --omni-master-address."
     )
     cp_auth_token: SecretStr | None = Field(default=None, description="Control plane bearer token.")
     host: str = Field(default="127.0.0.1", description="Interface to listen on.")
     port: int = Field(default=8000, ge=1, le=65535, description="TCP port to listen on.")
     advertise_address: str | None = Field(
-        default=None, description="URL other pods use to reach this one (default http://host:port)."
+        default=None,
+        description="URL or host other pods use to reach this one (default http://host:port).",
     )
     host_id: str = Field(
         default_factory=socket.gethostname,
@@ -43,6 +62,13 @@ class StageSettings(BaseSettings):
         description="Deployment secret that HMAC-tags /v1/run stage inputs.",
     )
     deploy_config: Path | None = Field(default=None, description="Deploy YAML (default: bundled).")
+    platform: str | None = Field(
+        default=None, max_length=32, description="Platform section of the deploy YAML to apply."
+    )
+    stage_overrides: str | None = Field(
+        default=None,
+        description='Per-stage deploy JSON, the highest layer, e.g. {"1": {"max_num_seqs": 4}}.',
+    )
     engine_threads: int = Field(default=1, ge=1, le=256, description="torch threads in the engine.")
     engine_start_timeout_s: float = Field(
         default=300.0, gt=0, le=3600, description="READY timeout."
@@ -88,22 +114,79 @@ class StageSettings(BaseSettings):
         description="Kernel bound on a hop connection whose peer went silent (TCP keepalive and "
         "TCP_USER_TIMEOUT); 0 keeps the kernel's defaults.",
     )
-    log_level: str = Field(default="INFO", description="Logging level.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        default="INFO", description="Logging level."
+    )
     tracing: Literal["none", "console", "otlp"] = Field(
         default="none", description="OpenTelemetry span exporter (otlp reads OTEL_* env vars)."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _master_address(cls, data: Any) -> Any:
+        """``-oma HOST [-omp PORT]`` (the seeds' form) adds ``http://HOST:PORT`` to
+        ``control_plane``; a bad host is left to its own field's check."""
+        if not isinstance(data, dict) or not data.get("omni_master_address"):
+            return data
+        host = str(data["omni_master_address"])
+        try:
+            check_host(host)
+        except ValueError:
+            return data
+        host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        port = data.get("omni_master_port") or DEFAULT_CP_PORT
+        urls = split_urls(data.get("control_plane", ()))
+        return {**data, "control_plane": (*urls, f"http://{host}:{port}")}
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
+
+    @field_validator("control_plane", mode="before")
+    @classmethod
+    def _split_urls(cls, value: Any) -> Any:
+        return split_urls(value)
+
+    @field_validator("control_plane")
+    @classmethod
+    def _check_urls(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for url in value:
+            check_http_url(url)
+        return value
+
+    @field_validator("host", "omni_master_address")
+    @classmethod
+    def _check_host(cls, value: str | None) -> str | None:
+        return None if value is None else check_host(value)
+
+    @field_validator("advertise_address")
+    @classmethod
+    def _check_advertise(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if "://" in value:
+            check_http_url(value, need_port=False)
+        else:
+            check_host(value)
+        return value.rstrip("/")
 
     @model_validator(mode="after")
     def _check(self) -> StageSettings:
         if self.headless and self.api_only:
             raise ValueError("--headless and --api-only exclude each other")
+        if self.omni_master_port is not None and self.omni_master_address is None:
+            raise ValueError("--omni-master-port needs --omni-master-address")
         return self
 
     @property
     def address(self) -> str:
-        if self.advertise_address:
-            return self.advertise_address.rstrip("/")
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        """The URL other pods reach this one at (``-ora HOST`` means http://HOST:port)."""
+        adv = self.advertise_address
+        if adv and "://" in adv:
+            return adv
+        host = adv or ("127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host)
+        host = f"[{host}]" if ":" in host else host
         return f"http://{host}:{self.port}"
 
     @property
@@ -111,3 +194,40 @@ class StageSettings(BaseSettings):
         if self.secret is None:
             raise ValueError("no deployment secret: pass --secret or set OMNI_SECRET")
         return self.secret.get_secret_value().encode()
+
+
+def check_http_url(url: str, *, need_port: bool = True) -> str:
+    """``url`` if it is ``http(s)://HOST[:PORT]`` with a valid host; ValueError otherwise."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+        need_port = True
+    if parts.scheme not in ("http", "https") or not parts.hostname or (need_port and port is None):
+        raise ValueError(f"{url!r} is not an http(s)://host:port URL")
+    check_host(parts.hostname)
+    return url
+
+
+#: ``omni-stage``'s flags: one per field, the seeds' short forms as aliases.
+STAGE_FLAGS = flag_specs(
+    StageSettings,
+    aliases={
+        "omni_master_address": ("-oma",),
+        "omni_master_port": ("-omp",),
+        "advertise_address": ("--omni-replica-address", "-ora"),
+        "engine_start_timeout_s": ("--engine-start-timeout",),
+        "drain_timeout_s": ("--drain-timeout",),
+    },
+)
+
+
+def split_urls(value: Any) -> Any:
+    """URLs given repeatedly and/or comma-separated, as one tuple (other values unchanged)."""
+    if isinstance(value, str):
+        value = (value,)
+    if isinstance(value, tuple | list):
+        parts = (u.strip() for v in value for u in str(v).split(","))
+        return tuple(u.rstrip("/") for u in parts if u)
+    return value

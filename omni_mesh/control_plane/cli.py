@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 from pydantic import ValidationError
 
 from omni_mesh.configs.settings import ControlPlaneClientSettings, ControlPlaneSettings, LogLevel
+from omni_mesh.configs.settings_flags import add_setting_flags, flag_specs, settings_error_text
 from omni_mesh.control_plane.client import ControlPlaneClient
 from omni_mesh.control_plane.embedded_redis import EmbeddedRedisError
 from omni_mesh.control_plane.errors import ControlPlaneError, ControlPlaneUnavailableError
@@ -24,23 +25,8 @@ from omni_mesh.control_plane.redis_conn import RedisUrlError, check_url, redact
 from omni_mesh.control_plane.server import ServeError, ServingInfo, serve_forever
 from omni_mesh.control_plane.status import render_status
 
-_SERVE_FLAGS: tuple[tuple[str, type, str], ...] = (
-    ("--host", str, "interface to listen on (default 127.0.0.1)"),
-    ("--port", int, "port to listen on (default 7700)"),
-    ("--redis-url", str, "Redis URL; without it an embedded redis-server is started"),
-    (
-        "--auth-token",
-        str,
-        "bearer token for every route but /healthz, /metrics (prefer the "
-        "OMNI_CP_AUTH_TOKEN variable: flags are visible in ps)",
-    ),
-    ("--heartbeat-interval-ms", int, "heartbeat period asked of instances (default 1000)"),
-    ("--lease-ttl-ms", int, "lease: heartbeat age that isolates an instance (default 3000)"),
-    ("--sweep-interval-ms", int, "liveness sweeper period (default 250)"),
-    ("--sweeper-lock-ttl-ms", int, "sweeper lock expiry, i.e. takeover time (default 2000)"),
-    ("--evict-after-ms", int, "delete records of dead instances after this (default 60000)"),
-    ("--log-level", str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
-)
+#: ``omni-cp serve``'s flags: one per setting, each also read from ``OMNI_CP_<FIELD>``.
+SERVE_FLAGS = flag_specs(ControlPlaneSettings)
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -50,8 +36,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     )
     sub = parser.add_subparsers(dest="command", metavar="{serve,status}")
     serve = sub.add_parser("serve", help="run the control plane HTTP API")
-    for flag, kind, help_text in _SERVE_FLAGS:
-        serve.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text)
+    add_setting_flags(serve, ControlPlaneSettings, SERVE_FLAGS)
     status = sub.add_parser("status", help="show every registered instance")
     status.add_argument("--cp", default=argparse.SUPPRESS, help="omni-cp URL(s), comma-separated")
     status.add_argument(
@@ -88,7 +73,7 @@ def cmd_serve(parser: argparse.ArgumentParser, args: dict[str, Any]) -> int:
     try:
         settings = ControlPlaneSettings(**args)
     except ValidationError as exc:
-        _settings_error(parser, exc, "OMNI_CP_")
+        parser.error(settings_error_text(exc, ControlPlaneSettings, SERVE_FLAGS))
     if settings.redis_url_str is not None:
         try:
             check_url(settings.redis_url_str)

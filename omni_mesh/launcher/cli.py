@@ -40,13 +40,31 @@ import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType
+from typing import Any
+
+from pydantic import ValidationError
 
 from omni_mesh.configs.autoscale import AutoscaleConfig
-from omni_mesh.configs.deploy import MAX_REPLICAS, DeployConfig
+from omni_mesh.configs.cli_flags import env_overrides
+from omni_mesh.configs.deploy import MAX_REPLICAS, DeployConfig, DeployConfigError
 from omni_mesh.configs.loader import load_deploy_config
-from omni_mesh.configs.pipeline import PipelineError, PipelineSpec, get_pipeline
-from omni_mesh.configs.settings import LogLevel
-from omni_mesh.launcher.local_deploy import LOCALHOST, SECRET_ENV, UpConfig, run_local
+from omni_mesh.configs.pipeline import (
+    PipelineError,
+    PipelineSpec,
+    get_pipeline,
+    load_pipeline_modules,
+    pipeline_modules_from,
+)
+from omni_mesh.configs.settings import UpSettings
+from omni_mesh.configs.settings_flags import (
+    add_pipeline_module_flag,
+    add_setting_flags,
+    env_kwargs,
+    flag_specs,
+    settings_error_text,
+    settings_kwargs,
+)
+from omni_mesh.launcher.local_deploy import SECRET_ENV, UpConfig, run_local
 
 logger = logging.getLogger(__name__)
 
@@ -59,82 +77,101 @@ STOP_MARGIN_S = 10.0  # beyond the drain: the pod stops its engine and exits
 # ---- flags -------------------------------------------------------------------------------------
 
 
+UP_FLAGS = flag_specs(
+    UpSettings,
+    aliases={
+        "ready_timeout_s": ("--ready-timeout",),
+        "drain_timeout_s": ("--drain-timeout",),
+        "stop_timeout_s": ("--stop-timeout",),
+    },
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="omni-up",
         description="Run a whole pipeline on this machine: control plane, every stage replica "
-        "and an API server, until Ctrl-C.",
+        "and an API server, until Ctrl-C. Every flag also reads an OMNI_UP_* variable; flags win.",
     )
-    p.add_argument("--pipeline", required=True, help="registered pipeline name")
-    p.add_argument(
-        "--replicas", help="replicas per stage, e.g. 1:2:1 (default: the deploy config's)"
-    )
-    p.add_argument("--port", type=_port, default=8000, help="API server port (default 8000)")
-    p.add_argument("--host", default=LOCALHOST, help="API server interface (default 127.0.0.1)")
-    p.add_argument(
-        "--deploy-config", type=Path, help="deploy YAML for every stage (default: bundled)"
-    )
-    p.add_argument("--secret", help=f"deployment secret (default: ${SECRET_ENV}, else generated)")
-    p.add_argument("--cp-port", type=_port, help="control plane port (default: a free one)")
-    p.add_argument("--stage-overrides", help='per-stage JSON, e.g. \'{"1": {"max_num_seqs": 4}}\'')
-    p.add_argument("--keep-logs", action="store_true", help="keep the process logs on exit")
-    p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds per start phase")
-    p.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=DEFAULT_DRAIN_S,
-        metavar="S",
-        help=f"how long each pod finishes in-flight work on stop (default {DEFAULT_DRAIN_S:g})",
-    )
-    p.add_argument(
-        "--stop-timeout",
-        type=float,
-        metavar="S",
-        help="seconds from SIGTERM to SIGKILL per stop group, at least --drain-timeout "
-        f"(default: --drain-timeout + {STOP_MARGIN_S:g})",
-    )
-    p.add_argument("--log-level", type=LogLevel, default=LogLevel.INFO, help="log level")
+    add_setting_flags(p, UpSettings, UP_FLAGS)
+    add_pipeline_module_flag(p)
     return p
 
 
 def parse_args(argv: Sequence[str] | None, env: Mapping[str, str]) -> UpConfig:
-    """Parse and validate; a bad flag exits 2 with a message naming it."""
+    """Parse and validate; a bad flag exits 2 with a message naming it.
+
+    Precedence, lowest first: defaults < bundled deploy YAML < overlay < environment
+    (``OMNI_UP_*`` for these settings, ``OMNI_STAGE_*`` for deploy settings) < flags (``--replicas``
+    is one) < ``--stage-overrides``.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        pipeline = get_pipeline(args.pipeline)
-        deploy_path = None if args.deploy_config is None else args.deploy_config.resolve()
+        modules = pipeline_modules_from(args.pipeline_module, env)
+        load_pipeline_modules(modules)
+        kwargs = {**env_kwargs(UpSettings, UP_FLAGS, env), **settings_kwargs(args, UP_FLAGS)}
+        try:
+            settings = UpSettings(**kwargs)
+        except ValidationError as exc:
+            raise ValueError(settings_error_text(exc, UpSettings, UP_FLAGS)) from None
+        pipeline = get_pipeline(settings.pipeline)
+        deploy_path = None if settings.deploy_config is None else settings.deploy_config.resolve()
         if deploy_path is not None and not deploy_path.is_file():
             raise ValueError(f"--deploy-config: no such file: {deploy_path}")
         # Fail here, once, rather than in every stage process.
-        deploy = load_deploy_config(deploy_path, pipeline, stage_overrides=args.stage_overrides)
-        replicas = parse_replicas(args.replicas, pipeline, deploy)
+        deploy, replicas = load_with_replicas(deploy_path, pipeline, settings, env)
         autoscale = autoscaled_stages(pipeline, deploy, replicas)
-        secret, source = resolve_secret(args.secret, env)
-        if args.ready_timeout <= 0:
-            raise ValueError("--ready-timeout must be positive")
-        stop_timeout = resolve_stop_timeout(args.drain_timeout, args.stop_timeout)
-        if args.cp_port is not None and args.cp_port == args.port:
-            raise ValueError(f"--cp-port and --port are both {args.port}")
-    except (PipelineError, ValueError) as exc:
+        secret_flag = None if settings.secret is None else settings.secret.get_secret_value()
+        secret, source = resolve_secret(secret_flag, env)
+        stop_timeout = resolve_stop_timeout(settings.drain_timeout_s, settings.stop_timeout_s)
+    except (PipelineError, DeployConfigError, ValueError) as exc:
         parser.error(str(exc))
+    stage_flags: list[str] = []
+    if settings.async_chunk is not None:
+        stage_flags.append("--async-chunk" if settings.async_chunk else "--no-async-chunk")
+    for module in modules:
+        stage_flags += ["--pipeline-module", module]
     return UpConfig(
         pipeline=pipeline,
         replicas=replicas,
-        host=args.host,
-        port=args.port,
-        cp_port=args.cp_port,
+        host=settings.host,
+        port=settings.port,
+        cp_port=settings.cp_port,
         deploy_config=deploy_path,
-        stage_overrides=args.stage_overrides,
+        stage_overrides=settings.stage_overrides,
         secret=secret,
         secret_source=source,
-        keep_logs=args.keep_logs,
-        ready_timeout_s=args.ready_timeout,
+        keep_logs=settings.keep_logs,
+        ready_timeout_s=settings.ready_timeout_s,
         stop_timeout_s=stop_timeout,
-        log_level=args.log_level,
-        drain_timeout_s=args.drain_timeout,
+        log_level=settings.log_level,
+        drain_timeout_s=settings.drain_timeout_s,
         autoscale=autoscale,
+        stage_flags=tuple(stage_flags),
     )
+
+
+def load_with_replicas(
+    path: Path | None, pipeline: PipelineSpec, settings: UpSettings, env: Mapping[str, str]
+) -> tuple[DeployConfig, tuple[int, ...]]:
+    """The deploy config every stage will load, with ``--replicas`` as a flag layer (above the
+    environment, below ``--stage-overrides``), and the replica count of each stage from it."""
+    cli = {} if settings.async_chunk is None else {"async_chunk": settings.async_chunk}
+    layers: dict[str, Any] = {
+        "env_overrides": env_overrides(env),
+        "cli_overrides": cli,
+        "stage_overrides": settings.stage_overrides,
+    }
+    deploy = load_deploy_config(path, pipeline, **layers)
+    if settings.replicas is None:
+        return deploy, parse_replicas(None, pipeline, deploy)
+    counts = parse_replicas(settings.replicas, pipeline, deploy)
+    per_stage = {
+        sid: {"num_replicas": n} for sid, n in zip(sorted(pipeline.stage_ids), counts, strict=True)
+    }
+    deploy = load_deploy_config(path, pipeline, cli_stage_overrides=per_stage, **layers)
+    return deploy, parse_replicas(None, pipeline, deploy)
 
 
 def parse_replicas(
@@ -215,12 +252,6 @@ def resolve_secret(flag: str | None, env: Mapping[str, str]) -> tuple[str, str]:
     if len(secret) < MIN_SECRET_CHARS:
         raise ValueError(f"{name}: must be at least {MIN_SECRET_CHARS} characters")
     return secret, source
-
-
-def _port(text: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= 65535:
-        raise argparse.ArgumentTypeError(f"not a TCP port: {text!r}")
-    return int(text)
 
 
 # ---- running -----------------------------------------------------------------------------------

@@ -78,6 +78,8 @@ class UpConfig:
     # ``autoscale:``); their count in ``replicas`` is the starting one, 0 allowed.
     autoscale: Mapping[int, AutoscaleConfig] = field(default_factory=dict)
     scale_poll_s: float = 0.5  # how often the actuator reads the desired counts
+    # Flags every omni-stage gets as given (--async-chunk, --pipeline-module M, …).
+    stage_flags: tuple[str, ...] = ()
 
     @property
     def replica_spec(self) -> str:
@@ -155,6 +157,7 @@ def _stage_cmd(config: UpConfig, cp_url: str) -> tuple[str, ...]:
         common += ["--deploy-config", str(config.deploy_config)]
     if config.stage_overrides is not None:
         common += ["--stage-overrides", config.stage_overrides]
+    common += config.stage_flags
     return (sys.executable, "-m", "omni_mesh.sidecar.cli_stage", *common)
 
 

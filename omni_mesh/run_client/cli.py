@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,8 +23,15 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from omni_mesh.configs.pipeline import PipelineError, PipelineSpec, get_pipeline
+from omni_mesh.configs.pipeline import (
+    PipelineError,
+    PipelineSpec,
+    get_pipeline,
+    load_pipeline_modules,
+    pipeline_modules_from,
+)
 from omni_mesh.configs.settings import ControlPlaneClientSettings, LogLevel
+from omni_mesh.configs.settings_flags import add_pipeline_module_flag
 from omni_mesh.data_plane.messages import Prompt, RunOutputBin
 from omni_mesh.run_client.client import (
     ControlPlaneDiscovery,
@@ -64,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", type=Path, help="media output file (default output.wav/png)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per call (default 300)")
     p.add_argument("--log-level", type=LogLevel, default=LogLevel.WARNING, help="log level")
+    add_pipeline_module_flag(p)
     return p
 
 
@@ -201,6 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.log_level.as_int, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        load_pipeline_modules(pipeline_modules_from(args.pipeline_module, os.environ))
         pipeline = get_pipeline(args.pipeline)
         prompt = build_prompt(args, pipeline)
         resolver = build_resolver(args, pipeline)

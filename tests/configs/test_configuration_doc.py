@@ -19,10 +19,16 @@ import pytest
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
+from pydantic_settings import BaseSettings
 
-from omni_mesh.configs.cli_flags import STAGE_FLAG_FIELDS, field_bounds, flag_name
 from omni_mesh.configs.autoscale import AutoscaleConfig
+from omni_mesh.configs.cli_flags import DEPLOY_FLAG_FIELDS, env_name, field_bounds, flag_name
 from omni_mesh.configs.deploy import ConnectorSpec, DeployConfig, PlatformSection, StageDeployConfig
+from omni_mesh.configs.settings import ControlPlaneSettings, UpSettings
+from omni_mesh.configs.settings_flags import SettingFlag, env_names
+from omni_mesh.configs.stage_settings import STAGE_FLAGS, StageSettings
+from omni_mesh.control_plane.cli import SERVE_FLAGS
+from omni_mesh.launcher.cli import UP_FLAGS
 
 pytestmark = pytest.mark.unit
 
@@ -89,14 +95,39 @@ def model_table(model: type[BaseModel]) -> str:
 
 
 def flags_table() -> str:
-    rows = ["| flag | stage field |", "|---|---|"]
-    rows += [f"| `{flag_name(name)}` | `{name}` |" for name in STAGE_FLAG_FIELDS]
+    rows = ["| flag | variable | deploy key |", "|---|---|---|"]
+    rows += [
+        f"| `{flag_name(name)}` | `{env_name(name)}` | `{name}` |" for name in DEPLOY_FLAG_FIELDS
+    ]
+    return "\n".join(rows) + "\n"
+
+
+#: The settings of each process: one flag and one variable per setting, from the same specs
+#: that build the parsers.
+SETTINGS: dict[str, tuple[type[BaseSettings], tuple[SettingFlag, ...]]] = {
+    "stage-settings": (StageSettings, STAGE_FLAGS),
+    "cp-settings": (ControlPlaneSettings, SERVE_FLAGS),
+    "up-settings": (UpSettings, UP_FLAGS),
+}
+
+
+def settings_table(model: type[BaseSettings], specs: tuple[SettingFlag, ...]) -> str:
+    rows = ["| setting | flag | variable | default | description |", "|---|---|---|---|---|"]
+    for spec in specs:
+        field = model.model_fields[spec.field]
+        flags = ", ".join(f"`{f}`" for f in spec.flags)
+        if spec.kind == "bool":
+            flags += f" / `--no-{spec.flags[0].removeprefix('--')}`"
+        env = ", ".join(f"`{e}`" for e in env_names(model, spec.field))
+        default = "host name" if spec.field == "host_id" else default_text(field)
+        rows.append(f"| `{spec.field}` | {flags} | {env} | {default} | {field.description} |")
     return "\n".join(rows) + "\n"
 
 
 def blocks() -> dict[str, str]:
     out = {name: model_table(model) for name, model in MODELS.items()}
     out["cli-flags"] = flags_table()
+    out.update({name: settings_table(*spec) for name, spec in SETTINGS.items()})
     return out
 
 

@@ -23,11 +23,11 @@ def test_stage_defaults() -> None:
     assert s.engine_extras == {}
 
 
-def test_unknown_stage_keys_land_in_engine_extras() -> None:
-    s = StageDeployConfig.model_validate(
-        {"stage_id": 1, "max_num_batched_tokens": 512, "engine_extras": {"a": 1, "b": 2}, "b": 3}
-    )
-    assert s.engine_extras == {"a": 1, "b": 3, "max_num_batched_tokens": 512}
+def test_unknown_stage_keys_are_refused_and_engine_extras_take_free_keys() -> None:
+    with pytest.raises(ValidationError, match="max_num_batched_tokens"):
+        StageDeployConfig.model_validate({"stage_id": 1, "max_num_batched_tokens": 512})
+    s = StageDeployConfig.model_validate({"stage_id": 1, "engine_extras": {"a": 1, "b": 2}})
+    assert s.engine_extras == {"a": 1, "b": 2}
 
 
 def test_pipeline_wide_key_inside_a_stage_is_an_error() -> None:

@@ -62,8 +62,10 @@ def test_overlay_merges_deeply(write_yaml: WriteYaml, chain3: PipelineSpec) -> N
 def test_unknown_keys_in_different_layers_merge(
     write_yaml: WriteYaml, chain3: PipelineSpec
 ) -> None:
-    write_yaml("base.yaml", "stages: [{stage_id: 0, foo: 1, bar: 2}]")
-    top = write_yaml("top.yaml", "base_config: base.yaml\nstages: [{stage_id: 0, bar: 3}]")
+    write_yaml("base.yaml", "stages: [{stage_id: 0, engine_extras: {foo: 1, bar: 2}}]")
+    top = write_yaml(
+        "top.yaml", "base_config: base.yaml\nstages: [{stage_id: 0, engine_extras: {bar: 3}}]"
+    )
     assert load_deploy_config(top, chain3).stage(0).engine_extras == {"foo": 1, "bar": 3}
 
 

@@ -128,12 +128,11 @@ def test_pipeline_wide_cli_key_sets_top_level(write_yaml: WriteYaml, chain3: Pip
     cfg = load_deploy_config(
         write_yaml("x.yaml", "hop_retries: 1"),
         chain3,
-        cli_overrides={"hop_retries": 4, "trust_remote_code": True, "kv_cache_dtype": "fp8"},
+        cli_overrides={"hop_retries": 4, "trust_remote_code": True, "max_num_seqs": 3},
         target_stages=[0],
     )
     assert (cfg.hop_retries, cfg.trust_remote_code) == (4, True)
-    assert cfg.stage(0).engine_extras == {"kv_cache_dtype": "fp8"}
-    assert cfg.stage(1).engine_extras == {}
+    assert (cfg.stage(0).max_num_seqs, cfg.stage(1).max_num_seqs) == (3, 8)
 
 
 def test_cli_tensor_parallel_beats_yaml_stage_value(
@@ -152,11 +151,9 @@ def test_stage_overrides_accepts_json_and_mappings(
     write_yaml: WriteYaml, chain3: PipelineSpec
 ) -> None:
     path = write_yaml("x.yaml", "")
-    text = json.dumps({"2": {"num_replicas": 3, "foo": "bar"}})
-    from_text = load_deploy_config(path, chain3, stage_overrides=text)
-    from_map = load_deploy_config(
-        path, chain3, stage_overrides={"2": {"num_replicas": 3, "foo": "bar"}}
-    )
+    over = {"2": {"num_replicas": 3, "engine_extras": {"foo": "bar"}}}
+    from_text = load_deploy_config(path, chain3, stage_overrides=json.dumps(over))
+    from_map = load_deploy_config(path, chain3, stage_overrides=over)
     assert from_text == from_map
     assert from_text.stage(2).num_replicas == 3 and from_text.stage(2).engine_extras == {
         "foo": "bar"

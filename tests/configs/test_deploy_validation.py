@@ -258,13 +258,19 @@ def test_bad_cli_overrides(write_yaml: WriteYaml, chain3: PipelineSpec) -> None:
     assert "command line: hop_retries: Input should be less than" in str(err)
 
 
-def test_misspelt_stage_key_is_logged(
+def test_misspelt_stage_key_is_an_error(write_yaml: WriteYaml, chain3: PipelineSpec) -> None:
+    path = write_yaml("typo.yaml", "stages: [{stage_id: 1, max_num_seqz: 4}]")
+    msg = str(_error(path, chain3))
+    assert "stages[stage_id=1].max_num_seqz: unknown key (did you mean 'max_num_seqs'?)" in msg
+    assert "free-form engine keys go under engine_extras:" in msg
+    err = _error(write_yaml("ok.yaml", ""), chain3, stage_overrides={"0": {"max_num_seqz": 4}})
+    assert "--stage-overrides: stages[stage_id=0].max_num_seqz: unknown key" in str(err)
+
+
+def test_batch_that_never_fills_is_logged(
     write_yaml: WriteYaml, chain3: PipelineSpec, caplog: pytest.LogCaptureFixture
 ) -> None:
-    path = write_yaml("typo.yaml", "stages: [{stage_id: 1, max_num_seq: 4, max_num_seqs: 100}]")
+    path = write_yaml("full.yaml", "stages: [{stage_id: 1, max_num_seqs: 100}]")
     with caplog.at_level("WARNING", logger="omni_mesh.configs.loader"):
-        cfg = load_deploy_config(path, chain3)
-    assert cfg.stage(1).engine_extras == {"max_num_seq": 4}  # still forwarded, but flagged
-    text = caplog.text
-    assert "stage=1 key 'max_num_seq' is not a stage field (did you mean 'max_num_seqs'?)" in text
-    assert "stage=1 max_inflight=64 is below max_num_seqs=100" in text
+        load_deploy_config(path, chain3)
+    assert "stage=1 max_inflight=64 is below max_num_seqs=100" in caplog.text

@@ -22,6 +22,7 @@ from omni_mesh.configs.loader import load_deploy_config
 from omni_mesh.configs.pipeline import get_pipeline
 from omni_mesh.control_plane.cli import build_parser as cp_parser
 from omni_mesh.sidecar.cli_stage import parser as stage_parser
+from omni_mesh.sidecar.cli_stage import settings_from_args
 
 K8S = Path(__file__).resolve().parents[2] / "k8s"
 BASE = K8S / "tiny-omni"
@@ -120,15 +121,15 @@ def test_stage_pods(label: str, doc: Doc) -> None:
         assert container[probe]["httpGet"]["path"] == "/health", probe
     # a preStop drain, and a grace period longer than the drain
     assert "kill -TERM 1" in " ".join(container["lifecycle"]["preStop"]["exec"]["command"])
-    args = stage_parser().parse_args(_args(container))
-    assert pod["terminationGracePeriodSeconds"] > args.drain_timeout
+    args = settings_from_args(stage_parser().parse_args(_args(container)))
+    assert pod["terminationGracePeriodSeconds"] > args.drain_timeout_s
     # the command is omni-stage's, for a headless stage of tiny-omni advertising its own address
     assert container["command"] == ["omni-stage"]
     assert (args.pipeline, args.headless) == ("tiny-omni", True)
     assert args.stage_id == int(_labels(doc)["omni-mesh/stage-id"])
     assert args.advertise_address == "http://10.1.2.3:9000"
     assert args.host_id == "pod-abc"
-    assert args.control_plane == ["http://omni-cp:7700"]
+    assert args.control_plane == ("http://omni-cp:7700",)
     # GPUs: one per pod in the GPU variants, none in the CPU walk-through
     gpus = container["resources"]["limits"].get("nvidia.com/gpu")
     assert gpus == (1 if label.startswith("gpu/") else None)
@@ -137,13 +138,13 @@ def test_stage_pods(label: str, doc: Doc) -> None:
 
 def test_api_and_control_plane_commands() -> None:
     api = _container(BY_KIND["Deployment"]["omni-api"])
-    args = stage_parser().parse_args(_args(api))
+    args = settings_from_args(stage_parser().parse_args(_args(api)))
     assert args.api_only and args.port == 8000
     assert (
         BY_KIND["Deployment"]["omni-api"]["spec"]["template"]["spec"][
             "terminationGracePeriodSeconds"
         ]
-        > args.drain_timeout
+        > args.drain_timeout_s
     )
     cp = _container(BY_KIND["Deployment"]["omni-cp"])
     parser, _ = cp_parser()

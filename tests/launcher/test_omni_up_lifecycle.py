@@ -186,7 +186,7 @@ def test_a_stage_that_can_never_start_makes_omni_up_exit_1_naming_it(tmp_path: P
     port = free_port()
     # Valid for the deploy schema, refused by the talker engine when it starts.
     up = _omni_up(tmp_path, port, "--replicas", "1:1", "--stage-overrides",
-                  '{"0": {"max_frames": 0}}')  # fmt: skip
+                  '{"0": {"engine_extras": {"max_frames": 0}}}')  # fmt: skip
     try:
         assert up.wait(timeout=90) == 1, up.describe()
         err = up.stderr

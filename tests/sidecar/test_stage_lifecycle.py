@@ -113,7 +113,7 @@ def test_bad_engine_settings_exit_2_with_one_line() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "omni_mesh.sidecar.cli_stage", "--pipeline", "tiny-tts",
          "--stage-id", "0", "--headless", "--port", str(free_port()),
-         "--stage-overrides", '{"0": {"chunk_frames": 0}}'],
+         "--stage-overrides", '{"0": {"engine_extras": {"chunk_frames": 0}}}'],
         capture_output=True, text=True, timeout=120, env=clean_env(),
     )  # fmt: skip
     assert result.returncode == 2, result.stderr

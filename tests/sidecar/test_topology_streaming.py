@@ -43,7 +43,7 @@ def chunked_config(tmp: Path, pipeline: str, stages: str) -> list[str]:
     return ["--deploy-config", str(path)]
 
 
-TALKER_CHUNKS = "    chunk_frames: 4\n"
+TALKER_CHUNKS = "    engine_extras: {chunk_frames: 4}\n"
 
 
 @pytest.fixture(scope="module")
