@@ -77,7 +77,7 @@ class StageSettings(BaseSettings):
         default=4096,
         ge=1,
         le=1_000_000,
-        description="Requests an engine-less API server admits at once before answering 429.",
+        description="Requests an engine-less API server runs at once; more wait in its queue.",
     )
     drain_timeout_s: float = Field(default=30.0, ge=0, le=3600, description="SIGTERM drain bound.")
     max_body_bytes: int = Field(

@@ -297,7 +297,7 @@ class SidecarMetrics:
         )
         self.rejected = Counter(
             SC_REJECTED,
-            "Requests refused at admission (full → 429, draining → 503, duplicate → 409).",
+            "Requests refused at admission (draining → 503, duplicate → 409); see omni_stage_shed.",
             ["pipeline", "stage", "reason"],
             registry=registry,
         )
