@@ -23,12 +23,14 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import signal
 import sys
 import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import aiohttp
@@ -101,6 +103,9 @@ class Trace:
     sent: list[tuple[float, float | None]] = field(default_factory=list)
     samples: list[tuple[float, int, int]] = field(default_factory=list)  # t, processes, ready
     errors: list[str] = field(default_factory=list)
+    started_at: float = 0.0  # wall clock of t = 0
+    scale_ups: list[float] = field(default_factory=list)  # t of each replica omni-up started
+    startups: list[float] = field(default_factory=list)  # seconds from start to ready
     answered_failed: int = 0  # failed answers (the rest of the failures: dropped arrivals)
 
     def fail(self, error: str) -> None:
@@ -156,7 +161,7 @@ class Trace:
 
 def profile(opts: Options) -> list[Phase]:
     warm, step = opts.pickf(10.0, 5.0), opts.pickf(40.0, 20.0)
-    half, cycles = opts.pickf(20.0, 10.0), opts.pick(3, 1)
+    half, cycles = opts.pickf(30.0, 10.0), opts.pick(3, 1)
     phases = [Phase("warm", warm, LOW_RPS), Phase("step", step, HIGH_RPS)]
     for i in range(cycles):
         phases += [Phase(f"wave-low-{i}", half, LOW_RPS), Phase(f"wave-high-{i}", half, HIGH_RPS)]
@@ -231,6 +236,7 @@ class Deployment:
 async def drive(dep: Deployment, trace: Trace) -> None:
     """Open-loop arrivals at each phase's rate; samples replicas meanwhile."""
     loop_t0 = time.monotonic()
+    trace.started_at = time.time()
     outstanding: set[asyncio.Task[None]] = set()
     conn = aiohttp.TCPConnector(limit=MAX_OUTSTANDING, limit_per_host=MAX_OUTSTANDING)
     async with aiohttp.ClientSession(connector=conn) as sess:
@@ -275,6 +281,18 @@ async def drive(dep: Deployment, trace: Trace) -> None:
         sampler.cancel()
 
 
+_STARTED = re.compile(r"^(\S+ \S+) omni-up INFO autoscale stage=1 starting process=", re.M)
+_READY = re.compile(r"process=stage1-\S+ pid=\d+ is ready ([0-9.]+)s after its start")
+
+
+def _actuator_log(log: str, trace: Trace) -> None:
+    """When omni-up started stage-1 replicas (t) and how long each took to be ready."""
+    for stamp in _STARTED.findall(log):
+        wall = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        trace.scale_ups.append(wall - trace.started_at)
+    trace.startups += [float(s) for s in _READY.findall(log)]
+
+
 def _boundaries(phases: list[Phase]) -> list[tuple[float, float]]:
     out, t = [], 0.0
     for p in phases:
@@ -299,6 +317,7 @@ async def run(tmp: Path, label: str, yaml_text: str, replicas: int, opts: Option
     with Deployment(tmp, yaml_text, f"1:{replicas}:1", label) as dep:
         await asyncio.sleep(1.0)
         await drive(dep, trace)
+        _actuator_log(dep.proc.stderr, trace)
     dropped = sum(1 for _, lat in trace.sent if lat is None) - trace.answered_failed
     print(
         f"[autoscale] {label}: {len(trace.sent)} requests, {trace.failed()} failed "
@@ -312,7 +331,7 @@ async def cold_start(tmp: Path, reps: int) -> tuple[list[float], list[float]]:
     """Latency of one request that finds stage 1 at zero, and of the same with a replica warm."""
     policy = AUTOSCALE.format(min=0, max=1, down_window=1.0)
     cold, warm = [], []
-    with Deployment(tmp, deploy_yaml(start=0, autoscale=policy), "1:0:1", "cold") as dep:
+    with Deployment(tmp, deploy_yaml(start=1, autoscale=policy), "1:1:1", "cold") as dep:
         async with aiohttp.ClientSession() as sess:
             for i in range(reps):
                 await _until_zero(dep)
@@ -372,7 +391,15 @@ async def bench(opts: Options) -> Report:
         )
     static_max = MAX_REPLICAS * (end - wave_t)
     rows.append(
-        ["static 6 (computed)", "", "", fmt_num(MAX_REPLICAS * end), fmt_num(static_max), "", ""]
+        [
+            f"static {MAX_REPLICAS} (computed)",
+            "",
+            "",
+            fmt_num(MAX_REPLICAS * end),
+            fmt_num(static_max),
+            "",
+            "",
+        ]
     )
     phases = ", ".join(f"{p.name} {p.seconds:g} s at {p.rps:g}/s" for p in auto.phases)
     report.add(
@@ -387,13 +414,29 @@ async def bench(opts: Options) -> Report:
                 "goodput/s (wave)",
             ],
             rows,
-            title="Step load then square wave (stage 1: 200 ms step, 4 per step per replica)",
+            title=f"Step load then square wave (stage 1: {STEP_MS:g} ms steps of {SEQS})",
             notes=f"Load (open loop, `/v1/generate`): {phases}. Latency target (p99, requests "
             f"sent in the last {WINDOW_S:g} s): {TARGET_P99_S:g} s. Goodput: requests answered 200 "
             f"within the target per second. Replica-seconds: stage-1 processes sampled every "
             f"{SAMPLE_S:g} s (starting and draining ones count).",
         )
     )
+    first_up = min((t - step_t for t in auto.scale_ups if t >= step_t), default=math.nan)
+    startups = auto.startups or [math.nan]
+    report.add(
+        md_table(
+            ["after the step (autoscaled)", "seconds"],
+            [
+                ["first replica started (window, heartbeat, sweep, actuator poll)",
+                 f"{first_up:.1f}"],
+                [f"replica start to ready, median of {len(auto.startups)}",
+                 f"{percentile(startups, 50):.1f}"],
+                ["replica start to ready, max", f"{max(startups):.1f}"],
+                ["p99 back under the target", f"{auto.recovery_s(step_t, wave_t):.1f}"],
+            ],
+            title="Where the time to recover goes",
+        )
+    )  # fmt: skip
     if cold:
         cold_rows = [
             [

@@ -243,12 +243,21 @@ class Supervisor:
             pause = min(pause * 2, 0.5)
 
     def _mark_ready(self, child: Child) -> None:
-        if child.mark_ready() and child.restarts:
+        if not child.mark_ready():
+            return
+        if child.restarts:
             logger.warning(
                 "process=%s pid=%d is ready again (restart %d)",
                 child.name,
                 child.pid,
                 child.restarts,
+            )
+        elif child.probe_ready:
+            logger.info(
+                "process=%s pid=%d is ready %.2fs after its start",
+                child.name,
+                child.pid,
+                time.monotonic() - child.started_at,
             )
 
     # ---- liveness and restarts ---------------------------------------------------------------
