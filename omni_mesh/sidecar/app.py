@@ -161,14 +161,21 @@ def liveness_config(settings: StageSettings) -> LivenessConfig:
     )
 
 
+async def sweep_orphaned_shm(*, directory: str | None = None) -> int:
+    """Remove segments of dead processes before the engine starts (a directory scan and a
+    ``/proc`` read per segment: in a worker thread, off the event loop); how many."""
+    removed = await asyncio.to_thread(sweep_orphans, directory=directory)
+    if removed:
+        logger.info("removed %d orphaned shared-memory segments", removed)
+    return removed
+
+
 async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     pod = app[POD]
     if pod.settings.api_only:
         yield
         return
-    removed = sweep_orphans()
-    if removed:
-        logger.info("removed %d orphaned shared-memory segments", removed)
+    await sweep_orphaned_shm()
     engine = EngineClient(
         pod.pipeline.name,
         pod.stage_id,

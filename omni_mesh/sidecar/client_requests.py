@@ -21,7 +21,7 @@ from omni_mesh.sidecar.admission import admitted, request_class
 from omni_mesh.sidecar.deadlines import request_timeout
 from omni_mesh.sidecar.errors import bad_request, from_stage_error
 from omni_mesh.sidecar.inputs import BadPrompt, entry_input
-from omni_mesh.sidecar.outputs import ChunkAssembler, FinalOutput
+from omni_mesh.sidecar.outputs import ChunkAssembler, FinalOutput, joined_off_loop
 from omni_mesh.sidecar.pod import Pod
 
 
@@ -81,4 +81,4 @@ async def collect(
     error = assembler.end()
     if error is not None:
         raise from_stage_error(error)
-    return assembler.joined()
+    return await joined_off_loop(assembler)

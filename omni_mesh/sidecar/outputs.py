@@ -11,6 +11,7 @@ The client-side join of ``/v1/run`` chunk outputs (``omni-run``) is
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,18 @@ class FinalOutput:
     fields: dict[str, Scalar] | None = None
     array: np.ndarray | None = None  # waveform or image, for routes that re-encode
 
+    def encoded(self) -> FinalOutput:
+        """This output with its client bytes (WAV, PNG) encoded from its array if they were
+        left out (:func:`final_output` with ``encode=False``); milliseconds of CPU for a whole
+        output: call it off the event loop."""
+        if self.data is None and self.array is not None:
+            if self.kind is OutputKind.AUDIO:
+                rate = int((self.fields or {}).get("sample_rate") or 24000)
+                self.data, self.mime_type = media.wav_bytes(self.array, rate), "audio/wav"
+            elif self.kind is OutputKind.IMAGE:
+                self.data, self.mime_type = media.png_bytes(self.array), "image/png"
+        return self
+
     def to_run_output(self) -> RunOutput:
         return RunOutput(
             kind=self.kind.value,
@@ -62,8 +75,15 @@ class FinalOutput:
         )
 
 
-def final_output(pipeline: PipelineSpec, stage_id: int, payload: Payload) -> FinalOutput:
-    """Decode a final payload (tensors inline) into its client form."""
+#: Output kinds whose client bytes are encoded (WAV, PNG): CPU work of milliseconds.
+ENCODED_KINDS = frozenset({OutputKind.AUDIO, OutputKind.IMAGE})
+
+
+def final_output(
+    pipeline: PipelineSpec, stage_id: int, payload: Payload, *, encode: bool = True
+) -> FinalOutput:
+    """Decode a final payload (tensors inline) into its client form; with ``encode=False``
+    audio and images keep only their array (see :meth:`FinalOutput.encoded`)."""
     kind = pipeline.stage(stage_id).final_output or OutputKind.DATA
     arrays = {k: array_from_tensor(t) for k, t in payload.tensors.items()}
     fields = dict(payload.fields)
@@ -71,25 +91,11 @@ def final_output(pipeline: PipelineSpec, stage_id: int, payload: Payload) -> Fin
         return FinalOutput(stage_id, kind, text=str(fields.pop("text", "")), fields=fields)
     if kind is OutputKind.AUDIO:
         wave = arrays["waveform"]
-        rate = int(fields.get("sample_rate") or 24000)
-        return FinalOutput(
-            stage_id,
-            kind,
-            data=media.wav_bytes(wave, rate),
-            mime_type="audio/wav",
-            fields=fields,
-            array=wave,
-        )
+        out = FinalOutput(stage_id, kind, fields=fields, array=wave)
+        return out.encoded() if encode else out
     if kind is OutputKind.IMAGE:
-        image = arrays["image"]
-        return FinalOutput(
-            stage_id,
-            kind,
-            data=media.png_bytes(image),
-            mime_type="image/png",
-            fields=fields,
-            array=image,
-        )
+        out = FinalOutput(stage_id, kind, fields=fields, array=arrays["image"])
+        return out.encoded() if encode else out
     raw = arrays.get("data")
     blob = bytes(raw.reshape(-1).view(np.uint8)) if raw is not None else b""
     return FinalOutput(
@@ -121,7 +127,8 @@ class OutputChunk:
 def join_outputs(parts: Sequence[FinalOutput]) -> FinalOutput:
     """One stage's output chunks, in chunk order, as one output: audio → one WAV of the
     concatenated waveforms, text → the concatenated text, data → the concatenated bytes; an
-    image cannot be chunked. A single part is returned as it is (the bytes of a whole output)."""
+    image cannot be chunked. A single part is returned as it is (the bytes of a whole output).
+    Audio is joined from the parts' arrays and encoded here: call it off the event loop."""
     if not parts:
         raise ValueError("no output chunks to join")
     if len(parts) == 1:
@@ -140,14 +147,7 @@ def join_outputs(parts: Sequence[FinalOutput]) -> FinalOutput:
         if len(rates) != 1:
             raise ValueError(f"stage {first.stage_id}: audio chunks at several rates {rates}")
         wave = np.concatenate([np.asarray(p.array).reshape(-1) for p in parts])
-        return FinalOutput(
-            first.stage_id,
-            kind,
-            data=media.wav_bytes(wave, rates.pop()),
-            mime_type="audio/wav",
-            fields=fields,
-            array=wave,
-        )
+        return FinalOutput(first.stage_id, kind, fields=fields, array=wave).encoded()
     if kind is OutputKind.IMAGE:
         raise ValueError(f"stage {first.stage_id}: an image output cannot come in chunks")
     return FinalOutput(
@@ -191,7 +191,10 @@ class ChunkAssembler:
             if chunk in have:
                 self.duplicates += 1
                 continue
-            have[chunk] = final_output(self.pipeline, stage_id, frame.outputs[stage_id])
+            # Not encoded per chunk: streaming sinks send PCM from the array, and the joined
+            # output is encoded once, off the loop (:func:`joined_off_loop`).
+            output = final_output(self.pipeline, stage_id, frame.outputs[stage_id], encode=False)
+            have[chunk] = output
             ready.extend(self._contiguous(stage_id))
         if not frame.more:
             self.done = True
@@ -227,12 +230,25 @@ class ChunkAssembler:
         self.done = True
         return self.error
 
+    @property
+    def encodes(self) -> bool:
+        """Whether :meth:`joined` has WAV/PNG encoding to do."""
+        return any(self.pipeline.stage(s).final_output in ENCODED_KINDS for s in self._chunks)
+
     def joined(self) -> list[FinalOutput]:
-        """Every stage's final output, its chunks joined, in stage order."""
+        """Every stage's final output, its chunks joined and encoded, in stage order."""
         return [
-            join_outputs([have[c] for c in sorted(have)])
+            join_outputs([have[c] for c in sorted(have)]).encoded()
             for _, have in sorted(self._chunks.items())
         ]
+
+
+async def joined_off_loop(assembler: ChunkAssembler) -> list[FinalOutput]:
+    """:meth:`ChunkAssembler.joined`, in a worker thread when it encodes WAV or PNG (CPU work
+    of milliseconds that would stall every other request on the event loop)."""
+    if assembler.encodes:
+        return await asyncio.to_thread(assembler.joined)
+    return assembler.joined()
 
 
 def final_stage(pipeline: PipelineSpec, kind: OutputKind) -> int | None:

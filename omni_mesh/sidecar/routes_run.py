@@ -12,6 +12,7 @@ final stage's outputs in chunk order.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 import time
@@ -40,7 +41,7 @@ from omni_mesh.sidecar.appkeys import POD
 from omni_mesh.sidecar.client_requests import entry
 from omni_mesh.sidecar.deadlines import request_timeout
 from omni_mesh.sidecar.errors import bad_request, decode_body, from_stage_error
-from omni_mesh.sidecar.outputs import final_output, join_outputs
+from omni_mesh.sidecar.outputs import ENCODED_KINDS, final_output, join_outputs
 from omni_mesh.sidecar.pod import Pod
 
 logger = logging.getLogger(__name__)
@@ -126,11 +127,19 @@ async def _run_local(
         if error is not None:
             pod.metrics.requests.labels(*labels, "run", error.code).inc()
             raise from_stage_error(error)
-        body = _response(pod, si, outs, binary)
+        if _encodes(pod):
+            # WAV/PNG encoding is milliseconds of CPU: off the event loop.
+            body = await asyncio.to_thread(_response, pod, si, outs, binary)
+        else:
+            body = _response(pod, si, outs, binary)
     pod.metrics.requests.labels(*labels, "run", "ok").inc()
     pod.metrics.request_duration.labels(*labels, "run").observe(time.monotonic() - t0)
     content_type = MSGPACK if binary else JSON
     return web.Response(body=body, content_type=content_type)
+
+
+def _encodes(pod: Pod) -> bool:
+    return pod.pipeline.stage(pod.stage_id).final_output in ENCODED_KINDS
 
 
 def _response(pod: Pod, si: StageInput, outs: list[StageOutput], binary: bool) -> bytes:

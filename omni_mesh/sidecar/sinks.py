@@ -8,6 +8,7 @@ cut connection (the client sees a truncated body, never a wrong one).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import logging
@@ -31,7 +32,13 @@ from omni_mesh.sidecar.errors import (
 )
 from omni_mesh.sidecar.hop_client import HopUnavailable
 from omni_mesh.sidecar.middleware import API_ROUTE, API_STARTED, STREAM_FAILED
-from omni_mesh.sidecar.outputs import ChunkAssembler, FinalOutput, OutputChunk, final_stage
+from omni_mesh.sidecar.outputs import (
+    ChunkAssembler,
+    FinalOutput,
+    OutputChunk,
+    final_stage,
+    joined_off_loop,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +50,7 @@ class Sink(Protocol):
 
     content_type: str
     always_stream: bool  # True (SSE): a stream even when the answer is one frame
+    encodes: bool  # piece() encodes media (WAV per chunk): run it off the event loop
 
     def piece(self, chunk: OutputChunk) -> bytes:
         """The bytes to send for a chunk, as soon as it is in order (b"": nothing)."""
@@ -128,11 +136,11 @@ async def respond(
                 if assembler.error is not None:
                     break
                 if sink.always_stream or assembler.streamed:
-                    await out.write(b"".join(sink.piece(c) for c in ready))
+                    await out.write(await _pieces(sink, ready))
         error = assembler.end()
         if error is not None:
             raise from_stage_error(error)
-        outputs = assembler.joined()
+        outputs = await joined_off_loop(assembler)
         if not out.started and not sink.always_stream:
             return sink.unary(outputs)
         await out.write(sink.tail(outputs))
@@ -157,6 +165,15 @@ async def respond(
         return await out.fail(err)
 
 
+async def _pieces(sink: Sink, chunks: list[OutputChunk]) -> bytes:
+    """What ``sink`` sends for ``chunks``; encoded in a worker thread when the sink encodes."""
+    if not chunks:
+        return b""
+    if sink.encodes:
+        return await asyncio.to_thread(lambda: b"".join(sink.piece(c) for c in chunks))
+    return b"".join(sink.piece(c) for c in chunks)
+
+
 def _api_error(exc: Exception) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
@@ -179,6 +196,7 @@ class SpeechAudio:
     pipeline streams; otherwise the whole file with its length, as without ``async_chunk``."""
 
     always_stream = False
+    encodes = False
 
     def __init__(self, audio_stage: int, response_format: str) -> None:
         self.audio_stage = audio_stage
@@ -215,6 +233,7 @@ class SpeechEvents:
     """``/v1/audio/speech`` with ``stream_format: "sse"``: base64 PCM16 deltas, then done."""
 
     always_stream = True
+    encodes = False
     content_type = SSE_CONTENT_TYPE
 
     def __init__(self, audio_stage: int) -> None:
@@ -244,6 +263,7 @@ class ChatEvents:
     ``[DONE]``."""
 
     always_stream = True
+    encodes = False
     content_type = SSE_CONTENT_TYPE
 
     def __init__(self, pipeline: PipelineSpec, *, want_audio: bool, include_usage: bool) -> None:
@@ -312,13 +332,14 @@ class GenerateEvents:
     shows a chunk's), then ``{"type": "done"}``."""
 
     always_stream = True
+    encodes = True  # each audio chunk as a WAV file
     content_type = SSE_CONTENT_TYPE
 
     def __init__(self, pipeline: PipelineSpec) -> None:
         self.pipeline = pipeline.name
 
     def piece(self, chunk: OutputChunk) -> bytes:
-        output = msgspec.to_builtins(chunk.output.to_run_output())
+        output = msgspec.to_builtins(chunk.output.encoded().to_run_output())
         event = {"type": "output.chunk", "stage_id": chunk.stage_id, "chunk": chunk.chunk}
         return sse({**event, "output": output})
 
