@@ -74,7 +74,10 @@ def build_engine_args(config: StageDeployConfig, cache_dir: Path | None = None) 
             raise EngineConfigError(f"{where}.{key}: not a vLLM engine argument{hint}")
         _check_type(where, key, args[key], fields[key])
     stage_values = {key: getattr(config, key) for key in STAGE_FIELD_ARGS}
-    return {**DEFAULTS, **{k: v for k, v in stage_values.items() if v is not None}, **args}
+    defaults = dict(DEFAULTS)
+    if config.tensor_parallel_size * config.pipeline_parallel_size == 1:
+        defaults["distributed_executor_backend"] = "uni"  # the worker in this very process
+    return {**defaults, **{k: v for k, v in stage_values.items() if v is not None}, **args}
 
 
 def _check_type(where: str, key: str, value: Any, field: dataclasses.Field[Any]) -> None:

@@ -1,8 +1,11 @@
-"""``tiny-omni-vllm`` as real processes: omni-cp, an API server, a vLLM thinker pod, two vLLM
-talker pods (headless) and a code2wav pod. ``/v1/generate`` gives the thinker's text and the
-audio, deterministic per seed; ``/v1/audio/speech`` answers a WAV; bad sampling values are a
-400 naming the field; and kill -9 of a talker's vLLM engine process mid-generation under load
-costs no request: its hops are replayed on the other talker with the same answer."""
+"""``tiny-omni-vllm`` as real processes, streaming (``async_chunk: true``): omni-cp, an API server,
+a vLLM thinker pod, two vLLM talker pods (headless) and a code2wav pod. The thinker streams its
+tokens in chunks, each spoken by a talker and decoded by code2wav as it comes.
+``/v1/generate`` gives the thinker's text and the audio, deterministic per seed;
+``/v1/audio/speech`` answers a WAV; bad sampling values are a 400 naming the field; and kill -9
+of a talker's vLLM engine process mid-generation under load costs no request: its hops are
+replayed on the other talker with the same answer. (Whole answers, async_chunk off, are tested
+at the engine: test_vllm_engine_whole.py.)"""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from omni_mesh.configs.loader import bundled_deploy_path
 from tests.procs import LOCALHOST, wait_until
 from tests.sidecar import topology
 from tests.sidecar.topology import Topology, engine_pid, post_json
@@ -43,7 +47,10 @@ def _port_below_ephemeral_range() -> int:
 
 @pytest.fixture(scope="module")
 def topo(vllm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
-    top = Topology(PIPELINE, [1, 2, 1], tmp_path_factory.mktemp("vllm-topology"))
+    log_dir = tmp_path_factory.mktemp("vllm-topology")
+    overlay = log_dir / "streaming.yaml"
+    overlay.write_text(f"base_config: {bundled_deploy_path(PIPELINE)}\nasync_chunk: true\n")
+    top = Topology(PIPELINE, [1, 2, 1], log_dir, extra_stage_args=["--deploy-config", str(overlay)])
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(topology, "free_port", _port_below_ephemeral_range)
         try:
