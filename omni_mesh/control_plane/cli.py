@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -16,8 +17,14 @@ from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
+from omni_mesh.configs.pipeline import PipelineError, load_pipeline_modules, pipeline_modules_from
 from omni_mesh.configs.settings import ControlPlaneClientSettings, ControlPlaneSettings, LogLevel
-from omni_mesh.configs.settings_flags import add_setting_flags, flag_specs, settings_error_text
+from omni_mesh.configs.settings_flags import (
+    add_pipeline_module_flag,
+    add_setting_flags,
+    flag_specs,
+    settings_error_text,
+)
 from omni_mesh.control_plane.client import ControlPlaneClient
 from omni_mesh.control_plane.embedded_redis import EmbeddedRedisError
 from omni_mesh.control_plane.errors import ControlPlaneError, ControlPlaneUnavailableError
@@ -37,6 +44,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     sub = parser.add_subparsers(dest="command", metavar="{serve,status}")
     serve = sub.add_parser("serve", help="run the control plane HTTP API")
     add_setting_flags(serve, ControlPlaneSettings, SERVE_FLAGS)
+    add_pipeline_module_flag(serve)
     status = sub.add_parser("status", help="show every registered instance")
     status.add_argument("--cp", default=argparse.SUPPRESS, help="omni-cp URL(s), comma-separated")
     status.add_argument(
@@ -70,6 +78,10 @@ def _announce(info: ServingInfo) -> None:
 
 
 def cmd_serve(parser: argparse.ArgumentParser, args: dict[str, Any]) -> int:
+    try:  # the control plane checks stage ids against the pipelines: it imports users' too
+        load_pipeline_modules(pipeline_modules_from(args.pop("pipeline_module", None), os.environ))
+    except PipelineError as exc:
+        parser.error(str(exc))
     try:
         settings = ControlPlaneSettings(**args)
     except ValidationError as exc:

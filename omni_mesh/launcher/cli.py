@@ -49,6 +49,7 @@ from omni_mesh.configs.cli_flags import env_overrides
 from omni_mesh.configs.deploy import MAX_REPLICAS, DeployConfig, DeployConfigError
 from omni_mesh.configs.loader import load_deploy_config
 from omni_mesh.configs.pipeline import (
+    PIPELINE_MODULES_ENV,
     PipelineError,
     PipelineSpec,
     get_pipeline,
@@ -281,6 +282,11 @@ def _handle_signals(stop: threading.Event) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(argv, os.environ)
+    # Every process omni-up starts (the control plane and each pod) imports the same modules.
+    flags = config.stage_flags
+    modules = [flags[i + 1] for i, flag in enumerate(flags) if flag == "--pipeline-module"]
+    if modules:
+        os.environ[PIPELINE_MODULES_ENV] = ",".join(modules)
     logging.basicConfig(
         level=config.log_level.as_int, format="%(asctime)s omni-up %(levelname)s %(message)s"
     )

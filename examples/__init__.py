@@ -1,0 +1,1 @@
+"""Examples of using omni-mesh from outside the package (see each folder's README)."""
