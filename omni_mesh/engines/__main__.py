@@ -49,12 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(),
         format=f"%(asctime)s %(levelname)s engine[{args.stage_id}] %(name)s: %(message)s",
     )
-    import torch  # imported here so that --help stays fast
-
     from omni_mesh.data_plane.memory import tune_malloc
 
     tune_malloc()
-    torch.set_num_threads(max(1, args.threads))
     load_pipeline_modules(pipeline_modules_from(args.pipeline_module, os.environ))
     pipeline = get_pipeline(args.pipeline)
     ctx = EngineContext(
@@ -64,7 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         async_chunk=args.async_chunk,
     )
     sock = socket.socket(fileno=args.channel_fd)
-    return EngineProc(ctx, BlockingChannel(sock), peer_shm_prefix=args.peer_shm_prefix).run()
+    proc = EngineProc(
+        ctx, BlockingChannel(sock), peer_shm_prefix=args.peer_shm_prefix, torch_threads=args.threads
+    )
+    return proc.run()
 
 
 if __name__ == "__main__":

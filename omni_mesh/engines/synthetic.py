@@ -22,6 +22,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Iterator, Sequence
+from typing import ClassVar
 
 import numpy as np
 
@@ -58,6 +59,8 @@ def chunk_sizes(nbytes: int, chunks: int) -> list[int]:
 
 class SyntheticEngine(StageEngine):
     """Sleeps per the latency model ``a + b*batch`` ms; outputs ``output_bytes`` bytes."""
+
+    uses_torch: ClassVar[bool] = False  # numpy only: its process never imports torch
 
     def load(self) -> None:
         config = self.ctx.config

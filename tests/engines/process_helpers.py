@@ -9,6 +9,7 @@ from typing import Any
 from omni_mesh.configs.deploy import StageDeployConfig
 from omni_mesh.configs.loader import load_deploy_config
 from omni_mesh.configs.pipeline import get_pipeline
+from omni_mesh.data_plane.messages import StageInput, StageOutput
 from omni_mesh.data_plane.shm import SHM_DIR
 from omni_mesh.sidecar.engine_client import EngineClient
 
@@ -36,3 +37,11 @@ class RecordingClient(EngineClient):
 
 
 MakeClient = Callable[..., Awaitable[RecordingClient]]
+
+
+async def execute(client: EngineClient, si: StageInput) -> StageOutput:
+    """Run one request whose output is whole (one chunk) through ``client.stream``."""
+    outputs = [out async for out in client.stream(si)]
+    if len(outputs) != 1:
+        raise RuntimeError(f"request {si.request_id} gave {len(outputs)} chunks; use stream()")
+    return outputs[0]

@@ -11,6 +11,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,7 @@ from omni_mesh.data_plane.messages import Payload, StageInput
 from omni_mesh.data_plane.tensors import array_from_tensor, tensor_from_array
 from omni_mesh.engines.synthetic import synthetic_bytes
 from omni_mesh.sidecar.engine_client import EngineDeadError, EngineStartError
-from tests.engines.process_helpers import MakeClient, MiB, shm_files, stage_config
+from tests.engines.process_helpers import MakeClient, MiB, execute, shm_files, stage_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -93,10 +94,25 @@ async def test_start_reports_ready_with_what_the_sidecar_needs(make_client: Make
     assert not client.dead.is_set()
 
 
+def mapped_files(pid: int) -> str:
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+async def test_a_synthetic_engine_process_never_loads_torch(make_client: MakeClient) -> None:
+    """The synthetic engine is numpy only: its process maps no torch library (an idle one was
+    ~230 MB with torch); a reference-model engine does load it."""
+    synthetic = await make_client()
+    assert synthetic.engine_pid is not None
+    assert "torch" not in mapped_files(synthetic.engine_pid)
+    reference = await make_client(StageDeployConfig(stage_id=1), pipeline="tiny-tts")
+    assert reference.engine_pid is not None
+    assert "libtorch" in mapped_files(reference.engine_pid)
+
+
 async def test_execute_moves_tensors_through_shared_memory(make_client: MakeClient) -> None:
     client = await make_client()
     si = stage_input("big-1", seed=42, payload=big_tensor_payload())
-    out = await client.execute(si)
+    out = await execute(client, si)
     try:
         assert out.error is None, out.error
         assert (out.request_id, out.stage_id) == ("big-1", 1)
@@ -119,7 +135,7 @@ async def test_execute_moves_tensors_through_shared_memory(make_client: MakeClie
 
 async def test_small_outputs_come_back_inline(make_client: MakeClient) -> None:
     client = await make_client(stage1_config(output_bytes=100))
-    out = await client.execute(stage_input("small", seed=3))
+    out = await execute(client, stage_input("small", seed=3))
     tensor = out.next[0].payload.tensors["data"]
     assert tensor.shm is None and tensor.data is not None
     assert array_from_tensor(tensor).tobytes() == synthetic_bytes(3, SALT, 100).tobytes()
@@ -131,7 +147,7 @@ async def test_release_lets_the_engine_reuse_its_output_slot(make_client: MakeCl
     client = await make_client()
 
     async def output_segment(rid: str) -> str:
-        out = await client.execute(stage_input(rid))
+        out = await execute(client, stage_input(rid))
         ref = out.next[0].payload.tensors["data"].shm
         assert ref is not None
         return ref.segment
@@ -161,7 +177,7 @@ async def test_concurrent_requests_are_batched(make_client: MakeClient) -> None:
     sampler = asyncio.create_task(sample_stats())
     try:
         outs = await asyncio.gather(
-            *(client.execute(stage_input(f"r{i}", seed=i)) for i in range(16))
+            *(execute(client, stage_input(f"r{i}", seed=i)) for i in range(16))
         )
     finally:
         sampler.cancel()
@@ -182,7 +198,7 @@ async def test_cancelled_execute_aborts_in_the_engine_and_frees_slots(
     make_client: MakeClient,
 ) -> None:
     client = await make_client(stage1_config(step_latency_ms=300))
-    task = asyncio.create_task(client.execute(stage_input("gone", payload=big_tensor_payload())))
+    task = asyncio.create_task(execute(client, stage_input("gone", payload=big_tensor_payload())))
     await asyncio.sleep(0.1)  # submitted: the engine is executing it
     assert client.is_running("gone")
     assert client.arena.stats().slots_in_use == 1
@@ -200,7 +216,7 @@ async def test_cancelled_execute_aborts_in_the_engine_and_frees_slots(
         await asyncio.sleep(0.02)
     assert client.arena.stats().slots_in_use == 0 and not client.is_running("gone")
     await asyncio.sleep(0.2)  # the engine has finished the step and dropped the output
-    out = await client.execute(stage_input("next"))
+    out = await execute(client, stage_input("next"))
     assert out.error is None
     ref = out.next[0].payload.tensors["data"].shm
     assert ref is not None
@@ -211,9 +227,9 @@ async def test_cancelled_execute_aborts_in_the_engine_and_frees_slots(
 
 async def test_cancelled_while_queued_is_never_executed(make_client: MakeClient) -> None:
     client = await make_client(stage1_config(max_num_seqs=1, step_latency_ms=300))
-    first = asyncio.create_task(client.execute(stage_input("first")))
+    first = asyncio.create_task(execute(client, stage_input("first")))
     await asyncio.sleep(0.1)
-    queued = asyncio.create_task(client.execute(stage_input("queued")))
+    queued = asyncio.create_task(execute(client, stage_input("queued")))
     await asyncio.sleep(0.05)
     queued.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -229,14 +245,14 @@ async def test_cancelled_while_queued_is_never_executed(make_client: MakeClient)
 async def test_a_late_abort_does_not_swallow_a_resubmission(make_client: MakeClient) -> None:
     client = await make_client(stage1_config(step_latency_ms=200, output_bytes=64))
     si = stage_input("again")
-    task = asyncio.create_task(client.execute(si))
+    task = asyncio.create_task(execute(client, si))
     await asyncio.sleep(0.05)  # submitted; the engine is executing it
     block_event_loop(1.0)  # the engine sends its Result; we have not read it yet
     task.cancel()  # the client gives up: an Abort goes out after the Result
     with pytest.raises(asyncio.CancelledError):
         await task
     await asyncio.sleep(0.2)
-    out = await asyncio.wait_for(client.execute(si), 3.0)  # e.g. a /v1/run retry
+    out = await asyncio.wait_for(execute(client, si), 3.0)  # e.g. a /v1/run retry
     assert out.error is None
 
 
@@ -245,7 +261,7 @@ async def test_an_expired_request_is_answered_with_a_deadline_error(
 ) -> None:
     client = await make_client()
     expired = stage_input("late", deadline_ms=int(time.time() * 1000) - 1000)
-    out = await asyncio.wait_for(client.execute(expired), 3.0)
+    out = await asyncio.wait_for(execute(client, expired), 3.0)
     assert out.error is not None and out.error.code == "deadline"
 
 
@@ -254,10 +270,10 @@ async def test_an_expired_request_is_answered_with_a_deadline_error(
 
 async def test_kill_9_fails_every_pending_request_at_once(make_client: MakeClient) -> None:
     client = await make_client(stage1_config(step_latency_ms=500))
-    held = await client.execute(stage_input("held"))  # not released: an engine slot in use
+    held = await execute(client, stage_input("held"))  # not released: an engine slot in use
     assert held.error is None
     pending = [
-        asyncio.create_task(client.execute(stage_input(f"p{i}", payload=big_tensor_payload())))
+        asyncio.create_task(execute(client, stage_input(f"p{i}", payload=big_tensor_payload())))
         for i in range(4)
     ]
     await asyncio.sleep(0.1)
@@ -276,7 +292,7 @@ async def test_kill_9_fails_every_pending_request_at_once(make_client: MakeClien
     assert client.in_flight == 0
     assert not shm_files(sidecar_prefix) and not shm_files(engine_prefix)
     with pytest.raises(EngineDeadError):
-        await client.execute(stage_input("after"))
+        await execute(client, stage_input("after"))
 
 
 # ---- stop ------------------------------------------------------------------------------------
@@ -284,9 +300,9 @@ async def test_kill_9_fails_every_pending_request_at_once(make_client: MakeClien
 
 async def test_stop_drains_work_in_flight(make_client: MakeClient) -> None:
     client = await make_client(stage1_config(max_num_seqs=1, step_latency_ms=300))
-    running = asyncio.create_task(client.execute(stage_input("running", seed=1)))
+    running = asyncio.create_task(execute(client, stage_input("running", seed=1)))
     await asyncio.sleep(0.1)
-    queued = asyncio.create_task(client.execute(stage_input("queued", seed=2)))
+    queued = asyncio.create_task(execute(client, stage_input("queued", seed=2)))
     await asyncio.sleep(0.05)
     stopping = asyncio.create_task(client.stop(timeout_s=10))
     outs = await asyncio.gather(running, queued)
@@ -299,7 +315,7 @@ async def test_stop_drains_work_in_flight(make_client: MakeClient) -> None:
 
 async def test_stop_leaves_no_shared_memory(make_client: MakeClient) -> None:
     client = await make_client()
-    out = await client.execute(stage_input("x", payload=big_tensor_payload()))
+    out = await execute(client, stage_input("x", payload=big_tensor_payload()))
     assert out.error is None
     client.release("x")
     sidecar_prefix, engine_prefix = client.arena.prefix, client.engine_prefix
@@ -314,7 +330,7 @@ async def test_execute_after_stop_raises_engine_dead_error(make_client: MakeClie
     client = await make_client()
     await client.stop()
     with pytest.raises(EngineDeadError):
-        await client.execute(stage_input("after-stop"))
+        await execute(client, stage_input("after-stop"))
 
 
 # ---- failed starts ---------------------------------------------------------------------------
