@@ -56,15 +56,20 @@ class Pod:
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of a metric's samples whose labels include ``labels`` (read from its host)."""
-        status, body = self.host.run(lambda: http(self.url + "/metrics", timeout=5))
-        assert status == 200, body[:200]
-        total = 0.0
-        for line in body.decode().splitlines():
-            if line.startswith(name) and not line.startswith("#"):
-                head, _, value = line.rpartition(" ")
-                if all(f'{k}="{v}"' in head for k, v in labels.items()):
-                    total += float(value)
-        return total
+        return scrape(self.host, self.url, name, **labels)
+
+
+def scrape(host: Host, url: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` at ``url``/metrics whose labels include ``labels``."""
+    status, body = host.run(lambda: http(url + "/metrics", timeout=5))
+    assert status == 200, body[:200]
+    total = 0.0
+    for line in body.decode().splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            head, _, value = line.rpartition(" ")
+            if all(f'{k}="{v}"' in head for k, v in labels.items()):
+                total += float(value)
+    return total
 
 
 class Fabric:
@@ -126,6 +131,10 @@ class Fabric:
         if status != 200:
             return []
         return [str(i["address"]) for i in json.loads(body)["instances"]]
+
+    def cp_metric(self, name: str, **labels: str) -> float:
+        """Sum of the control plane's samples of ``name`` whose labels include ``labels``."""
+        return scrape(self.hosts["a"], self.cp_url, name, **labels)
 
     @property
     def api_url(self) -> str:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from omni_mesh.observability.metrics import SC_HOP_RETRIES
+from omni_mesh.observability.metrics import CP_PROBES, SC_HOP_RETRIES
 from tests.multihost.fabric import Fabric, Load
 from tests.procs import wait_until
 
@@ -73,6 +73,7 @@ def test_router_cut_off_from_one_host_goes_elsewhere(fabric: Fabric) -> None:
     with Load(fabric, a, workers=3, timeout=CLIENT_TIMEOUT_S) as load:
         load.wait_ok(10)
         first, replayed = len(load.latencies), replays(fabric)
+        alive = fabric.cp_metric(CP_PROBES + "_total", stage="1", outcome="answered")
         a.drop_to(b)  # A <-> B silent; the control plane still reaches both
         try:
             t0 = time.monotonic()
@@ -83,6 +84,8 @@ def test_router_cut_off_from_one_host_goes_elsewhere(fabric: Fabric) -> None:
         finally:
             a.heal(b)
     assert load.failures == [], load.failures[:3]
+    # A did report B; the control plane probed it from its own host, found it alive, kept it.
+    assert fabric.cp_metric(CP_PROBES + "_total", stage="1", outcome="answered") > alive
     assert replays(fabric) > replayed, "no hop to B was replayed: the test proved nothing"
     worst = max(load.latencies[first:])
     assert worst < MAX_LATENCY_S, f"a request took {worst:.1f}s (its hop to B hung)"
