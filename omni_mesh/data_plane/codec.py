@@ -82,12 +82,7 @@ def decode(data: Buffer, type_: Any) -> Any:
     if decoder is None:
         with _decoders_lock:
             decoder = _decoders.setdefault(type_, msgspec.msgpack.Decoder(type_))
-    try:
-        return decoder.decode(data)
-    except msgspec.ValidationError as exc:
-        raise _validation_error(exc, type_) from None
-    except msgspec.DecodeError as exc:
-        raise _malformed(exc, type_) from None
+    return _decode(decoder, data, type_)
 
 
 # ---- JSON (client-facing bodies) -------------------------------------------------------------
@@ -111,6 +106,12 @@ def decode_json(data: Buffer, type_: Any) -> Any:
     if decoder is None:
         with _decoders_lock:
             decoder = _json_decoders.setdefault(type_, msgspec.json.Decoder(type_))
+    return _decode(decoder, data, type_)
+
+
+def _decode(
+    decoder: msgspec.msgpack.Decoder[Any] | msgspec.json.Decoder[Any], data: Buffer, type_: Any
+) -> Any:
     try:
         return decoder.decode(data)
     except msgspec.ValidationError as exc:

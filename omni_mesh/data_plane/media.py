@@ -49,13 +49,18 @@ def _check_rate(sample_rate: int) -> None:
 
 def wav_bytes(waveform: np.ndarray, sample_rate: int) -> bytes:
     """A 16-bit PCM mono WAV file of ``waveform`` (float in [-1, 1], or int16)."""
+    return _wav_file(pcm_bytes(waveform), sample_rate)
+
+
+def _wav_file(pcm: bytes, sample_rate: int) -> bytes:
+    """A 16-bit mono WAV file holding ``pcm``."""
     _check_rate(sample_rate)
     buffer = io.BytesIO()
     with wave.open(buffer, "wb") as writer:
         writer.setnchannels(1)
         writer.setsampwidth(2)
         writer.setframerate(sample_rate)
-        writer.writeframes(pcm_bytes(waveform))
+        writer.writeframes(pcm)
     return buffer.getvalue()
 
 
@@ -103,14 +108,7 @@ def join_wavs(parts: Sequence[bytes]) -> bytes:
             raise ValueError(f"WAV part {i} has sample rate {part_rate}, the first {rate}")
         rate = part_rate
         pcm.append(frames)
-    _check_rate(rate)
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as writer:
-        writer.setnchannels(1)
-        writer.setsampwidth(2)
-        writer.setframerate(rate)
-        writer.writeframes(b"".join(pcm))
-    return buffer.getvalue()
+    return _wav_file(b"".join(pcm), rate)
 
 
 def _chunk(kind: bytes, body: bytes) -> bytes:
