@@ -46,6 +46,7 @@ from omni_mesh.sidecar.middleware import api_metrics_middleware, error_middlewar
 from omni_mesh.sidecar.pod import Pod, resolve_secret
 from omni_mesh.sidecar.router import Replica, Router
 from omni_mesh.sidecar.runner import StageRunner
+from omni_mesh.sidecar.stage_waker import StageWaker
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +207,8 @@ async def _control_plane_ctx(app: web.Application) -> AsyncIterator[None]:
     client = ControlPlaneClient(list(pod.settings.control_plane), auth_token=token)
     suspects = SuspectReporter(client, reporter=pod.settings.address)
     pod.router.on_eject = suspects  # replicas it cannot connect to: the control plane probes
+    waker = StageWaker(client, pod.pipeline.name)
+    pod.hop.on_empty_pool = waker  # hops waiting for a stage at zero wake it
     watcher = PoolWatcher(client, pod.pipeline.name)
     await watcher.start()
     assert isinstance(pod.router.pools, WatchedPools)
@@ -226,6 +229,8 @@ async def _control_plane_ctx(app: web.Application) -> AsyncIterator[None]:
     yield
     pod.router.on_eject = None
     await suspects.close()
+    pod.hop.on_empty_pool = None
+    await waker.close()
     if lease is not None:
         await lease.stop()
     await watcher.stop()
@@ -239,7 +244,17 @@ def _load(pod: Pod) -> LoadReport:
     stats = pod.engine.stats if pod.engine is not None else None
     engine: dict[str, float] = {}
     if stats is not None:
-        engine = {"step_ms": stats.step_ms, "batch_size": float(stats.batch_size)}
+        # The engine's own work for the autoscaler (a hop waiting on later stages is not).
+        engine = {
+            "step_ms": stats.step_ms,
+            "batch_size": float(stats.batch_size),
+            "max_num_seqs": float(pod.stage_config.max_num_seqs),
+            "running": float(stats.running),
+        }
+        if stats.engine is not None:  # a model engine with its own scheduler (vLLM)
+            engine["running"] = float(stats.engine.running)
+            engine["waiting"] = float(stats.engine.waiting)
+            engine["kv_cache_usage"] = stats.engine.kv_cache_usage
     queued = pod.gate.queued if pod.gate is not None else 0
     return LoadReport(
         in_flight=pod.in_flight + queued,  # waiters in the admission queue are load too

@@ -47,6 +47,8 @@ DEADLINE_GRACE_S = 2.0
 _REPLICA_FAILED = frozenset({502, 503, 504})
 #: Statuses that say the replica is busy: try another, no failure counted.
 _BUSY = frozenset({409, 429})
+#: A hop waiting for an empty pool tells ``on_empty_pool`` again at least this often.
+EMPTY_POOL_NOTICE_S = 1.0
 
 
 class HopUnavailable(Exception):
@@ -164,7 +166,11 @@ class HopClient:
         auth_header: dict[str, str] | None = None,
         on_hop: Callable[[StageInput, HopStats], None] | None = None,
         pool_changes: PoolChanges | None = None,
+        on_empty_pool: Callable[[int, int], None] | None = None,
     ) -> None:
+        """``on_empty_pool(stage_id, hops_waiting)``: called at least every
+        ``EMPTY_POOL_NOTICE_S`` while hops wait for a stage whose pool is empty (the pod
+        wakes a stage scaled to zero; it rate-limits)."""
         self.http = http
         self.router = router
         self.connector_for = connector_for
@@ -173,6 +179,8 @@ class HopClient:
         self.auth_header = dict(auth_header or {})
         self.on_hop = on_hop
         self.pool_changes = pool_changes
+        self.on_empty_pool = on_empty_pool
+        self._empty_waiters: dict[int, dict[int, float]] = {}  # stage → id(budget) → last look
 
     # ---- the hop -------------------------------------------------------------------------
 
@@ -323,9 +331,22 @@ class HopClient:
         after a short back-off, bounded by the deadline."""
         budget.stats.waited_full += 1
         if not busy and not tuple(self.router.pools.replicas(stage_id)):
+            if self.on_empty_pool is not None:  # a stage at zero: wake it, look again soon
+                self.on_empty_pool(stage_id, self._waiting_for_empty(stage_id, budget))
+                remaining_s = min(remaining_s, EMPTY_POOL_NOTICE_S)
             await self._wait_for_pool(remaining_s, wait)
             return
         await asyncio.sleep(min(wait.next_s(), remaining_s))
+
+    def _waiting_for_empty(self, stage_id: int, budget: HopBudget) -> int:
+        """How many hops wait for the empty pool of ``stage_id``: those that looked at it
+        within ``2 * EMPTY_POOL_NOTICE_S``, this one included."""
+        now = time.monotonic()
+        seen = self._empty_waiters.setdefault(stage_id, {})
+        seen[id(budget)] = now
+        for key in [k for k, t in seen.items() if now - t > 2 * EMPTY_POOL_NOTICE_S]:
+            del seen[key]
+        return len(seen)
 
     async def _wait_for_pool(self, remaining_s: float, wait: _FullWait) -> None:
         """The stage's pool is empty (not started yet, or scaled to zero): wait for the
