@@ -56,10 +56,11 @@ async def probe(host: str, port: int, *, connect_timeout_s: float, answer_timeou
         return f"no connection within {connect_timeout_s:g}s"
     except OSError as exc:
         return f"cannot connect: {exc.strerror or exc}"
+    authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         async with asyncio.timeout(answer_timeout_s):
             writer.write(
-                f"GET {PROBE_PATH} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                f"GET {PROBE_PATH} HTTP/1.1\r\nHost: {authority}\r\n"
                 "Connection: close\r\n\r\n".encode()
             )
             line = await reader.readline()

@@ -23,7 +23,8 @@ from aiohttp import web
 
 from omni_mesh.data_plane import codec
 from omni_mesh.data_plane.connectors import HttpConnector
-from omni_mesh.data_plane.constants import MSGPACK
+from omni_mesh.data_plane.constants import HOP_FRAMES, MSGPACK
+from omni_mesh.data_plane.framing import encode_frame
 from omni_mesh.data_plane.messages import HopResult, Payload, StageInput
 from omni_mesh.data_plane.shm import ShmReader
 from omni_mesh.sidecar.hop_client import HOP_PATH, HopClient
@@ -78,6 +79,7 @@ class Server:
         self.probes = 0
         self.hops = 0
         self.got_hop = asyncio.Event()
+        self.stalled = asyncio.Event()
         self.runner: web.AppRunner | None = None
         self.port = 0
 
@@ -91,6 +93,22 @@ class Server:
         body = codec.encode(HopResult(request_id=self.request_id))
         return web.Response(body=body, content_type=MSGPACK)
 
+    async def frames(self, request: web.Request) -> web.StreamResponse:
+        """A streamed answer: 20 frames 0.05 s apart with ``?flow=1``, else one, then silence."""
+        await request.read()
+        flow = bool(request.query.get("flow"))
+        resp = web.StreamResponse(headers={"Content-Type": HOP_FRAMES})
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        for _ in range(20 if flow else 1):
+            await resp.write(encode_frame(HopResult(request_id=self.request_id, more=True)))
+            await asyncio.sleep(0.05)
+        if not flow:
+            self.stalled.set()
+            await asyncio.Event().wait()
+        await resp.write_eof()
+        return resp
+
     async def health(self, _: web.Request) -> web.Response:
         self.probes += 1
         if self.mute:
@@ -101,6 +119,7 @@ class Server:
         app = web.Application()
         app.router.add_post(HOP_PATH, self.hop)
         app.router.add_get("/health", self.health)
+        app.router.add_post("/frames", self.frames)
         self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -272,6 +291,30 @@ async def test_calls_to_a_replica_that_went_mute_fail_together_within_a_second()
         assert took < 2.0  # the mute calls: 0.2 s + a tick + 0.3 s; the slow one: 1 s
         assert 1 <= mute.probes <= 2, "one prober for the mute replica's three calls"
         assert http.outstanding() == {}
+
+
+async def test_a_streamed_answer_that_stalls_is_cut_and_one_that_flows_is_not() -> None:
+    """Frames are progress: a stream sending one every 0.05 s for 1 s is never probed (after
+    0.5 s without one it would be); one that stalls after its first frame on a replica gone
+    mute is cut (``HopReplicaLost``)."""
+    config = LivenessConfig(probe_after_s=0.5, connect_timeout_s=0.3, answer_timeout_s=0.3)
+    async with replicas(0.0) as [server]:
+        http = HopHttpClient()
+        async with prober(http, config):
+
+            async def read(path: str) -> int:
+                resp = await http.post(server.address, path, b"x", {}, timeout_s=20,
+                                       max_bytes=1 << 20, stream_type=HOP_FRAMES)  # fmt: skip
+                assert resp.frames is not None
+                return len([f async for f in resp.frames])
+
+            assert await read("/frames?flow=1") == 20
+            assert server.probes == 0, "a stream whose frames keep coming is not probed"
+            server.mute = True
+            t0 = time.monotonic()
+            with pytest.raises(HopReplicaLost, match="streamed answer cut"):
+                await read("/frames")
+            assert server.stalled.is_set() and time.monotonic() - t0 < 2.0
 
 
 def _run_abort_mid_send(run: Callable[[Coroutine[Any, Any, None]], None]) -> None:
