@@ -14,7 +14,7 @@ import contextlib
 import random
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -45,8 +45,8 @@ FAST = LivenessConfig(
 )
 
 
-@contextlib.contextmanager
-def silent_address() -> Iterator[tuple[str, int]]:
+@contextlib.asynccontextmanager
+async def silent_address() -> AsyncIterator[tuple[str, int]]:
     """A loopback (host, port) that never completes a new connection (full accept queue)."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
@@ -60,7 +60,7 @@ def silent_address() -> Iterator[tuple[str, int]]:
             with contextlib.suppress(BlockingIOError):
                 filler.connect(("127.0.0.1", port))
             fillers.append(filler)
-        time.sleep(0.05)
+        await asyncio.sleep(0.05)  # the fillers' handshakes complete: the queue is full
         yield "127.0.0.1", port
     finally:
         for filler in fillers:
@@ -178,7 +178,7 @@ async def test_probe_tells_alive_from_silent_refused_and_mute() -> None:
         refused = s.getsockname()[1]
     why = await probe("127.0.0.1", refused, connect_timeout_s=1, answer_timeout_s=1)
     assert why.startswith("cannot connect"), why
-    with silent_address() as (host, port):
+    async with silent_address() as (host, port):
         t0 = time.monotonic()
         why = await probe(host, port, connect_timeout_s=0.2, answer_timeout_s=1)
         assert why == "no connection within 0.2s"
@@ -206,7 +206,7 @@ async def test_any_http_answer_is_alive() -> None:
 async def test_connect_timeout_is_a_connection_failure_bounded_by_the_deadline() -> None:
     http = HopHttpClient(connect_timeout_s=0.2)
     try:
-        with silent_address() as (host, port):
+        async with silent_address() as (host, port):
             t0 = time.monotonic()
             with pytest.raises(HopConnectionError, match=r"no connection within 0\.2s"):
                 await post(http, f"http://{host}:{port}")
