@@ -12,9 +12,11 @@ from omni_mesh.control_plane.schema import ErrorBody, ErrorDetail
 
 
 class ApiError(Exception):
-    """A failed request: becomes ``{"error": {...}}`` with ``status``."""
+    """A failed request: becomes ``{"error": {"message", "type", "param", "code"}}`` (OpenAI's
+    shape, as the sidecars answer) with ``status``; ``param`` names the field at fault."""
 
     status: int = 400
+    type: str = "invalid_request_error"
 
     def __init__(
         self,
@@ -31,9 +33,10 @@ class ApiError(Exception):
         self.close_connection = close_connection  # the request stream is broken: do not reuse
 
     def body(self) -> ErrorBody:
-        return ErrorBody(
-            error=ErrorDetail(message=self.message, field=self.field, stage=self.stage)
+        detail = ErrorDetail(
+            message=self.message, type=self.type, param=self.field, code=self.status
         )
+        return ErrorBody(error=detail)
 
 
 class BadRequestError(ApiError):
@@ -42,10 +45,20 @@ class BadRequestError(ApiError):
 
 class UnauthorizedError(ApiError):
     status = 401
+    type = "authentication_error"
 
 
 class NotFoundError(ApiError):
     status = 404
+    type = "not_found_error"
+
+
+class ConflictError(ApiError):
+    """409: the request disagrees with the state (a pod whose pipeline-wide settings differ
+    from those of the pods already registered)."""
+
+    status = 409
+    type = "conflict"
 
 
 class PayloadTooLargeError(ApiError):
@@ -54,6 +67,7 @@ class PayloadTooLargeError(ApiError):
 
 class ServiceUnavailableError(ApiError):
     status = 503
+    type = "unavailable"
 
 
 # ---- client side: raised by ControlPlaneClient ---------------------------------------------------

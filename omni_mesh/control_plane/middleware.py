@@ -1,10 +1,10 @@
 """aiohttp middlewares of omni-cp: request metrics, error mapping and bearer-token auth.
 
-Order (outermost first): metrics -> errors -> auth. Every failure leaves as
-``{"error": {"message", "field"?, "stage"?}}``: a body that cannot be read (data that does
-not decode as its ``Content-Encoding``) is a 400 naming the body, Redis being unreachable is a
-503 (its warnings rate-limited), and only a genuine bug is a 500 - logged with its traceback,
-and still JSON.
+Order (outermost first): metrics -> errors -> auth. Every failure leaves as OpenAI's
+``{"error": {"message", "type", "param", "code"}}`` (the sidecars' shape too): a body that
+cannot be read (data that does not decode as its ``Content-Encoding``) is a 400 naming the body,
+Redis being unreachable is a 503 (its warnings rate-limited), and only a genuine bug is a 500 -
+logged with its traceback, and still JSON.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client closed the connect
 
 
 def error_response(status: int, detail: ErrorDetail, **headers: str) -> web.Response:
+    if detail.code is None:
+        detail = detail.model_copy(update={"code": status})
     return web.json_response(
-        text=ErrorBody(error=detail).model_dump_json(exclude_none=True),
-        status=status,
-        headers=headers or None,
+        text=ErrorBody(error=detail).model_dump_json(), status=status, headers=headers or None
     )
 
 
@@ -76,9 +76,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if exc.status < 400:
             raise
         headers = {k: v for k, v in exc.headers.items() if k in ("Allow", "Retry-After")}
-        return error_response(
-            exc.status, ErrorDetail(message=_http_message(request, exc)), **headers
-        )
+        kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
+        detail = ErrorDetail(message=_http_message(request, exc), type=kind)
+        return error_response(exc.status, detail, **headers)
     except (RedisConnectionError, RedisTimeoutError) as exc:
         REDIS_UNAVAILABLE("redis unavailable: %s %s: %s", request.method, request.path, exc)
         err = ServiceUnavailableError(f"control plane storage (redis) unavailable: {exc}")
@@ -88,13 +88,15 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         # raising) spares aiohttp's text/plain 500 and its ERROR traceback in the log.
         logger.debug("client went away: %s %s", request.method, request.path)
         response = error_response(
-            CLIENT_CLOSED_REQUEST, ErrorDetail(message="client closed the connection")
+            CLIENT_CLOSED_REQUEST,
+            ErrorDetail(message="client closed the connection", type="client_closed"),
         )
         response.force_close()
         return response
     except Exception:
         logger.exception("unhandled error: %s %s", request.method, request.path)
-        return error_response(500, ErrorDetail(message="internal error (see omni-cp logs)"))
+        detail = ErrorDetail(message="internal error (see omni-cp logs)", type="internal_error")
+        return error_response(500, detail)
 
 
 def _api_error_response(exc: ApiError) -> web.Response:

@@ -379,12 +379,15 @@ class HealthStatus(_Response):
 
 
 class ErrorDetail(_Response):
+    """One error, as OpenAI (and every omni-mesh service) sends it."""
+
     message: str
-    field: str | None = None
-    stage: int | None = None
+    type: str = "invalid_request_error"
+    param: str | None = None  # the field at fault, when one is
+    code: int | str | None = None  # the HTTP status
 
 
 class ErrorBody(_Response):
-    """Body of every 4xx/5xx answer: ``{"error": {"message", "field"?, "stage"?}}``."""
+    """Body of every 4xx/5xx answer: ``{"error": {"message", "type", "param", "code"}}``."""
 
     error: ErrorDetail

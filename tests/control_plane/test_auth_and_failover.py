@@ -39,7 +39,7 @@ async def test_auth_required_except_healthz_and_metrics(
                 assert resp.status == 401
                 assert resp.headers["WWW-Authenticate"] == "Bearer"
                 error = (await resp.json())["error"]
-                assert error["field"] == "Authorization"
+                assert error["param"] == "Authorization"
                 assert "token" in error["message"]
         async with session.post("/v1/instances", data=b"{") as resp:
             assert resp.status == 401, "auth is checked before the body"

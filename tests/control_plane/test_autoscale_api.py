@@ -288,7 +288,7 @@ async def test_bad_requests_name_the_field(
         session.request(method, url, json=body) as resp,
     ):
         assert resp.status == status, await resp.text()
-        assert (await resp.json())["error"]["field"] == field
+        assert (await resp.json())["error"]["param"] == field
 
 
 async def test_a_stage_without_policy_is_reported_as_such(

@@ -295,7 +295,7 @@ async def test_unknown_instance_is_404(
         ) as resp,
     ):
         assert resp.status == 404
-        assert (await resp.json())["error"]["field"] == "instance_id"
+        assert (await resp.json())["error"]["param"] == "instance_id"
 
 
 async def test_suspect_needs_the_bearer_token(

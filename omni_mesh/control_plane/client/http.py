@@ -312,7 +312,7 @@ def _check(status: int, payload: bytes, *, instance: bool) -> bytes:
         return payload
     try:
         err = ErrorBody.model_validate_json(payload).error
-        message, field, stage = err.message, err.field, err.stage
+        message, field, stage = err.message, err.param, None
     except ValidationError:
         message, field, stage = payload[:200].decode(errors="replace"), None, None
     if status == 401:
