@@ -102,7 +102,7 @@ class StageSettings(BaseSettings):
         description="Re-probe period of a replica while hops to it stay unanswered.",
     )
     hop_probe_timeout_s: float = Field(
-        default=1.0,
+        default=2.0,
         gt=0,
         le=30,
         description="A connected probe's answer bound; a failed probe replays the replica's hops.",

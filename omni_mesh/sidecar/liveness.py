@@ -39,7 +39,7 @@ class LivenessConfig:
     probe_after_s: float = 0.5
     interval_s: float = 0.5
     connect_timeout_s: float = 0.3
-    answer_timeout_s: float = 1.0
+    answer_timeout_s: float = 2.0  # after connecting: a hung process, not a silent host
 
     @property
     def tick_s(self) -> float:
