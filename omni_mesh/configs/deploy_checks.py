@@ -27,6 +27,8 @@ def config_problems(cfg: DeployConfig, pipeline: PipelineSpec | None = None) -> 
         issues += _stage_refs(cfg, s, "stages", pipeline)
         issues += _stage_sizes(s)
     issues += _disagreements(cfg)
+    if pipeline is not None and cfg.async_chunk:
+        issues += _chunked_joins(pipeline)
     return issues
 
 
@@ -83,6 +85,21 @@ def _disagreements(cfg: DeployConfig) -> list[ConfigIssue]:
             if inp and inp != out:
                 issues.append(disagreement(sender.stage_id, to_stage, out, inp))
     return issues
+
+
+def _chunked_joins(pipeline: PipelineSpec) -> list[ConfigIssue]:
+    """``async_chunk`` cannot be served with a join: its sources would stream chunks that it
+    could join only if they chunked identically, which nothing guarantees."""
+    issues = []
+    for j in pipeline.join_stage_ids:
+        stage = pipeline.stage(j)
+        msg = (
+            f"pipeline {pipeline.name!r} cannot stream chunks (async_chunk: true): stage {j} "
+            f"({stage.name}) is a join of stages {list(stage.sources)}, and a join takes whole "
+            "inputs; set async_chunk: false"
+        )
+        issues.append(ConfigIssue("async_chunk", msg, j, "async_chunk"))
+    return issues[:1]
 
 
 def _stage_sizes(s: StageDeployConfig) -> list[ConfigIssue]:

@@ -4,6 +4,11 @@ A pipeline is a DAG of stages. Each stage names its engine class (``"module:Clas
 it takes input from, an optional processor (``"module:function"``) that turns its sources'
 outputs into its own input, and whether its output is part of the final answer. Pipelines are
 registered by name (see :mod:`omni_mesh.configs.pipelines`) and are never read from YAML.
+
+A stage with several sources is a *join*: it runs once per request with every source's output.
+Its *collector* (:meth:`PipelineSpec.join_collector`) is its immediate dominator, the last stage
+every path from the entry to the join passes through: the runner executing the collector for a
+request gathers the sources' inputs for the join and hands the join off once (DESIGN §4).
 """
 
 from __future__ import annotations
@@ -105,6 +110,7 @@ class PipelineSpec(BaseModel):
                 raise ValueError(
                     f"pipeline {self.name!r}: stage {stage.stage_id} lists itself as a source"
                 )
+            _check_join_sources(self, stage)
         entries = [s.stage_id for s in self.stages if not s.sources]
         if len(entries) != 1:
             raise ValueError(
@@ -149,6 +155,31 @@ class PipelineSpec(BaseModel):
     def has_edge(self, from_stage: int, to_stage: int) -> bool:
         return to_stage in self.stage_ids and from_stage in self.stage(to_stage).sources
 
+    # ---- joins -----------------------------------------------------------------------------
+
+    @property
+    def join_stage_ids(self) -> tuple[int, ...]:
+        """Stages with several sources (joins), in id order."""
+        return tuple(sorted(s.stage_id for s in self.stages if len(s.sources) > 1))
+
+    def is_join(self, stage_id: int) -> bool:
+        return len(self.stage(stage_id).sources) > 1
+
+    def join_collector(self, stage_id: int) -> int:
+        """The stage whose runner collects the join ``stage_id``'s inputs: its immediate
+        dominator (every path from the entry to the join passes through it, and it is the last
+        such stage). :class:`PipelineError` when ``stage_id`` is not a join."""
+        if not self.is_join(stage_id):
+            raise PipelineError(
+                f"pipeline {self.name!r}: stage {stage_id} has one source; it is not a join"
+            )
+        return _immediate_dominators(self)[stage_id]
+
+    def join_collectors(self) -> dict[int, int]:
+        """Join stage id -> its collector stage id, for every join of the pipeline."""
+        idom = _immediate_dominators(self)
+        return {j: idom[j] for j in self.join_stage_ids}
+
 
 def _topological_order(stages: Iterable[StageSpec], pipeline: str) -> tuple[int, ...]:
     """Kahn's algorithm; raises on a cycle, naming the stages involved."""
@@ -169,6 +200,43 @@ def _topological_order(stages: Iterable[StageSpec], pipeline: str) -> tuple[int,
         cyclic = sorted(set(indegree) - set(order))
         raise ValueError(f"pipeline {pipeline!r}: cycle among stages {cyclic}")
     return tuple(order)
+
+
+def _check_join_sources(spec: PipelineSpec, stage: StageSpec) -> None:
+    """A join's input names each source's fields ``<source name>.<name>``: its sources must be
+    listed once each and have distinct names."""
+    if len(set(stage.sources)) != len(stage.sources):
+        raise ValueError(
+            f"pipeline {spec.name!r}: stage {stage.stage_id} ({stage.name}) lists a source "
+            f"more than once: {list(stage.sources)}"
+        )
+    if len(stage.sources) < 2:
+        return
+    names = [s.name for s in spec.stages if s.stage_id in stage.sources]
+    if len(set(names)) != len(names):
+        raise ValueError(
+            f"pipeline {spec.name!r}: join stage {stage.stage_id} ({stage.name}) has sources "
+            f"with the same name ({sorted(names)}); a join names its inputs by source name"
+        )
+
+
+def _immediate_dominators(spec: PipelineSpec) -> dict[int, int]:
+    """Stage id -> its immediate dominator (the entry maps to itself). In a DAG, the
+    dominators of a stage are itself plus those common to all its sources; they form a chain,
+    and the immediate one is the latest of them in topological order."""
+    order = spec.topological_order()
+    position = {stage_id: i for i, stage_id in enumerate(order)}
+    doms: dict[int, frozenset[int]] = {}
+    idom: dict[int, int] = {}
+    for stage_id in order:
+        sources = spec.stage(stage_id).sources
+        if not sources:
+            doms[stage_id], idom[stage_id] = frozenset({stage_id}), stage_id
+            continue
+        common = frozenset.intersection(*(doms[s] for s in sources))
+        doms[stage_id] = common | {stage_id}
+        idom[stage_id] = max(common, key=position.__getitem__)
+    return idom
 
 
 # ---- registry --------------------------------------------------------------------------------

@@ -92,6 +92,22 @@ SYNTHETIC = register_pipeline(
     )
 )
 
+SYNTHETIC_DIAMOND = register_pipeline(
+    PipelineSpec(
+        name="synthetic-diamond",
+        description="Synthetic branch + join: s0 -> (s1, s2) -> s3; s3 runs once per request.",
+        prompt_fields=("seed",),
+        stages=(
+            StageSpec(stage_id=0, name="s0", engine=_SYN),
+            StageSpec(stage_id=1, name="s1", engine=_SYN, sources=(0,)),
+            StageSpec(stage_id=2, name="s2", engine=_SYN, sources=(0,)),
+            StageSpec(
+                stage_id=3, name="s3", engine=_SYN, sources=(1, 2), final_output=OutputKind.DATA
+            ),
+        ),
+    )
+)
+
 # ---- vLLM pipelines (the `vllm` extra): tiny Llamas built offline, see engines/vllm ----------
 
 _VLLM = "omni_mesh.engines.vllm"

@@ -187,6 +187,10 @@ class HopResult(Struct, kw_only=True):
     timings: list[StageTiming] = []
     error: StageError | None = None
     more: bool = False
+    #: Inputs of join stages (several sources) produced at or after the receiver, tensors
+    #: inline: a source of a join does not hop to it but hands its input back up, frame by
+    #: frame, to the runner of the join's collector stage, which hands the join off once.
+    joins: list[StageInput] = []
 
 
 # ---- sidecar ⇄ engine ------------------------------------------------------------------------
@@ -275,21 +279,29 @@ EngineMessage = Hello | Ready | Submit | Abort | Release | Result | Stats | Shut
 # carry it as raw bytes. msgspec cannot decode ``str | bytes`` unions, hence the *Bin twins.
 
 
+MAX_JOIN_INPUTS = 16
+JoinInputs = Annotated[list[str], Meta(min_length=1, max_length=MAX_JOIN_INPUTS)]
+JoinInputsBin = Annotated[list[bytes], Meta(min_length=1, max_length=MAX_JOIN_INPUTS)]
+
+
 class RunRequest(Struct, forbid_unknown_fields=True):
     """``POST /v1/run`` JSON body: a prompt object for the entry stage, the opaque string
-    returned by the previous call otherwise."""
+    returned by the previous call otherwise; a join stage (several sources) takes
+    ``stage_inputs`` instead, one opaque string per source. Exactly one of the two is set."""
 
     stage_id: StageId
-    stage_input: str | Prompt
+    stage_input: str | Prompt | None = None
     sampling_params: SamplingParams | None = None
+    stage_inputs: JoinInputs | None = None
 
 
 class RunRequestBin(Struct, forbid_unknown_fields=True):
     """``POST /v1/run`` msgpack body (``stage_input`` as raw envelope bytes)."""
 
     stage_id: StageId
-    stage_input: bytes | Prompt
+    stage_input: bytes | Prompt | None = None
     sampling_params: SamplingParams | None = None
+    stage_inputs: JoinInputsBin | None = None
 
 
 class RunOutput(Struct, omit_defaults=True):

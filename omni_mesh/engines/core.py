@@ -57,6 +57,7 @@ from omni_mesh.engines.base import (
     StageEngine,
     import_object,
 )
+from omni_mesh.engines.joins import JoinProcessorError, join_assembler
 
 logger = logging.getLogger(__name__)
 
@@ -104,10 +105,14 @@ class EngineCore:
         self.downstream: tuple[StageSpec, ...] = tuple(
             pipeline.stage(j) for j in pipeline.downstream(stage.stage_id)
         )
+        # A join's processor runs in the join's own engine, on every source's output.
         self._processors: dict[int, Processor | None] = {
             s.stage_id: (import_object(s.processor) if s.processor else None)
             for s in self.downstream
+            if len(s.sources) == 1
         }
+        self._processors.update({s.stage_id: None for s in self.downstream if len(s.sources) > 1})
+        self._join = join_assembler(pipeline, stage)  # None unless this stage is a join
         self._running: list[_Stream] = []
 
     @classmethod
@@ -154,6 +159,10 @@ class EngineCore:
                 request = self._to_request(si, read)
             except (EngineInputError, ValueError) as exc:
                 resolved.append((si, self._error(si, "bad_input", str(exc))))
+                continue
+            except JoinProcessorError as exc:
+                logger.exception("join processor failed request_id=%s", si.request_id)
+                resolved.append((si, self._error(si, "engine_error", str(exc))))
                 continue
             resolved.append(None)
             fresh.append((si, request, max(0.0, (t0 - t_enqueued) * 1000.0)))
@@ -297,6 +306,8 @@ class EngineCore:
                     f"stage {self.stage.stage_id} ({self.stage.name}): tensor {name!r}: {exc}"
                 ) from None
         data = StageData(fields=dict(si.payload.fields), arrays=arrays)
+        if self._join is not None:
+            data = self._join(data)
         return EngineRequest(
             request_id=si.request_id,
             seed=si.seed,

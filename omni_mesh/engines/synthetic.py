@@ -14,6 +14,11 @@ step, of ``output_bytes // output_chunks`` bytes (the first ``output_bytes % out
 one byte more). The data of chunk ``c`` is :func:`chunk_bytes` of (seed, stage, c): chunk 0 of
 a one-chunk output is the whole output of ``execute``, byte for byte. A chunk of an upstream
 stream gets one output of ``output_bytes`` bytes keyed by the input's chunk index.
+
+A join stage (several sources) reports what it received in its final output's fields:
+``join_sources`` (the source names its input arrays carry, ``<source>.<name>``) and
+``join_sha256`` (:func:`join_digest` of its input arrays). For tests, a request whose ``prompt``
+field is ``fail:<stage name>`` fails at that stage (``bad_input``: the stage's error, as data).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import ClassVar
 
 import numpy as np
@@ -111,8 +116,26 @@ class SyntheticEngine(StageEngine):
     def _result(
         self, request: EngineRequest, chunk: int = 0, nbytes: int | None = None, last: bool = True
     ) -> EngineResult:
+        stage = self.ctx.stage
+        if request.data.fields.get("prompt") == f"fail:{stage.name}":
+            error = f"synthetic failure requested at stage {stage.stage_id} ({stage.name})"
+            return EngineResult(request.request_id, error=error)
         size = self.ctx.config.output_bytes if nbytes is None else nbytes
         data = chunk_bytes(request.seed, self.salt, chunk, size)
         output = StageData(fields=dict(request.data.fields), arrays={"data": data})
-        final = StageData(arrays={"data": data}) if self.ctx.stage.final_output else None
+        final = StageData(arrays={"data": data}) if stage.final_output else None
+        if final is not None and len(stage.sources) > 1:
+            sources = sorted({name.partition(".")[0] for name in request.data.arrays})
+            final.fields = {
+                "join_sources": ",".join(sources),
+                "join_sha256": join_digest(request.data.arrays),
+            }
         return EngineResult(request.request_id, output=output, final=final, last=last)
+
+
+def join_digest(arrays: Mapping[str, np.ndarray]) -> str:
+    """SHA-256 over ``name`` + NUL + the bytes of every array, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        digest.update(name.encode() + b"\0" + np.ascontiguousarray(arrays[name]).tobytes())
+    return digest.hexdigest()

@@ -11,6 +11,10 @@ With ``async_chunk`` a stage that streams answers one next input per output chun
 order of the ``chunk`` its calls report: the PCM of audio chunks into one WAV, text and data
 concatenated (:func:`omni_mesh.run_client.outputs.join_run_outputs`).
 
+A join stage (several sources) is called once, with ``stage_inputs``: the client holds each
+source's ``next`` entry for it until every source has answered, then sends them together in the
+pipeline's source order.
+
 Where each call goes is a :class:`StageResolver`: :class:`FixedUrls` (API servers, which accept
 every stage and forward), :class:`StageUrls` (one URL per stage) or
 :class:`ControlPlaneDiscovery` (a healthy replica of the stage, found through ``omni-cp``).
@@ -61,7 +65,8 @@ MAX_CALLS_PER_STAGE = 2048
 MAX_PARALLEL_CALLS = 4
 MAX_ERROR_CHARS = 2000
 
-StageInputValue = str | bytes | Prompt
+Opaque = str | bytes
+StageInputValue = Opaque | Prompt | list[Opaque]  # a list: a join's inputs, one per source
 
 
 class RunClientError(RuntimeError):
@@ -205,11 +210,13 @@ class _Answer:
 
 @dataclass
 class _Run:
-    """One run in progress: its trace, its output chunks and its bound on parallel calls."""
+    """One run in progress: its trace, its output chunks, the inputs held for join stages
+    (join -> source -> its input) and its bound on parallel calls."""
 
     trace: RunTrace
     limit: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(MAX_PARALLEL_CALLS))
     chunks: dict[int, dict[int, RunOutputBin]] = field(default_factory=dict)
+    joins: dict[int, dict[int, Opaque]] = field(default_factory=dict)
 
 
 # ---- the client --------------------------------------------------------------------------------
@@ -264,6 +271,12 @@ class RunClient:
         run = _Run(RunTrace())
         start = time.perf_counter()
         await self._hop(run, self.pipeline.entry_stage_id, prompt, sampling)
+        for join, inputs in sorted(run.joins.items()):
+            sources = self.pipeline.stage(join).sources
+            raise RunClientError(
+                f"stage {join} is a join of stages {list(sources)} but only stage(s) "
+                f"{sorted(inputs)} gave an input for it"
+            )
         run.trace.outputs = _joined(run.chunks)
         run.trace.seconds = time.perf_counter() - start
         return run.trace
@@ -317,12 +330,36 @@ class RunClient:
         )
         if self.on_call is not None:
             self.on_call(call)
-        if len(answer.next) == 1:
-            await self._hop(run, *answer.next[0])
-        elif answer.next:
-            await self._fan_out(run, answer.next)
+        nexts = self._ready(run, stage_id, answer.next)
+        if len(nexts) == 1:
+            await self._hop(run, *nexts[0])
+        elif nexts:
+            await self._fan_out(run, nexts)
 
-    async def _fan_out(self, run: _Run, branches: list[tuple[int, str | bytes]]) -> None:
+    def _ready(
+        self, run: _Run, stage_id: int, nexts: list[tuple[int, Opaque]]
+    ) -> list[tuple[int, StageInputValue]]:
+        """The calls ``nexts`` make ready: each next stage's input, except that a join's is
+        held until every source's has come; then the join's inputs, in source order."""
+        ready: list[tuple[int, StageInputValue]] = []
+        for k, value in nexts:
+            sources = self.pipeline.stage(k).sources
+            if len(sources) == 1:
+                ready.append((k, value))
+                continue
+            held = run.joins.setdefault(k, {})
+            if stage_id in held:
+                raise RunClientError(
+                    f"stage {stage_id} gave more than one input for join stage {k} "
+                    "(a join takes one whole input per source)"
+                )
+            held[stage_id] = value
+            if len(held) == len(sources):
+                del run.joins[k]
+                ready.append((k, [held[s] for s in sources]))
+        return ready
+
+    async def _fan_out(self, run: _Run, branches: list[tuple[int, StageInputValue]]) -> None:
         """Every next input at once (bounded by the run's limit): the branches of a fan-out
         and the chunks of a stream alike."""
         per_stage = Counter(k for k, _ in branches)
@@ -338,12 +375,18 @@ class RunClient:
         self, stage_id: int, stage_input: StageInputValue, sampling: SamplingParams | None
     ) -> bytes:
         if self.msgpack:
-            if isinstance(stage_input, str):
-                raise TypeError("msgpack mode carries stage inputs as bytes")
-            return codec.encode(RunRequestBin(stage_id, stage_input, sampling))
-        if isinstance(stage_input, bytes):
-            raise TypeError("JSON mode carries stage inputs as base64 strings")
-        return codec.encode_json(RunRequest(stage_id, stage_input, sampling))
+            if isinstance(stage_input, list):
+                raws = _raw_join(stage_input)
+                return codec.encode(
+                    RunRequestBin(stage_id, sampling_params=sampling, stage_inputs=raws)
+                )
+            return codec.encode(RunRequestBin(stage_id, _raw(stage_input), sampling))
+        if isinstance(stage_input, list):
+            texts = _text_join(stage_input)
+            return codec.encode_json(
+                RunRequest(stage_id, sampling_params=sampling, stage_inputs=texts)
+            )
+        return codec.encode_json(RunRequest(stage_id, _text(stage_input), sampling))
 
     async def _post(self, stage_id: int, url: str, body: bytes) -> bytes:
         ctype = MSGPACK if self.msgpack else JSON
@@ -388,6 +431,30 @@ class RunClient:
         if self._session is None:
             self._session = aiohttp.ClientSession()
         return self._session
+
+
+def _raw(value: Opaque | Prompt) -> bytes | Prompt:
+    if isinstance(value, str):
+        raise TypeError("msgpack mode carries stage inputs as bytes")
+    return value
+
+
+def _text(value: Opaque | Prompt) -> str | Prompt:
+    if isinstance(value, bytes):
+        raise TypeError("JSON mode carries stage inputs as base64 strings")
+    return value
+
+
+def _raw_join(values: list[Opaque]) -> list[bytes]:
+    if any(isinstance(v, str) for v in values):
+        raise TypeError("msgpack mode carries stage inputs as bytes")
+    return [v for v in values if isinstance(v, bytes)]
+
+
+def _text_join(values: list[Opaque]) -> list[str]:
+    if any(isinstance(v, bytes) for v in values):
+        raise TypeError("JSON mode carries stage inputs as base64 strings")
+    return [v for v in values if isinstance(v, str)]
 
 
 # ---- answers, both encodings -------------------------------------------------------------------

@@ -436,7 +436,7 @@ async def _stream_frames(
             if not frame.more:
                 yield frame
                 return
-            if frame.outputs or frame.timings:  # not all replayed
+            if frame.outputs or frame.timings or frame.joins:  # not all replayed
                 yield frame
     raise HopConnectionError("the stream ended before its last frame")
 

@@ -8,6 +8,11 @@ With ``async_chunk`` a stage may stream its output in chunks: the answer then li
 chunk's next-stage input in chunk order (``next: [...]``, one per chunk per next stage), and
 ``chunk`` says which chunk of the request the call ran; the client runs each and joins the
 final stage's outputs in chunk order.
+
+A join stage (several sources) takes ``stage_inputs``: one opaque input per source, each the
+``next`` entry for it in that source's answer, in any order. Each is checked like a
+``stage_input`` (tag, receiver), and together they must be one request's, one per source;
+the call then runs the join once with all of them (``data_plane/joins.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from aiohttp import web
 from omni_mesh.data_plane import codec, wire
 from omni_mesh.data_plane.constants import JSON, MSGPACK
 from omni_mesh.data_plane.envelope import EnvelopeError, open_envelope, seal
+from omni_mesh.data_plane.joins import JoinInputError, join_input
 from omni_mesh.data_plane.messages import (
     NextInput,
     NextInputBin,
@@ -82,7 +88,17 @@ def _stage_input(
 ) -> StageInput:
     entry_stage = pod.pipeline.entry_stage_id
     raw = req.stage_input
-    if req.stage_id == entry_stage:
+    if pod.pipeline.is_join(req.stage_id):
+        si = _join_input(pod, req)
+    elif req.stage_inputs is not None:
+        raise bad_request(
+            f"stage_inputs: stage {req.stage_id} has one source; send its opaque input as "
+            "stage_input (stage_inputs is for a join stage)",
+            "stage_inputs",
+        )
+    elif raw is None:
+        raise bad_request(f"stage_input: required for stage {req.stage_id}", "stage_input")
+    elif req.stage_id == entry_stage:
         if not isinstance(raw, Prompt):
             raise bad_request(
                 f"stage_input: stage {entry_stage} is the entry stage and takes a prompt object "
@@ -90,28 +106,63 @@ def _stage_input(
                 "stage_input",
             )
         return entry(pod, request, raw, req.sampling_params, param="stage_input")
-    if isinstance(raw, Prompt):
-        raise bad_request(
-            f"stage_input: stage {req.stage_id} takes the opaque stage_input returned by the "
-            "previous /v1/run call, not a prompt object",
-            "stage_input",
-        )
-    try:
-        si = open_envelope(
-            raw,
-            pod.secret,
-            expected_stage=req.stage_id,
-            pipeline=pod.pipeline,
-            max_bytes=pod.settings.max_body_bytes,
-        )
-    except EnvelopeError as exc:
-        raise bad_request(f"stage_input: {exc}", "stage_input") from None
+    else:
+        si = _opened(pod, req.stage_id, raw, "stage_input")
     # A fresh deadline for this call: the client drives the loop at its own pace.
     deadline_ms = int((time.time() + timeout_s) * 1000)
     si = msgspec.structs.replace(si, deadline_ms=deadline_ms)
     if req.sampling_params is not None:
         si = msgspec.structs.replace(si, sampling=req.sampling_params)
     return si
+
+
+def _opened(pod: Pod, stage_id: int, raw: str | bytes | Prompt, what: str) -> StageInput:
+    """The sealed input ``raw`` (the field ``what``) for ``stage_id``; 400 naming the field."""
+    if isinstance(raw, Prompt):
+        raise bad_request(
+            f"{what}: stage {stage_id} takes the opaque stage_input returned by the "
+            "previous /v1/run call, not a prompt object",
+            what.partition("[")[0],
+        )
+    try:
+        return open_envelope(
+            raw,
+            pod.secret,
+            expected_stage=stage_id,
+            pipeline=pod.pipeline,
+            max_bytes=pod.settings.max_body_bytes,
+        )
+    except EnvelopeError as exc:
+        raise bad_request(f"{what}: {exc}", what.partition("[")[0]) from None
+
+
+def _join_input(pod: Pod, req: RunRequest | RunRequestBin) -> StageInput:
+    """A join call's input: one sealed input per source, one request (400 otherwise)."""
+    stage = pod.pipeline.stage(req.stage_id)
+    what = f"stage {stage.stage_id} ({stage.name}) is a join of stages {list(stage.sources)}"
+    if req.stage_inputs is None:
+        raise bad_request(
+            f"stage_inputs: {what}: send stage_inputs, one opaque input per source (the next "
+            "entries for it in those stages' answers)",
+            "stage_inputs",
+        )
+    if req.stage_input is not None:
+        raise bad_request(f"stage_input: {what}: send stage_inputs only", "stage_input")
+    inputs: dict[int, StageInput] = {}
+    raws: list[str | bytes] = list(req.stage_inputs)
+    for i, raw in enumerate(raws):
+        si = _opened(pod, req.stage_id, raw, f"stage_inputs[{i}]")
+        if si.from_stage in inputs:
+            raise bad_request(
+                f"stage_inputs[{i}]: a second input from stage {si.from_stage}; {what}, "
+                "one input per source",
+                "stage_inputs",
+            )
+        inputs[si.from_stage] = si
+    try:
+        return join_input(pod.pipeline, req.stage_id, inputs)
+    except JoinInputError as exc:
+        raise bad_request(f"stage_inputs: {exc}", "stage_inputs") from None
 
 
 async def _run_local(

@@ -10,6 +10,13 @@ A whole output with at most one next stage — every hop unless ``async_chunk`` 
 straight path: one downstream call, and its answer merged with this stage's into one frame.
 Chunks and fan-out go through a :class:`FrameMerger`: one task per engine stream and per
 downstream hop, their frames passed on as they arrive.
+
+Joins (a stage with several sources, see ``data_plane/joins.py``): a source of a join does not
+hop to it; its input for the join goes back up in its answer (``HopResult.joins``), relayed by
+every runner on the way, to the runner executing the join's collector stage for the request
+(which spawned the branches). That runner holds one input per source until it has them all,
+then hands the join off once, like any hop (custody, replay, deadline). Pipelines without joins
+pay one set lookup per hop for this.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from typing import Any
 import msgspec
 
 from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.data_plane.joins import JoinInputError, join_input
 from omni_mesh.data_plane.messages import (
     HopResult,
     Payload,
@@ -71,6 +79,12 @@ class StageRunner:
         self.hop = hop
         self.instance_id = instance_id
         self.on_chunk = on_chunk  # called for every output chunk (not for whole outputs)
+        # Next stages that are joins: their inputs go back up, not to a replica of them.
+        self._to_joins = frozenset(j for j in pipeline.downstream(stage_id) if pipeline.is_join(j))
+        # Joins whose inputs this stage's runner collects (it is their collector).
+        self._collects = frozenset(
+            j for j, c in pipeline.join_collectors().items() if c == stage_id
+        )
 
     @contextlib.asynccontextmanager
     async def _engine_outputs(
@@ -130,9 +144,19 @@ class StageRunner:
                 return
             async with FrameMerger(si.request_id) as merger:
                 merger.spawn(self._feed(si, first, outputs, timing, merger))
+                held: dict[int, dict[int, StageInput]] = {}  # join -> source -> its input
                 async with contextlib.aclosing(merger.frames()) as frames:
                     async for frame in frames:
+                        if frame.joins and self._collects:
+                            frame = self._collect(frame, held, merger)
+                            if not (frame.outputs or frame.joins or frame.error):
+                                continue
                         yield frame
+                        if frame.error is not None:
+                            return
+                if held and not merger.failed:  # a branch ended without its join input
+                    yield _incomplete(si, held, self.pipeline)
+                    return
             if not merger.failed:
                 timing.total_ms = (time.monotonic() - t0) * 1000.0
                 yield HopResult(request_id=si.request_id, timings=[timing, *merger.timings])
@@ -146,7 +170,9 @@ class StageRunner:
             yield HopResult(request_id=si.request_id, error=out.error)
             return
         own = self._own_frame(si, out, timing, more=False)
-        if not out.next:
+        if not out.next or out.next[0].stage_id in self._to_joins:
+            if out.next:  # a source of a join: its input goes back up to the collector
+                own.joins = [self._owned_input(out.next[0])]
             timing.total_ms = (time.monotonic() - t0) * 1000.0
             own.timings = [timing]
             yield own
@@ -184,7 +210,11 @@ class StageRunner:
             if frame.outputs:
                 merger.put(frame)
             for n in out.next:
-                merger.spawn(self._relay(n, merger))
+                if n.stage_id in self._to_joins:
+                    joins = [self._owned_input(n)]
+                    merger.put(HopResult(request_id=si.request_id, joins=joins, more=True))
+                else:
+                    merger.spawn(self._relay(n, merger))
             nxt = await anext(outputs, None)  # the engine stream ends after its last output
             if nxt is None:
                 return
@@ -197,6 +227,34 @@ class StageRunner:
                     merger.put(frame)
         except HopUnavailable as exc:
             merger.put(_unavailable(n, exc))
+
+    def _owned_input(self, n: StageInput) -> StageInput:
+        """``n`` with its tensors copied out of the engine's slots (it outlives them)."""
+        return msgspec.structs.replace(n, payload=owned(n.payload, self.engine.reader))
+
+    def _collect(
+        self, frame: HopResult, held: dict[int, dict[int, StageInput]], merger: FrameMerger
+    ) -> HopResult:
+        """Keep the join inputs of ``frame`` that this runner collects; hand a join off once
+        every source's input is here. Returns the frame without them (other joins' inputs
+        travel on up). A source's input seen again (a replayed branch) is the same: ignored."""
+        passed: list[StageInput] = []
+        for n in frame.joins:
+            if n.stage_id not in self._collects:
+                passed.append(n)
+                continue
+            inputs = held.setdefault(n.stage_id, {})
+            inputs.setdefault(n.from_stage, n)
+            if len(inputs) < len(self.pipeline.stage(n.stage_id).sources):
+                continue
+            del held[n.stage_id]
+            try:
+                join = join_input(self.pipeline, n.stage_id, inputs)
+            except JoinInputError as exc:
+                error = StageError(code="engine_error", message=str(exc), stage_id=n.stage_id)
+                return HopResult(request_id=frame.request_id, error=error)
+            merger.spawn(self._relay(join, merger))
+        return msgspec.structs.replace(frame, joins=passed)
 
     def _own_frame(
         self, si: StageInput, out: StageOutput, timing: StageTiming, *, more: bool
@@ -262,7 +320,7 @@ class FrameMerger:
                 yield msgspec.structs.replace(frame, more=False)
                 return
             self.timings.extend(frame.timings)
-            if frame.outputs:
+            if frame.outputs or frame.joins:
                 yield msgspec.structs.replace(frame, timings=[], more=True)
 
     @property
@@ -299,6 +357,21 @@ def _merge(own: HopResult, downstream: HopResult, timing: StageTiming) -> HopRes
         chunks=chunks,
         timings=[timing, *downstream.timings],
         error=downstream.error,
+        joins=downstream.joins,
+    )
+
+
+def _incomplete(
+    si: StageInput, held: dict[int, dict[int, StageInput]], pipeline: PipelineSpec
+) -> HopResult:
+    """The error that ends a request whose branches ended without every join input."""
+    join, inputs = min(held.items())
+    missing = [s for s in pipeline.stage(join).sources if s not in inputs]
+    message = f"join stage {join} got no input from stage(s) {missing}"
+    logger.error("request_id=%s: %s", si.request_id, message)
+    return HopResult(
+        request_id=si.request_id,
+        error=StageError(code="engine_error", message=message, stage_id=join),
     )
 
 

@@ -15,7 +15,7 @@ from omni_mesh.configs.pipeline import PipelineSpec, get_pipeline, list_pipeline
 
 pytestmark = pytest.mark.unit
 
-BUNDLED = ("tiny-omni", "tiny-tts", "tiny-image", "synthetic")
+BUNDLED = ("tiny-omni", "tiny-tts", "tiny-image", "synthetic", "synthetic-diamond")
 VLLM_BUNDLED = ("tiny-llm", "tiny-omni-vllm")  # tests/configs/test_vllm_stage_fields.py
 
 
