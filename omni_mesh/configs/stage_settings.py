@@ -111,8 +111,8 @@ class StageSettings(BaseSettings):
         default=5,
         ge=0,
         le=600,
-        description="Kernel bound on a hop connection whose peer went silent (TCP keepalive and "
-        "TCP_USER_TIMEOUT); 0 keeps the kernel's defaults.",
+        description="TCP keepalive: an idle hop connection whose peer went silent is closed "
+        "after about this long; 0 keeps the kernel's defaults.",
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         default="INFO", description="Logging level."

@@ -18,7 +18,7 @@ for its answer until the deadline. The client therefore exposes the connections 
 long each has waited (:meth:`HopHttpClient.outstanding`), and :meth:`HopHttpClient.abort` fails
 every call in flight to one ``host:port`` with :class:`HopReplicaLost` — what
 :class:`~omni_mesh.sidecar.liveness.HopLiveness` does when that replica fails a health probe.
-TCP keepalive and ``TCP_USER_TIMEOUT`` (``keepalive_s``) are the kernel's second line.
+TCP keepalive (``keepalive_s``) is the kernel's second line, for idle pooled connections.
 """
 
 from __future__ import annotations
@@ -294,15 +294,15 @@ class HopHttpClient:
 
 
 def set_keepalive(sock: socket.socket, seconds: int) -> None:
-    """Have the kernel close ``sock`` about ``seconds`` after its peer went silent: keepalive
-    probes on an idle connection, ``TCP_USER_TIMEOUT`` on data sent and never acknowledged."""
+    """Have the kernel close ``sock`` when it has been idle for about ``seconds`` with its peer
+    silent (keepalive probes). No ``TCP_USER_TIMEOUT``: it would also cut a live receiver that
+    stops reading a large body for that long (zero window); calls in flight are the prober's."""
     step = max(1, seconds // 5)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (
         ("TCP_KEEPIDLE", step),
         ("TCP_KEEPINTVL", step),
         ("TCP_KEEPCNT", max(1, (seconds - step) // step)),
-        ("TCP_USER_TIMEOUT", seconds * 1000),
     ):
         option = getattr(socket, name, None)
         if option is not None:  # Linux has them all; others keep their defaults
