@@ -144,7 +144,7 @@ class StageRunner:
                 return
             async with FrameMerger(si.request_id) as merger:
                 merger.spawn(self._feed(si, first, outputs, timing, merger))
-                held: dict[int, dict[int, StageInput]] = {}  # join -> source -> its input
+                held: dict[int, dict[int, StageInput] | None] = {}  # join -> source -> input
                 async with contextlib.aclosing(merger.frames()) as frames:
                     async for frame in frames:
                         if frame.joins and self._collects:
@@ -154,8 +154,9 @@ class StageRunner:
                         yield frame
                         if frame.error is not None:
                             return
-                if held and not merger.failed:  # a branch ended without its join input
-                    yield _incomplete(si, held, self.pipeline)
+                waiting = {j: inputs for j, inputs in held.items() if inputs is not None}
+                if waiting and not merger.failed:  # a branch ended without its join input
+                    yield _incomplete(si, waiting, self.pipeline)
                     return
             if not merger.failed:
                 timing.total_ms = (time.monotonic() - t0) * 1000.0
@@ -233,21 +234,27 @@ class StageRunner:
         return msgspec.structs.replace(n, payload=owned(n.payload, self.engine.reader))
 
     def _collect(
-        self, frame: HopResult, held: dict[int, dict[int, StageInput]], merger: FrameMerger
+        self,
+        frame: HopResult,
+        held: dict[int, dict[int, StageInput] | None],
+        merger: FrameMerger,
     ) -> HopResult:
         """Keep the join inputs of ``frame`` that this runner collects; hand a join off once
-        every source's input is here. Returns the frame without them (other joins' inputs
-        travel on up). A source's input seen again (a replayed branch) is the same: ignored."""
+        every source's input is here (``held[join]`` is None from then on). Returns the frame
+        without them (other joins' inputs travel on up). A source's input seen again (a
+        replayed branch regenerates it) is the same: ignored."""
         passed: list[StageInput] = []
         for n in frame.joins:
             if n.stage_id not in self._collects:
                 passed.append(n)
                 continue
             inputs = held.setdefault(n.stage_id, {})
+            if inputs is None:  # handed off already
+                continue
             inputs.setdefault(n.from_stage, n)
             if len(inputs) < len(self.pipeline.stage(n.stage_id).sources):
                 continue
-            del held[n.stage_id]
+            held[n.stage_id] = None
             try:
                 join = join_input(self.pipeline, n.stage_id, inputs)
             except JoinInputError as exc:
