@@ -15,7 +15,7 @@ from redis.exceptions import RedisError
 from omni_mesh.configs.pipeline import UnknownPipelineError, get_pipeline
 from omni_mesh.control_plane import appkeys, routes_scale, watch
 from omni_mesh.control_plane.autoscaler import refresh_gauges
-from omni_mesh.control_plane.errors import NotFoundError
+from omni_mesh.control_plane.errors import ConflictError, NotFoundError
 from omni_mesh.control_plane.inputs import (
     bool_param,
     instance_id_param,
@@ -42,7 +42,7 @@ from omni_mesh.control_plane.schema import (
     SuspectRequest,
     SuspectResult,
 )
-from omni_mesh.control_plane.store import StateAction
+from omni_mesh.control_plane.store import SettingsConflict, StateAction
 from omni_mesh.observability.metrics import CP_INSTANCE_STATES
 
 logger = logging.getLogger(__name__)
@@ -106,7 +106,15 @@ async def register(request: web.Request) -> web.Response:
     lookup_stage(spec, body.stage_id)
     app = request.app
     settings = app[appkeys.SETTINGS]
-    result = await app[appkeys.STORE].register(body)
+    try:
+        result = await app[appkeys.STORE].register(body, spec.stage_ids)
+    except SettingsConflict as exc:
+        raise ConflictError(
+            f"pipeline {body.pipeline!r}: pipeline-wide setting {exc.setting} is {exc.ours} "
+            f"on this pod but {exc.theirs} on the pods already registered; every pod of a "
+            "pipeline must agree",
+            field=f"settings.{exc.setting}",
+        ) from None
     app[appkeys.METRICS].registrations.labels(body.pipeline, str(body.stage_id)).inc()
     logger.info(
         "registered instance=%s pipeline=%s stage=%s address=%s epoch=%d version=%d",

@@ -14,6 +14,10 @@
     omni:scale:decision:{p}:{s}      string  the last ScaleDecision (JSON), written by the
                                              sweeper-lock holder only (checked in Lua)
     omni:scale:wake:{p}:{s}          string  requests waiting for a stage at zero (PX expiry)
+    omni:fingerprint:{pipeline}      hash    pipeline-wide settings its pods agree on (async_chunk,
+                                             a digest of the stage list); replaced by the next
+                                             registration once no instance of the pipeline holds
+                                             a live lease (its last one left or expired)
 
 The Lua scripts compute instance, pool and version keys from ids they read inside the script
 (a heartbeat knows only the instance id). They receive the prefixes below as arguments
@@ -139,6 +143,11 @@ class KeySchema:
 
     def scale_wake(self, pipeline: str, stage_id: int) -> str:
         return f"{self.prefix}scale:wake:{pipeline}:{stage_id}"
+
+    # ---- pipeline-wide settings -----------------------------------------------------------
+
+    def fingerprint(self, pipeline: str) -> str:
+        return f"{self.prefix}fingerprint:{pipeline}"
 
     def lua_prefixes(self) -> tuple[str, str, str, str]:
         """(instance, pool, version, channel) prefixes, in the order the scripts expect."""

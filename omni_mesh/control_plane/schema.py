@@ -19,6 +19,7 @@ from omni_mesh.configs.deploy_fields import MAX_REPLICAS
 
 MAX_BODY_BYTES = 64 * 1024
 MAX_LABELS = 32
+MAX_SETTINGS = 16
 MAX_ENGINE_METRICS = 64
 MAX_CAPACITY = 65536
 MAX_STAGE_ID = 63
@@ -36,6 +37,8 @@ PipelineNameStr = Annotated[str, StringConstraints(min_length=1, max_length=48)]
 HostId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")]
 LabelKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/\-]{0,62}$")]
 LabelValue = Annotated[str, StringConstraints(max_length=256)]
+SettingName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,47}$")]
+SettingValue = Annotated[str, StringConstraints(max_length=256)]
 MetricName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_.:\-]{0,63}$")]
 Reason = Annotated[str, StringConstraints(pattern=r"^[\x20-\x7e]{1,128}$")]
 Reporter = Annotated[str, StringConstraints(pattern=r"^[\x20-\x7e]{1,256}$")]
@@ -126,6 +129,12 @@ class RegisterRequest(_Request):
     )
     labels: dict[LabelKey, LabelValue] = Field(
         default_factory=dict, max_length=MAX_LABELS, description="Free-form tags."
+    )
+    settings: dict[SettingName, SettingValue] = Field(
+        default_factory=dict,
+        max_length=MAX_SETTINGS,
+        description="Pipeline-wide settings every pod of the pipeline must agree on; a value "
+        "that differs from the live pods' is refused with 409 naming the setting.",
     )
 
     @field_validator("address")

@@ -36,15 +36,51 @@ local function bump(version_key, channel, now_us)
 end
 """
 
-# KEYS: inst, pool, leases, version, epoch, pipelines, evict
+# KEYS: inst, pool, leases, version, epoch, pipelines, evict, fingerprint, every pool of the
+#       pipeline (stage 0, 1, ...)
 # ARGV: id, pipeline, stage_id, address, host_id, capacity, labels_json, load_json,
-#       lease_ttl_ms, channel, instance_prefix, record_schema
-# Returns {epoch, version, now_ms, {superseded ids}}. An instance already registered in the
+#       lease_ttl_ms, channel, instance_prefix, record_schema, settings_json
+# Returns {epoch, version, now_ms, {superseded ids}}, or {'conflict', setting, theirs, ours} when
+# a pipeline-wide setting disagrees with the fingerprint of the pipeline's live instances (any
+# instance whose lease has not lapsed, but the one this registration replaces). With no live
+# instance the fingerprint is replaced by this one's. An instance already registered in the
 # same pool with the same address is replaced (a restarted replica must not be listed twice).
 REGISTER = (
     _PRELUDE
     + """
 local now, now_us = clock()
+local wanted = cjson.decode(ARGV[13])
+local names = {}
+for name, _ in pairs(wanted) do table.insert(names, name) end
+table.sort(names)
+if #names > 0 then
+  local live = false
+  for i = 9, #KEYS do
+    for _, other in ipairs(redis.call('SMEMBERS', KEYS[i])) do
+      local same = KEYS[i] == KEYS[2]
+        and redis.call('HGET', ARGV[11] .. other, 'address') == ARGV[4]
+      local deadline = redis.call('ZSCORE', KEYS[3], other)
+      if not same and deadline and tonumber(deadline) >= now then
+        live = true
+        break
+      end
+    end
+    if live then break end
+  end
+  if live then
+    for _, name in ipairs(names) do
+      local theirs = redis.call('HGET', KEYS[8], name)
+      if theirs and theirs ~= wanted[name] then
+        return {'conflict', name, theirs, wanted[name]}
+      end
+    end
+  else
+    redis.call('DEL', KEYS[8])
+  end
+  for _, name in ipairs(names) do
+    redis.call('HSET', KEYS[8], name, wanted[name])
+  end
+end
 local superseded = {}
 for _, other in ipairs(redis.call('SMEMBERS', KEYS[2])) do
   local okey = ARGV[11] .. other

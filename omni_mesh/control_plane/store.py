@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -46,6 +46,14 @@ class StateAction(StrEnum):
     ISOLATE = "isolate"
     READMIT = "readmit"
     DRAIN = "drain"
+
+
+class SettingsConflict(Exception):
+    """A registration whose pipeline-wide setting disagrees with the live pods'."""
+
+    def __init__(self, setting: str, theirs: str, ours: str) -> None:
+        super().__init__(f"{setting}: {ours} here, {theirs} in the pods already registered")
+        self.setting, self.theirs, self.ours = setting, theirs, ours
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,9 +166,15 @@ class InstanceStore:
 
     # ---- membership ------------------------------------------------------------------------
 
-    async def register(self, request: RegisterRequest) -> RegisterResult:
+    async def register(
+        self, request: RegisterRequest, stage_ids: Collection[int] = ()
+    ) -> RegisterResult:
+        """Add the instance to its pool; :class:`SettingsConflict` when its pipeline-wide
+        ``settings`` disagree with those of the pipeline's live instances (``stage_ids``: every
+        stage of the pipeline, whose pools hold them)."""
         k = self.keys
         instance_id = uuid.uuid4().hex
+        pools = [k.pool(request.pipeline, s) for s in sorted(set(stage_ids) | {request.stage_id})]
         load = LoadReport(capacity=request.capacity)
         res = await self._register(
             keys=[
@@ -171,6 +185,8 @@ class InstanceStore:
                 k.epoch,
                 k.pipelines,
                 k.evict,
+                k.fingerprint(request.pipeline),
+                *pools,
             ],
             args=[
                 instance_id,
@@ -185,8 +201,11 @@ class InstanceStore:
                 k.channel(request.pipeline),
                 k.instance_prefix,
                 RECORD_SCHEMA_VERSION,
+                json.dumps(request.settings, separators=(",", ":"), sort_keys=True),
             ],
         )
+        if _text(res[0]) == "conflict":
+            raise SettingsConflict(_text(res[1]), _text(res[2]), _text(res[3]))
         return RegisterResult(
             instance_id=instance_id,
             epoch=int(res[0]),

@@ -20,6 +20,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from omni_mesh.configs.deploy import DeployConfig
+from omni_mesh.configs.fingerprint import pipeline_fingerprint
 from omni_mesh.configs.pipeline import PipelineSpec
 from omni_mesh.configs.stage_settings import StageSettings
 from omni_mesh.control_plane.client import (
@@ -222,6 +223,7 @@ async def _control_plane_ctx(app: web.Application) -> AsyncIterator[None]:
             capacity=pod.stage_config.max_inflight,
             host_id=pod.settings.host_id,
             labels={"role": "api" if pod.serves_api else "headless"},
+            settings=pipeline_fingerprint(pod.pipeline, pod.deploy),
         )
         # Registered by serve() once the site listens: never advertise a closed port.
         lease = InstanceLease(client, request, lambda: _load(pod))
