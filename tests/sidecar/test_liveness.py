@@ -20,13 +20,16 @@ from typing import Any
 import pytest
 import uvloop
 from aiohttp import web
+from pydantic import ValidationError
 
+from omni_mesh.configs.stage_settings import StageSettings
 from omni_mesh.data_plane import codec
 from omni_mesh.data_plane.connectors import HttpConnector
 from omni_mesh.data_plane.constants import HOP_FRAMES, MSGPACK
 from omni_mesh.data_plane.framing import encode_frame
 from omni_mesh.data_plane.messages import HopResult, Payload, StageInput
 from omni_mesh.data_plane.shm import ShmReader
+from omni_mesh.sidecar.app import liveness_config
 from omni_mesh.sidecar.hop_client import HOP_PATH, HopClient
 from omni_mesh.sidecar.hop_http import (
     HopConnectionError,
@@ -160,6 +163,26 @@ async def prober(http: HopHttpClient, config: LivenessConfig = FAST) -> AsyncIte
 async def post(http: HopHttpClient, address: str, timeout_s: float = 20.0) -> int:
     resp = await http.post(address, HOP_PATH, b"x", {}, timeout_s=timeout_s, max_bytes=1 << 20)
     return resp.status
+
+
+# ---- settings ---------------------------------------------------------------------------------
+
+
+def test_settings_feed_the_prober_and_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert liveness_config(StageSettings(pipeline="synthetic")) == LivenessConfig()
+    monkeypatch.setenv("OMNI_STAGE_HOP_PROBE_AFTER_S", "2")
+    settings = StageSettings(pipeline="synthetic", hop_connect_timeout_s=1.5)
+    assert liveness_config(settings) == LivenessConfig(probe_after_s=2, connect_timeout_s=1.5)
+    monkeypatch.delenv("OMNI_STAGE_HOP_PROBE_AFTER_S")
+    for field, bad in (
+        ("hop_connect_timeout_s", 0),
+        ("hop_probe_after_s", 0.01),
+        ("hop_probe_interval_s", 100),
+        ("hop_probe_timeout_s", -1),
+        ("hop_keepalive_s", -1),
+    ):
+        with pytest.raises(ValidationError, match=field):
+            StageSettings(pipeline="synthetic", **{field: bad})
 
 
 # ---- the probe ---------------------------------------------------------------------------------
