@@ -17,7 +17,11 @@ pytestmark = pytest.mark.unit
 
 def test_bundled_tiny_llm() -> None:
     (stage,) = load_deploy_config(None, get_pipeline("tiny-llm")).stages
-    assert stage.engine_args == {"model": "tiny-llama-text", "seed": 0}
+    assert stage.engine_args == {
+        "model": "tiny-llama-text",
+        "seed": 0,
+        "kv_cache_memory_bytes": 1 << 30,
+    }
     assert (stage.sampling.temperature, stage.sampling.max_tokens) == (0.8, 64)
     assert stage.max_model_len == 512
     assert stage.engine_extras == {"chunk_tokens": 16, "chat_template": False}
@@ -31,6 +35,7 @@ def test_bundled_tiny_omni_vllm() -> None:
         "model": "tiny-llama-codec",
         "skip_tokenizer_init": True,
         "seed": 0,
+        "kv_cache_memory_bytes": 1 << 30,
     }
     assert talker.engine_extras["chunk_tokens"] % 4 == 0  # whole codec frames per chunk
     assert code2wav.engine_args == {}
@@ -47,7 +52,8 @@ def test_stage_overrides_merge_into_engine_args_and_sampling() -> None:
     (stage,) = load_deploy_config(
         None, get_pipeline("tiny-llm"), stage_overrides=json.dumps(overrides)
     ).stages
-    assert stage.engine_args == {"model": "/models/real", "seed": 0}  # seed kept from the YAML
+    assert stage.engine_args["model"] == "/models/real"
+    assert stage.engine_args["seed"] == 0  # kept from the YAML: overrides merge key by key
     assert stage.sampling.temperature == 0.1
     assert stage.sampling.max_tokens == 64
     assert stage.sampling.stop == ("\n",)

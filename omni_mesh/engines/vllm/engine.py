@@ -30,6 +30,7 @@ index for a chunk of an upstream stream), so a replay regenerates the same token
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -104,6 +105,10 @@ class VllmEngine(StageEngine):
 
     def load(self) -> None:
         args = build_engine_args(self.ctx.config, self.cache_dir)
+        if self.ctx.config.world_size == 1:
+            # vLLM reads this to choose its executor (on CPU: the in-process one only when it
+            # is "0"); one replica is one process, whatever the environment says.
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         vllm_config = make_vllm_config(args, self.ctx.stage.stage_id)
         from vllm.v1.engine.llm_engine import LLMEngine
         from vllm.v1.executor import Executor
