@@ -99,16 +99,20 @@ def test_deadline_across_the_join_is_a_504(slow_s1: Topology) -> None:
     assert _s3_runs(slow_s1) == runs
 
 
-def test_omni_run_follows_the_join(slow_s1: Topology, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", [[], ["--msgpack"]], ids=["json", "msgpack"])
+def test_omni_run_follows_the_join(slow_s1: Topology, tmp_path: Path, mode: list[str]) -> None:
     out = tmp_path / "s3.bin"
     argv = [
         sys.executable, "-m", "omni_mesh.run_client.cli",
         "--pipeline", "synthetic-diamond", "--url", slow_s1.api_url,
-        "--prompt", "p", "--seed", str(SEEDS[0]), "-o", str(out),
+        "--prompt", "p", "--seed", str(SEEDS[0]), "-o", str(out), *mode,
     ]  # fmt: skip
+    runs = _s3_runs(slow_s1)
     done = subprocess.run(argv, env=clean_env(), capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert out.read_bytes() == expected_s3(SEEDS[0]).data
+    assert "4 calls" in done.stdout + done.stderr  # s0, s1, s2, then s3 once
+    assert _s3_runs(slow_s1) == runs  # /v1/run calls are not hops
 
 
 def test_kill_9_of_the_join_replica_is_replayed(slow_s1: Topology) -> None:
