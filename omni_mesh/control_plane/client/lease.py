@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 from omni_mesh.control_plane.client.backoff import Backoff
@@ -29,6 +30,9 @@ from omni_mesh.control_plane.schema import (
     Registration,
 )
 from omni_mesh.control_plane.tasks import stop_task
+
+#: While the control plane stays unreachable, a warning this often (seconds).
+DOWN_LOG_INTERVAL_S = 5.0
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +62,7 @@ class InstanceLease:
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._cp_down = False
+        self._down_since = self._down_logged = 0.0
         self._tag = (
             f"pipeline={request.pipeline} stage={request.stage_id} address={request.address}"
         )
@@ -184,8 +189,20 @@ class InstanceLease:
             self.state = ack.state
 
     def _log_down(self, exc: Exception) -> None:
+        """A warning when the control plane stops answering, then one every
+        :data:`DOWN_LOG_INTERVAL_S` while it stays down (retries go on, each logged at debug)."""
+        now = time.monotonic()
         if not self._cp_down:
+            self._down_since = self._down_logged = now
             logger.warning("control plane unreachable %s (retrying): %s", self._tag, exc)
+        elif now - self._down_logged >= DOWN_LOG_INTERVAL_S:
+            self._down_logged = now
+            logger.warning(
+                "control plane still unreachable after %.0fs %s (retrying): %s",
+                now - self._down_since,
+                self._tag,
+                exc,
+            )
         else:
             logger.debug("control plane still unreachable %s: %s", self._tag, exc)
         self._cp_down = True
