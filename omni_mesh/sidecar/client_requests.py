@@ -21,6 +21,7 @@ from omni_mesh.sidecar.admission import admitted, request_class
 from omni_mesh.sidecar.deadlines import request_timeout
 from omni_mesh.sidecar.errors import bad_request, from_stage_error
 from omni_mesh.sidecar.inputs import BadPrompt, entry_input
+from omni_mesh.sidecar.outcomes import counted
 from omni_mesh.sidecar.outputs import ChunkAssembler, FinalOutput, joined_off_loop
 from omni_mesh.sidecar.pod import Pod
 
@@ -59,13 +60,18 @@ async def request_frames(
     with stage_span(f"{request.method} {request.path}", si.traceparent, attributes) as tp:
         si = msgspec.structs.replace(si, traceparent=tp)
         async with admitted(pod, si.request_id, "api", si):
-            if pod.runner is not None and pod.stage_id == pod.pipeline.entry_stage_id:
-                frames = pod.runner.run_stream(si)
-            else:
-                frames = pod.hop.stream(si)
-            async with contextlib.aclosing(frames) as stream:
-                async for frame in stream:
-                    yield frame
+            if pod.runner is None or pod.stage_id != pod.pipeline.entry_stage_id:
+                async with contextlib.aclosing(pod.hop.stream(si)) as stream:
+                    async for frame in stream:
+                        yield frame
+                return
+            # This pod's own engine runs the entry stage: an execution, counted as one.
+            with counted(pod, "api") as execution:
+                async with contextlib.aclosing(pod.runner.run_stream(si)) as stream:
+                    async for frame in stream:
+                        if frame.error is not None:
+                            execution.failed(frame.error.code)
+                        yield frame
 
 
 async def collect(

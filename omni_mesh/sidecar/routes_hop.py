@@ -21,6 +21,7 @@ from omni_mesh.sidecar.admission import admitted
 from omni_mesh.sidecar.appkeys import POD
 from omni_mesh.sidecar.errors import ApiError, bad_request
 from omni_mesh.sidecar.hop_client import HOP_PATH, HOP_TOKEN_HEADER
+from omni_mesh.sidecar.outcomes import counted
 from omni_mesh.sidecar.pod import Pod
 
 logger = logging.getLogger(__name__)
@@ -52,8 +53,10 @@ async def hop(request: web.Request) -> web.StreamResponse:
     t0 = time.monotonic()
     labels = (pod.pipeline.name, str(pod.stage_id))
     async with admitted(pod, transfer_key(si), "hop", si):
-        response, outcome = await _answer(request, pod, si)
-    pod.metrics.requests.labels(*labels, "hop", outcome).inc()
+        with counted(pod, "hop") as execution:
+            response, outcome = await _answer(request, pod, si)
+            if outcome != "ok":
+                execution.failed(outcome)
     pod.metrics.request_duration.labels(*labels, "hop").observe(time.monotonic() - t0)
     return response
 

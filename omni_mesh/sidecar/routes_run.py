@@ -47,6 +47,7 @@ from omni_mesh.sidecar.appkeys import POD
 from omni_mesh.sidecar.client_requests import entry
 from omni_mesh.sidecar.deadlines import request_timeout
 from omni_mesh.sidecar.errors import bad_request, decode_body, from_stage_error
+from omni_mesh.sidecar.outcomes import counted
 from omni_mesh.sidecar.outputs import ENCODED_KINDS, final_output, join_outputs
 from omni_mesh.sidecar.pod import Pod
 
@@ -173,17 +174,18 @@ async def _run_local(
     si = _stage_input(pod, req, request, timeout_s)
     labels = (pod.pipeline.name, str(pod.stage_id))
     t0 = time.monotonic()
-    async with admitted(pod, transfer_key(si), "run", si), pod.runner.executed(si) as outs:
-        error = next((o.error for o in outs if o.error is not None), None)
-        if error is not None:
-            pod.metrics.requests.labels(*labels, "run", error.code).inc()
-            raise from_stage_error(error)
-        if _encodes(pod):
-            # WAV/PNG encoding is milliseconds of CPU: off the event loop.
-            body = await asyncio.to_thread(_response, pod, si, outs, binary)
-        else:
-            body = _response(pod, si, outs, binary)
-    pod.metrics.requests.labels(*labels, "run", "ok").inc()
+    async with admitted(pod, transfer_key(si), "run", si):
+        with counted(pod, "run") as execution:
+            async with pod.runner.executed(si) as outs:
+                error = next((o.error for o in outs if o.error is not None), None)
+                if error is not None:
+                    execution.failed(error.code)
+                    raise from_stage_error(error)
+                if _encodes(pod):
+                    # WAV/PNG encoding is milliseconds of CPU: off the event loop.
+                    body = await asyncio.to_thread(_response, pod, si, outs, binary)
+                else:
+                    body = _response(pod, si, outs, binary)
     pod.metrics.request_duration.labels(*labels, "run").observe(time.monotonic() - t0)
     content_type = MSGPACK if binary else JSON
     return web.Response(body=body, content_type=content_type)
