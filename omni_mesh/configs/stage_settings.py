@@ -73,11 +73,12 @@ class StageSettings(BaseSettings):
     engine_start_timeout_s: float = Field(
         default=300.0, gt=0, le=3600, description="READY timeout."
     )
-    api_max_inflight: int = Field(
-        default=4096,
+    api_max_inflight: int | None = Field(
+        default=None,
         ge=1,
         le=1_000_000,
-        description="Requests an engine-less API server runs at once; more wait in its queue.",
+        description="Requests an engine-less API server runs at once; more wait in its queue. "
+        "Default: twice the entry stage's pool capacity (max_inflight x replicas), at least 64.",
     )
     drain_timeout_s: float = Field(default=30.0, ge=0, le=3600, description="SIGTERM drain bound.")
     max_body_bytes: int = Field(

@@ -139,14 +139,29 @@ class AdmissionGate:
         )
 
 
+#: The fewest slots of an API server by default (``api_max_inflight`` unset).
+MIN_API_SLOTS = 64
+
+
 def gate_of(pod: Pod) -> AdmissionGate:
     """The pod's admission gate, built on first use from its deploy config."""
     if pod.gate is None:
         stage = pod.stage_config
-        slots = stage.max_inflight if pod.engine is not None else pod.settings.api_max_inflight
+        slots = stage.max_inflight if pod.engine is not None else api_slots(pod)
         queue = AdmissionQueue(slots, stage.max_queue, stage.max_queue_wait_s)
         pod.gate = AdmissionGate(queue, pod.metrics, (pod.pipeline.name, str(pod.stage_id)))
     return pod.gate
+
+
+def api_slots(pod: Pod) -> int:
+    """An engine-less API server's slots: ``api_max_inflight``, by default twice what its entry
+    stage's pool runs at once. More would only move the queue to the entry stage's pods and
+    flood them with connections in a burst; fewer would leave the pool idle. The rest wait
+    here, in the same order (priority, tenant, FIFO)."""
+    if pod.settings.api_max_inflight is not None:
+        return pod.settings.api_max_inflight
+    entry = pod.deploy.stage(pod.pipeline.entry_stage_id)
+    return max(MIN_API_SLOTS, 2 * entry.max_inflight * entry.max_pool_size)
 
 
 @contextlib.asynccontextmanager

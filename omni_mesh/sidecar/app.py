@@ -53,6 +53,12 @@ logger = logging.getLogger(__name__)
 
 #: Socket read size of the HTTP server and client: large bodies arrive in fewer pieces.
 READ_BUFSIZE = 1 << 20
+#: Listen backlog: a burst of senders must reach the admission queue, not time out connecting
+#: (a full backlog drops SYNs, which looks like a silent host to the hop client).
+LISTEN_BACKLOG = 4096
+#: Idle keep-alive connections kept per replica: under overload hundreds of hops wait in a
+#: receiver's queue at once, and a new connection per hop would flood its backlog.
+HOP_IDLE_PER_HOST = 1024
 
 
 class WatchedPools:
@@ -96,7 +102,9 @@ async def build_pod(
     router = Router(pools, host_id=settings.host_id)
     reader = ShmReader()
     http = HopHttpClient(
-        connect_timeout_s=settings.hop_connect_timeout_s, keepalive_s=settings.hop_keepalive_s
+        connect_timeout_s=settings.hop_connect_timeout_s,
+        keepalive_s=settings.hop_keepalive_s,
+        max_idle_per_host=HOP_IDLE_PER_HOST,
     )
     secret = resolve_secret(settings)
     hop = HopClient(
@@ -294,7 +302,13 @@ async def serve(pod: Pod) -> int:
     try:
         if not await _until_stopped(pod, runner.setup()):
             return pod.exit_code or 0
-        site = web.TCPSite(runner, pod.settings.host, pod.settings.port, reuse_address=True)
+        site = web.TCPSite(
+            runner,
+            pod.settings.host,
+            pod.settings.port,
+            reuse_address=True,
+            backlog=LISTEN_BACKLOG,
+        )
         await site.start()
         register = asyncio.create_task(_register(app, pod), name="register")
         logger.info(

@@ -21,7 +21,7 @@ from omni_mesh.observability.metrics import (
     SC_SHED,
     SidecarMetrics,
 )
-from omni_mesh.sidecar.admission import AdmissionGate, admitted, request_class
+from omni_mesh.sidecar.admission import AdmissionGate, admitted, api_slots, request_class
 from omni_mesh.sidecar.errors import ApiError
 
 pytestmark = pytest.mark.unit
@@ -44,7 +44,7 @@ class FakeStageConfig:
 
 @dataclass
 class FakeSettings:
-    api_max_inflight: int = 3
+    api_max_inflight: int | None = 3
 
 
 @dataclass
@@ -205,6 +205,18 @@ async def test_an_api_only_pod_uses_api_max_inflight(pod: FakePod) -> None:
     assert len(order) == 3  # api_max_inflight
     release.set()
     await asyncio.gather(*tasks)
+
+
+def test_an_api_servers_default_slots_follow_the_entry_pool(pod: FakePod) -> None:
+    pod.engine = None
+    pod.settings.api_max_inflight = None
+    assert api_slots(pod) == 128  # type: ignore[arg-type]  # twice the 64 slots of stage 0
+    pod.deploy = DeployConfig.model_validate(
+        {"stages": [{"stage_id": 0, "max_inflight": 100, "num_replicas": 3}]}
+    )
+    assert api_slots(pod) == 600  # type: ignore[arg-type]
+    pod.deploy = DeployConfig.model_validate({"stages": [{"stage_id": 0, "max_inflight": 4}]})
+    assert api_slots(pod) == 64  # type: ignore[arg-type]  # at least
 
 
 # ---- a client request's class ----------------------------------------------------------------
