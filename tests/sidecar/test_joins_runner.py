@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from omni_mesh.configs.pipeline import get_pipeline
+from omni_mesh.configs.pipeline import OutputKind, PipelineSpec, StageSpec, get_pipeline
 from omni_mesh.data_plane.messages import (
     HopResult,
     Payload,
@@ -27,12 +27,23 @@ from omni_mesh.sidecar.runner import StageRunner
 pytestmark = pytest.mark.timeout(20)
 
 SPEC = get_pipeline("synthetic-diamond")
+# A source that is also the collector: 0 -> (1, 2), 1 -> 2; the join 2 takes 0 and 1.
+TRIANGLE = PipelineSpec(
+    name="join-triangle",
+    stages=(
+        StageSpec(stage_id=0, name="a", engine="x:Y"),
+        StageSpec(stage_id=1, name="b", engine="x:Y", sources=(0,)),
+        StageSpec(stage_id=2, name="j", engine="x:Y", sources=(0, 1), final_output=OutputKind.DATA),
+    ),
+)
 DEADLINE_MS = int((time.time() + 3600) * 1000)
 
 
-def _input(stage_id: int, from_stage: int = -1, **fields: Any) -> StageInput:
+def _input(
+    stage_id: int, from_stage: int = -1, spec: PipelineSpec = SPEC, **fields: Any
+) -> StageInput:
     return StageInput(
-        pipeline=SPEC.name,
+        pipeline=spec.name,
         request_id="r",
         stage_id=stage_id,
         from_stage=from_stage,
@@ -47,11 +58,13 @@ class FakeEngine:
 
     reader: Any = None
 
-    def __init__(self, stage_id: int) -> None:
+    def __init__(self, stage_id: int, spec: PipelineSpec = SPEC) -> None:
         self.stage_id = stage_id
+        self.spec = spec
 
     async def stream(self, si: StageInput) -> AsyncGenerator[StageOutput, None]:
-        nexts = [_input(j, self.stage_id, by=self.stage_id) for j in SPEC.downstream(self.stage_id)]
+        k, spec = self.stage_id, self.spec
+        nexts = [_input(j, k, spec, by=k) for j in spec.downstream(k)]
         yield StageOutput(request_id=si.request_id, stage_id=self.stage_id, next=nexts)
 
     def release(self, key: str) -> None:
@@ -67,7 +80,11 @@ class FakeHops:
         delay: dict[int, float] | None = None,
         copies: dict[int, int] | None = None,
         error: int | None = None,
+        spec: PipelineSpec = SPEC,
+        join: int = 3,
     ) -> None:
+        self.spec = spec
+        self.join = join
         self.delay = delay or {}
         self.copies = copies or {}
         self.error = error
@@ -77,8 +94,8 @@ class FakeHops:
     async def stream(self, si: StageInput) -> AsyncGenerator[HopResult, None]:
         self.calls.append(si)
         k = si.stage_id
-        if k == 3:
-            yield HopResult(request_id="r", outputs={3: Payload(fields=dict(si.payload.fields))})
+        if k == self.join:
+            yield HopResult(request_id="r", outputs={k: Payload(fields=dict(si.payload.fields))})
             return
         try:
             await asyncio.sleep(self.delay.get(k, 0.0))
@@ -89,20 +106,22 @@ class FakeHops:
             error = StageError(code="bad_input", message=f"branch {k} failed", stage_id=k)
             yield HopResult(request_id="r", error=error)
             return
-        joins = [_input(3, k, seen=k)] * self.copies.get(k, 1)
+        joins = [_input(self.join, k, self.spec, seen=k)] * self.copies.get(k, 1)
         for n in joins[:-1]:
             yield HopResult(request_id="r", joins=[n], more=True)
         yield HopResult(request_id="r", joins=joins[-1:] if joins else [])
 
 
 async def _frames(stage_id: int, hops: FakeHops) -> list[HopResult]:
-    runner = StageRunner(SPEC, stage_id, FakeEngine(stage_id), hops, lambda: "i")  # type: ignore[arg-type]
-    async with contextlib.aclosing(runner.run_stream(_input(stage_id))) as frames:
+    engine = FakeEngine(stage_id, hops.spec)
+    runner = StageRunner(hops.spec, stage_id, engine, hops, lambda: "i")  # type: ignore[arg-type]
+    first = _input(stage_id, spec=hops.spec)
+    async with contextlib.aclosing(runner.run_stream(first)) as frames:
         return [frame async for frame in frames]
 
 
 def _joined(hops: FakeHops) -> list[StageInput]:
-    return [si for si in hops.calls if si.stage_id == 3]
+    return [si for si in hops.calls if si.stage_id == hops.join]
 
 
 @pytest.mark.parametrize("slow", [1, 2])
@@ -149,3 +168,12 @@ async def test_a_source_of_a_join_hands_its_input_back_up() -> None:
     (n,) = frame.joins
     assert (n.stage_id, n.from_stage, n.payload.fields) == (3, 1, {"by": 1})
     assert not frame.more and frame.timings[0].stage_id == 1
+
+
+async def test_a_collector_that_is_also_a_source_collects_its_own_input() -> None:
+    hops = FakeHops(spec=TRIANGLE, join=2, delay={1: 0.02})
+    frames = await _frames(0, hops)
+    (join,) = _joined(hops)
+    assert join.payload.fields == {"a.by": 0, "b.seen": 1}
+    assert [f.outputs for f in frames if f.outputs] == [{2: join.payload}]
+    assert [si.stage_id for si in hops.calls] == [1, 2]
