@@ -148,7 +148,7 @@ class StageRunner:
                 async with contextlib.aclosing(merger.frames()) as frames:
                     async for frame in frames:
                         if frame.joins and self._collects:
-                            frame = self._collect(frame, held, merger)
+                            frame = self._collect(frame, held, merger, first)
                             if not (frame.outputs or frame.joins or frame.error):
                                 continue
                         yield frame
@@ -238,11 +238,13 @@ class StageRunner:
         frame: HopResult,
         held: dict[int, dict[int, StageInput] | None],
         merger: FrameMerger,
+        out: StageOutput,
     ) -> HopResult:
         """Keep the join inputs of ``frame`` that this runner collects; hand a join off once
         every source's input is here (``held[join]`` is None from then on). Returns the frame
         without them (other joins' inputs travel on up). A source's input seen again (a
-        replayed branch regenerates it) is the same: ignored."""
+        replayed branch regenerates it) is the same: ignored. The join is traced as a child
+        of this stage's span (``out``'s next inputs carry it), like the branches."""
         passed: list[StageInput] = []
         for n in frame.joins:
             if n.stage_id not in self._collects:
@@ -260,6 +262,8 @@ class StageRunner:
             except JoinInputError as exc:
                 error = StageError(code="engine_error", message=str(exc), stage_id=n.stage_id)
                 return HopResult(request_id=frame.request_id, error=error)
+            if out.next:
+                join.traceparent = out.next[0].traceparent
             merger.spawn(self._relay(join, merger))
         return msgspec.structs.replace(frame, joins=passed)
 
