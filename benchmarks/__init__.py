@@ -14,6 +14,16 @@ the same run. Every process a benchmark starts is stopped at its end, also on er
 | peer | :mod:`benchmarks.peer` | the same pipelines on Ray Serve (separate venv) |
 | streaming | :mod:`benchmarks.streaming` | async_chunk: time to first audio, cost per chunk |
 | autoscale | :mod:`benchmarks.autoscale` | omni-up autoscaling: step + square wave, cold start |
+| overload | :mod:`benchmarks.overload` | past capacity: closed/open loop, fairness, shedding |
 """
 
-NAMES = ("hop", "handoff", "scaling", "control-plane", "peer", "streaming", "autoscale")
+NAMES = (
+    "hop",
+    "handoff",
+    "scaling",
+    "control-plane",
+    "peer",
+    "streaming",
+    "autoscale",
+    "overload",
+)

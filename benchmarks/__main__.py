@@ -1,7 +1,7 @@
 """``python -m benchmarks NAME [--quick] [--reps N] [--profile DIR] [--write-doc FILE]``.
 
 NAME is one of ``hop``, ``handoff``, ``scaling``, ``control-plane``, ``peer``, ``streaming``,
-``autoscale`` or ``all``.
+``autoscale``, ``overload`` or ``all``.
 ``--write-doc`` replaces the generated part of a markdown file (between the BEGIN/END
 GENERATED markers) with this run's tables, the command and the machine.
 """
@@ -37,6 +37,7 @@ MODULES = {
     "peer": "benchmarks.peer",
     "streaming": "benchmarks.streaming",
     "autoscale": "benchmarks.autoscale",
+    "overload": "benchmarks.overload",
 }
 
 

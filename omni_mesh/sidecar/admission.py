@@ -125,7 +125,7 @@ class AdmissionGate:
 
     def _shed_error(self, w: Waiter) -> ApiError:
         assert w.shed is not None
-        logger.info(
+        logger.debug(  # one line per shed would flood the log under overload: see the metrics
             "stage=%s shed a %s-priority request: %s",
             self.labels[1],
             PRIORITY_NAMES[w.priority],
