@@ -278,7 +278,7 @@ async def pipelines(request: web.Request) -> web.Response:
             status = await store.pipeline_status(get_pipeline(name))
         except UnknownPipelineError:
             continue
-        if status.instances or name in desired:
+        if status.instances or status.api_servers or name in desired:
             statuses.append(status.model_copy(update={"desired": desired.get(name, {})}))
     return _json(PipelineList(pipelines=tuple(statuses)))
 

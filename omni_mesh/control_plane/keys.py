@@ -2,6 +2,8 @@
 
     omni:inst:{instance_id}          hash    one instance record (fields: see INSTANCE_FIELDS)
     omni:pool:{pipeline}:{stage_id}  set     ids of every instance of one stage pool, any state
+    omni:api:{pipeline}              set     ids of the pipeline's API servers that run no stage
+                                             (--api-only): listed by status, never routed to
     omni:pipelines                   set     pipeline names that have (or had) instances
     omni:leases                      zset    instance_id -> lease deadline (Redis server ms)
     omni:evict                       zset    instance_id -> eviction deadline (ms) of dead records
@@ -49,6 +51,7 @@ INSTANCE_FIELDS: tuple[str, ...] = (
     "last_heartbeat_ms",
     "load",  # JSON object (LoadReport), "" until the first heartbeat
     "isolated_at_ms",  # when a probe isolated it (reason unreachable); absent otherwise
+    "pool",  # the set it is a member of (a stage pool, or the pipeline's API servers)
 )
 
 
@@ -73,6 +76,10 @@ class KeySchema:
 
     def pool(self, pipeline: str, stage_id: int) -> str:
         return f"{self.pool_prefix}{pipeline}:{stage_id}"
+
+    def api_pool(self, pipeline: str) -> str:
+        """The pipeline's API servers without an engine: registered, never in a stage pool."""
+        return f"{self.prefix}api:{pipeline}"
 
     @property
     def version_prefix(self) -> str:

@@ -9,7 +9,7 @@ versioned by its path (``/v1``); instance records in Redis carry ``keys.RECORD_S
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
@@ -129,6 +129,11 @@ class RegisterRequest(_Request):
     )
     labels: dict[LabelKey, LabelValue] = Field(
         default_factory=dict, max_length=MAX_LABELS, description="Free-form tags."
+    )
+    role: Literal["stage", "api"] = Field(
+        default="stage",
+        description="stage: joins the stage's pool; api: an API server running no stage "
+        "(--api-only), listed by status but never routed to.",
     )
     settings: dict[SettingName, SettingValue] = Field(
         default_factory=dict,
@@ -369,6 +374,9 @@ class PipelineStatus(_Response):
     pipeline: str
     version: int
     instances: tuple[InstanceInfo, ...] = ()
+    api_servers: tuple[InstanceInfo, ...] = Field(
+        default=(), description="API servers running no stage (--api-only)."
+    )
     desired: dict[int, int] = Field(
         default_factory=dict, description="Autoscaled stages: stage id -> desired replicas."
     )

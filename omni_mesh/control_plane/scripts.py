@@ -36,8 +36,8 @@ local function bump(version_key, channel, now_us)
 end
 """
 
-# KEYS: inst, pool, leases, version, epoch, pipelines, evict, fingerprint, every pool of the
-#       pipeline (stage 0, 1, ...)
+# KEYS: inst, pool (its stage pool, or the pipeline's API servers), leases, version, epoch,
+#       pipelines, evict, fingerprint, every pool of the pipeline (stages, API servers)
 # ARGV: id, pipeline, stage_id, address, host_id, capacity, labels_json, load_json,
 #       lease_ttl_ms, channel, instance_prefix, record_schema, settings_json
 # Returns {epoch, version, now_ms, {superseded ids}}, or {'conflict', setting, theirs, ours} when
@@ -97,7 +97,7 @@ redis.call('HSET', KEYS[1],
   'schema', ARGV[12], 'pipeline', ARGV[2], 'stage_id', ARGV[3], 'address', ARGV[4],
   'host_id', ARGV[5], 'capacity', ARGV[6], 'labels', ARGV[7], 'state', 'healthy',
   'reason', '', 'epoch', ms(epoch), 'registered_at_ms', ms(now),
-  'last_heartbeat_ms', ms(now), 'load', ARGV[8])
+  'last_heartbeat_ms', ms(now), 'load', ARGV[8], 'pool', KEYS[2])
 redis.call('SADD', KEYS[2], ARGV[1])
 redis.call('SADD', KEYS[6], ARGV[2])
 redis.call('ZADD', KEYS[3], ms(now + tonumber(ARGV[9])), ARGV[1])
@@ -153,9 +153,9 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
   return {0}
 end
 local now, now_us = clock()
-local f = redis.call('HMGET', KEYS[1], 'pipeline', 'stage_id')
+local f = redis.call('HMGET', KEYS[1], 'pipeline', 'stage_id', 'pool')
 redis.call('DEL', KEYS[1])
-redis.call('SREM', ARGV[2] .. f[1] .. ':' .. f[2], ARGV[1])
+redis.call('SREM', f[3] or (ARGV[2] .. f[1] .. ':' .. f[2]), ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
 local version = bump(ARGV[3] .. f[1], ARGV[4] .. f[1], now_us)
@@ -255,9 +255,9 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', ms(now), 'LIMIT
   redis.call('ZREM', KEYS[3], id)
   local key = ARGV[5] .. id
   if redis.call('EXISTS', key) == 1 then
-    local f = redis.call('HMGET', key, 'state', 'pipeline', 'stage_id')
+    local f = redis.call('HMGET', key, 'state', 'pipeline', 'stage_id', 'pool')
     redis.call('DEL', key)
-    redis.call('SREM', ARGV[6] .. f[2] .. ':' .. f[3], id)
+    redis.call('SREM', f[4] or (ARGV[6] .. f[2] .. ':' .. f[3]), id)
     redis.call('ZREM', KEYS[2], id)
     touched[f[2]] = true
     table.insert(events, {'evicted', id, f[2], f[3], f[1]})

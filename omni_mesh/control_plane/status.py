@@ -10,6 +10,7 @@ from omni_mesh.control_plane.schema import InstanceInfo, PipelineList
 COLUMNS = (
     "PIPELINE",
     "STAGE",
+    "ROLE",  # headless (stage only), api (stage + client API), api-only (client API, no engine)
     "INSTANCE",
     "STATE",
     "ADDRESS",
@@ -37,6 +38,7 @@ def _row(info: InstanceInfo, desired: int | None) -> tuple[str, ...]:
     return (
         info.pipeline,
         str(info.stage_id),
+        info.labels.get("role", "-"),
         info.instance_id,
         info.state.value,
         info.address,
@@ -50,7 +52,7 @@ def _row(info: InstanceInfo, desired: int | None) -> tuple[str, ...]:
 
 def _empty_stage_row(pipeline: str, stage_id: int, desired: int) -> tuple[str, ...]:
     """An autoscaled stage with no instance at all (scaled to zero, or not started yet)."""
-    return (pipeline, str(stage_id), "-", "-", "-", "-", "-", "-", "no_replicas", str(desired))
+    return (pipeline, str(stage_id), "-", "-", "-", "-", "-", "-", "-", "no_replicas", str(desired))
 
 
 def render_table(rows: Sequence[Sequence[str]], header: Sequence[str] = COLUMNS) -> str:
@@ -68,8 +70,8 @@ def render_status(listing: PipelineList, *, pipeline: str | None = None) -> str:
     """The status table, sorted by pipeline, stage and registration time."""
     shown = [p for p in listing.pipelines if pipeline is None or p.pipeline == pipeline]
     desired = {(p.pipeline, s): n for p in shown for s, n in p.desired.items()}
-    infos = [i for p in shown for i in p.instances]
-    occupied = {(i.pipeline, i.stage_id) for i in infos}
+    occupied = {(i.pipeline, i.stage_id) for p in shown for i in p.instances}
+    infos = [i for p in shown for i in (*p.instances, *p.api_servers)]
     empty = sorted(k for k in desired if k not in occupied)
     if not infos and not empty:
         return "no instances registered" + (f" for pipeline {pipeline!r}" if pipeline else "")

@@ -175,11 +175,17 @@ class InstanceStore:
         k = self.keys
         instance_id = uuid.uuid4().hex
         pools = [k.pool(request.pipeline, s) for s in sorted(set(stage_ids) | {request.stage_id})]
+        pools.append(k.api_pool(request.pipeline))
+        own = (
+            k.api_pool(request.pipeline)
+            if request.role == "api"
+            else k.pool(request.pipeline, request.stage_id)
+        )
         load = LoadReport(capacity=request.capacity)
         res = await self._register(
             keys=[
                 k.instance(instance_id),
-                k.pool(request.pipeline, request.stage_id),
+                own,
                 k.leases,
                 k.version(request.pipeline),
                 k.epoch,
@@ -279,11 +285,18 @@ class InstanceStore:
     # ---- reads -----------------------------------------------------------------------------
 
     async def _read_pools(
-        self, pipeline: str, stage_ids: Sequence[int], *, healthy_only: bool
+        self,
+        pipeline: str,
+        stage_ids: Sequence[int],
+        *,
+        healthy_only: bool,
+        api_servers: bool = False,
     ) -> tuple[int, list[list[InstanceInfo]]]:
+        """The version and the pools of ``stage_ids`` (then the API servers' when asked)."""
         k = self.keys
+        extra = [k.api_pool(pipeline)] if api_servers else []
         res = await self._snapshot(
-            keys=[k.version(pipeline), *(k.pool(pipeline, s) for s in stage_ids)],
+            keys=[k.version(pipeline), *(k.pool(pipeline, s) for s in stage_ids), *extra],
             args=[k.instance_prefix, "1" if healthy_only else "0"],
         )
         version, now_ms = int(res[0]), int(res[1])
@@ -312,11 +325,14 @@ class InstanceStore:
     async def pipeline_status(self, spec: PipelineSpec) -> PipelineStatus:
         """Every instance of the pipeline, whatever its state."""
         stage_ids = sorted(spec.stage_ids)
-        version, pools = await self._read_pools(spec.name, stage_ids, healthy_only=False)
+        version, pools = await self._read_pools(
+            spec.name, stage_ids, healthy_only=False, api_servers=True
+        )
         return PipelineStatus(
             pipeline=spec.name,
             version=version,
-            instances=tuple(i for pool in pools for i in pool),
+            instances=tuple(i for pool in pools[:-1] for i in pool),
+            api_servers=tuple(pools[-1]),
         )
 
     async def pipeline_names(self) -> list[str]:

@@ -53,12 +53,6 @@ logger = logging.getLogger(__name__)
 
 #: Socket read size of the HTTP server and client: large bodies arrive in fewer pieces.
 READ_BUFSIZE = 1 << 20
-#: Listen backlog: a burst of senders must reach the admission queue, not time out connecting
-#: (a full backlog drops SYNs, which looks like a silent host to the hop client).
-LISTEN_BACKLOG = 4096
-#: Idle keep-alive connections kept per replica: under overload hundreds of hops wait in a
-#: receiver's queue at once, and a new connection per hop would flood its backlog.
-HOP_IDLE_PER_HOST = 1024
 
 
 class WatchedPools:
@@ -102,9 +96,7 @@ async def build_pod(
     router = Router(pools, host_id=settings.host_id)
     reader = ShmReader()
     http = HopHttpClient(
-        connect_timeout_s=settings.hop_connect_timeout_s,
-        keepalive_s=settings.hop_keepalive_s,
-        max_idle_per_host=HOP_IDLE_PER_HOST,
+        connect_timeout_s=settings.hop_connect_timeout_s, keepalive_s=settings.hop_keepalive_s
     )
     secret = resolve_secret(settings)
     hop = HopClient(
@@ -222,27 +214,28 @@ async def _control_plane_ctx(app: web.Application) -> AsyncIterator[None]:
     await watcher.start()
     assert isinstance(pod.router.pools, WatchedPools)
     pod.router.pools.watcher = watcher
-    lease: InstanceLease | None = None
-    if pod.engine is not None:
-        request = RegisterRequest(
-            pipeline=pod.pipeline.name,
-            stage_id=pod.stage_id,
-            address=pod.settings.address,
-            capacity=pod.stage_config.max_inflight,
-            host_id=pod.settings.host_id,
-            labels={"role": "api" if pod.serves_api else "headless"},
-            settings=pipeline_fingerprint(pod.pipeline, pod.deploy),
-        )
-        # Registered by serve() once the site listens: never advertise a closed port.
-        lease = InstanceLease(client, request, lambda: _load(pod))
-        app[LEASE] = lease
+    # An API server without an engine registers too (role api: listed by omni-cp status, never
+    # in a stage pool); a pod with an engine joins its stage's pool.
+    api_only = pod.engine is None
+    request = RegisterRequest(
+        pipeline=pod.pipeline.name,
+        stage_id=pod.stage_id,
+        address=pod.settings.address,
+        capacity=(api_only and pod.settings.api_max_inflight) or pod.stage_config.max_inflight,
+        host_id=pod.settings.host_id,
+        labels={"role": "api-only" if api_only else "api" if pod.serves_api else "headless"},
+        role="api" if api_only else "stage",
+        settings=pipeline_fingerprint(pod.pipeline, pod.deploy),
+    )
+    # Registered by serve() once the site listens: never advertise a closed port.
+    lease = InstanceLease(client, request, lambda: _load(pod))
+    app[LEASE] = lease
     yield
     pod.router.on_eject = None
     await suspects.close()
     pod.hop.on_empty_pool = None
     await waker.close()
-    if lease is not None:
-        await lease.stop()
+    await lease.stop()
     await watcher.stop()
     await client.close()
 
@@ -302,13 +295,7 @@ async def serve(pod: Pod) -> int:
     try:
         if not await _until_stopped(pod, runner.setup()):
             return pod.exit_code or 0
-        site = web.TCPSite(
-            runner,
-            pod.settings.host,
-            pod.settings.port,
-            reuse_address=True,
-            backlog=LISTEN_BACKLOG,
-        )
+        site = web.TCPSite(runner, pod.settings.host, pod.settings.port, reuse_address=True)
         await site.start()
         register = asyncio.create_task(_register(app, pod), name="register")
         logger.info(

@@ -204,20 +204,36 @@ async def test_status_shows_a_table(control_plane: ControlPlaneProcess) -> None:
             )
         )
         await client.isolate(b.instance_id, reason="maintenance")
+        api = await client.register(
+            RegisterRequest(
+                pipeline="tiny-omni",
+                stage_id=0,
+                address="http://127.0.0.1:9800",
+                capacity=64,
+                labels={"role": "api-only"},
+                role="api",
+            )
+        )
+        pool = await client.instances("tiny-omni", 0)  # an API server is never routed to
+        assert pool.instances == ()
     result = await asyncio.to_thread(run_cp, "status", "--cp", control_plane.url)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     assert lines[0].split() == [
-        "PIPELINE", "STAGE", "INSTANCE", "STATE", "ADDRESS", "HOST", "LOAD", "HEARTBEAT-AGE",
-        "REASON", "DESIRED",
+        "PIPELINE", "STAGE", "ROLE", "INSTANCE", "STATE", "ADDRESS", "HOST", "LOAD",
+        "HEARTBEAT-AGE", "REASON", "DESIRED",
     ]  # fmt: skip
     rows = [line.split() for line in lines[1:]]
-    assert [r[:7] for r in rows] == [
-        ["tiny-omni", "1", a.instance_id, "healthy", "http://127.0.0.1:9801", "127.0.0.1", "0/4"],
-        ["tiny-omni", "2", b.instance_id, "isolated", "http://127.0.0.1:9802", "gpu-7", "0/2"],
-    ]
-    assert rows[0][8] == "-" and rows[1][8] == "maintenance"
-    assert re.fullmatch(r"\d+\.\ds", rows[0][7])
+    assert [r[:8] for r in rows] == [
+        ["tiny-omni", "0", "api-only", api.instance_id, "healthy", "http://127.0.0.1:9800",
+         "127.0.0.1", "0/64"],
+        ["tiny-omni", "1", "-", a.instance_id, "healthy", "http://127.0.0.1:9801", "127.0.0.1",
+         "0/4"],
+        ["tiny-omni", "2", "-", b.instance_id, "isolated", "http://127.0.0.1:9802", "gpu-7",
+         "0/2"],
+    ]  # fmt: skip
+    assert rows[1][9] == "-" and rows[2][9] == "maintenance"
+    assert re.fullmatch(r"\d+\.\ds", rows[1][8])
 
     filtered = await asyncio.to_thread(
         run_cp, "status", "--pipeline", "tiny-tts", env={"OMNI_CP_URL": control_plane.url}

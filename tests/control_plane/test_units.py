@@ -124,17 +124,21 @@ def test_status_table() -> None:
                         heartbeat_age_ms=125_000,
                     ),
                 ),
+                api_servers=(
+                    _info(instance_id="api1", stage_id=0, labels={"role": "api-only"}),
+                ),
             ),
         )
     )
     lines = render_status(listing).splitlines()
     assert lines[0].split() == list(COLUMNS)
-    assert lines[1].split() == [
-        "tiny-omni", "0", "def", "isolated", "http://127.0.0.1:9001", "h1", "2/4", "2m05s",
+    assert lines[1].split()[:3] == ["tiny-omni", "0", "api-only"]  # registered first
+    assert lines[2].split() == [
+        "tiny-omni", "0", "-", "def", "isolated", "http://127.0.0.1:9001", "h1", "2/4", "2m05s",
         "lease_expired", "-",
     ]  # fmt: skip
-    assert lines[2].split()[:8] == [
-        "tiny-omni", "1", "abc", "healthy", "http://127.0.0.1:9001", "h1", "2/4", "1.5s",
+    assert lines[3].split()[:9] == [
+        "tiny-omni", "1", "-", "abc", "healthy", "http://127.0.0.1:9001", "h1", "2/4", "1.5s",
     ]  # fmt: skip
     assert (
         render_status(listing, pipeline="tiny-tts")

@@ -1,11 +1,14 @@
 """Every stage execution is counted once in omni_stage_requests_total, the entry stage of a
 non-headless pod included (route="api"), and work aborted by a deadline or a client that went
-away is counted as outcome="cancelled" (real pods, synthetic pipeline, a slow middle stage)."""
+away is counted as outcome="cancelled" (real pods, synthetic pipeline, a slow middle stage).
+API servers register with their role: omni-cp status lists them (ROLE column), discovery never
+routes to an --api-only one."""
 
 from __future__ import annotations
 
 import json
 import socket
+import subprocess
 import sys
 import time
 import urllib.error
@@ -48,19 +51,23 @@ def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, str]]:
     procs: list[ManagedProcess] = []
     urls: dict[int, str] = {}
     try:
-        for stage_id in (0, 1, 2):
+        for stage_id in (0, 1, 2, -1):  # -1: an --api-only server
             port = free_port()
             argv = [sys.executable, "-m", "omni_mesh.sidecar.cli_stage", "--pipeline", "synthetic",
                     "--stage-id", str(stage_id), "--control-plane", cp.url, "--port", str(port),
                     "--secret", SECRET, "--stage-overrides", SLOW]  # fmt: skip
-            if stage_id:
+            if stage_id > 0:
                 argv.append("--headless")  # stage 0 serves the client API with its own engine
+            elif stage_id < 0:
+                argv[argv.index("--stage-id") + 1] = "0"
+                argv.append("--api-only")
             procs.append(
                 ManagedProcess(argv, name=f"s{stage_id}", env=clean_env(), log_dir=tmp).start()
             )
             urls[stage_id] = f"http://{LOCALHOST}:{port}"
-        for proc, url in zip(procs, urls.values(), strict=True):
+        for proc, url in zip(procs, list(urls.values()), strict=True):
             proc.wait_http_ready(url + "/health", timeout=90)
+        urls[-2] = cp.url
         yield urls
     finally:
         for proc in procs:
@@ -104,3 +111,18 @@ def test_deadline_and_disconnect_count_as_cancelled(pods: dict[int, str]) -> Non
     wait_until(lambda: counter(pods[0], "api", "cancelled") == 2, 15)
     wait_until(lambda: counter(pods[1], "hop", "cancelled") > busy, 15)
     assert counter(pods[0], "api", "ok") == 1  # nothing counted twice
+
+
+def test_api_servers_are_listed_with_their_role_but_not_routed_to(pods: dict[int, str]) -> None:
+    cp = pods[-2]
+    argv = [sys.executable, "-m", "omni_mesh.control_plane", "status", "--cp", cp]
+    done = subprocess.run(argv, env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].split()[:3] == ["PIPELINE", "STAGE", "ROLE"]
+    roles = {row.split()[5]: row.split()[2] for row in lines[1:]}  # address -> role
+    assert roles == {pods[0]: "api", pods[1]: "headless", pods[2]: "headless", pods[-1]: "api-only"}
+    pool = json.loads(http_get(f"{cp}/v1/pipelines/synthetic/stages/0/instances"))
+    assert [i["address"] for i in pool["instances"]] == [pods[0]]
+    status, body = post_json(pods[-1] + "/v1/generate", {"prompt": "via api", "seed": 4})
+    assert status == 200, body  # the API server routes into the stage-0 pool
