@@ -23,37 +23,58 @@ every stage and forward), :class:`StageUrls` (one URL per stage) or
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import itertools
 import logging
-import random
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import TracebackType
-from typing import Protocol
 
 import aiohttp
-import msgspec
 
 from omni_mesh.configs.pipeline import PipelineSpec
-from omni_mesh.control_plane.client import ControlPlaneClient, ControlPlaneError
 from omni_mesh.data_plane import codec
 from omni_mesh.data_plane.constants import JSON, MSGPACK
 from omni_mesh.data_plane.messages import (
     Prompt,
-    RunOutput,
     RunOutputBin,
-    RunRequest,
-    RunRequestBin,
     RunResponse,
     RunResponseBin,
     SamplingParams,
 )
-from omni_mesh.run_client.outputs import join_run_outputs
+from omni_mesh.run_client.bodies import (
+    Answer,
+    Opaque,
+    StageInputValue,
+    decode_answer,
+    encode_call,
+    error_message,
+)
+from omni_mesh.run_client.errors import DiscoveryError, RunClientError, StageCallError
+from omni_mesh.run_client.outputs import join_run_outputs, output_paths, write_outputs
+from omni_mesh.run_client.resolvers import (
+    ControlPlaneDiscovery,
+    FixedUrls,
+    StageResolver,
+    StageUrls,
+)
+
+__all__ = [
+    "MAX_PARALLEL_CALLS",
+    "ControlPlaneDiscovery",
+    "DiscoveryError",
+    "FixedUrls",
+    "RunClient",
+    "RunClientError",
+    "RunTrace",
+    "StageCall",
+    "StageCallError",
+    "StageResolver",
+    "StageUrls",
+    "error_message",
+    "output_paths",
+    "write_outputs",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -63,105 +84,6 @@ logger = logging.getLogger(__name__)
 MAX_CALLS_PER_STAGE = 2048
 #: Calls of one run in flight at once (the chunks of a streaming stage).
 MAX_PARALLEL_CALLS = 4
-MAX_ERROR_CHARS = 2000
-
-Opaque = str | bytes
-StageInputValue = Opaque | Prompt | list[Opaque]  # a list: a join's inputs, one per source
-
-
-class RunClientError(RuntimeError):
-    """A run could not complete; the message says which stage and why."""
-
-
-class StageCallError(RunClientError):
-    """A ``/v1/run`` call failed: an HTTP error answer, no answer, or an unusable one."""
-
-    def __init__(self, stage: str, url: str, status: int | None, message: str) -> None:
-        self.stage = stage
-        self.url = url
-        self.status = status
-        self.message = message
-        what = f"HTTP {status}" if status is not None else "no answer"
-        super().__init__(f"{stage} @ {url}: {what}: {message}")
-
-
-class DiscoveryError(RunClientError):
-    """No URL could be found for a stage."""
-
-
-# ---- where calls go ----------------------------------------------------------------------------
-
-
-class StageResolver(Protocol):
-    async def url_for(self, stage_id: int) -> str:
-        """Base URL (``http://host:port``) of an instance that runs ``stage_id``."""
-        ...
-
-    async def close(self) -> None:
-        """Release what the resolver holds (the client closes its resolver)."""
-        ...
-
-
-class FixedUrls:
-    """Every call goes to one of a few API servers, round robin."""
-
-    def __init__(self, urls: Sequence[str]) -> None:
-        if not urls:
-            raise ValueError("need at least one URL")
-        self._next = itertools.cycle([u.rstrip("/") for u in urls])
-
-    async def url_for(self, stage_id: int) -> str:
-        return next(self._next)
-
-    async def close(self) -> None:
-        return None
-
-
-class StageUrls:
-    """Stage k's calls go to its own URL."""
-
-    def __init__(self, urls: Mapping[int, str]) -> None:
-        self._urls = {k: u.rstrip("/") for k, u in urls.items()}
-
-    async def url_for(self, stage_id: int) -> str:
-        try:
-            return self._urls[stage_id]
-        except KeyError:
-            raise DiscoveryError(f"no URL given for stage {stage_id}") from None
-
-    async def close(self) -> None:
-        return None
-
-
-class ControlPlaneDiscovery:
-    """A random healthy replica of the stage, asked of the control plane for every call
-    (``GET /v1/pipelines/{p}/stages/{k}/instances``; several omni-cp URLs fail over)."""
-
-    def __init__(
-        self,
-        control_plane: str | Sequence[str],
-        pipeline: str,
-        *,
-        token: str | None = None,
-        timeout_s: float = 5.0,
-    ) -> None:
-        self._client = ControlPlaneClient(control_plane, auth_token=token, timeout_s=timeout_s)
-        self._pipeline = pipeline
-
-    async def url_for(self, stage_id: int) -> str:
-        try:
-            pool = await self._client.instances(self._pipeline, stage_id)
-        except ControlPlaneError as exc:
-            raise DiscoveryError(f"discovery of stage {stage_id}: {exc}") from exc
-        if not pool.instances:
-            raise DiscoveryError(
-                f"no healthy replica of stage {stage_id} of pipeline {self._pipeline!r} "
-                f"is registered at {', '.join(self._client.urls)}"
-            )
-        return random.choice(pool.instances).address.rstrip("/")
-
-    async def close(self) -> None:
-        await self._client.close()
 
 
 # ---- what a run yields -------------------------------------------------------------------------
@@ -197,15 +119,6 @@ class RunTrace:
     calls: list[StageCall] = field(default_factory=list)
     outputs: dict[int, RunOutputBin] = field(default_factory=dict)
     seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class _Answer:
-    stage_id: int
-    request_id: str
-    chunk: int
-    outputs: dict[int, RunOutputBin]
-    next: list[tuple[int, str | bytes]]
 
 
 @dataclass
@@ -297,7 +210,7 @@ class RunClient:
             raise RunClientError(
                 f"stopped after {len(trace.calls)} calls: the stages keep returning next inputs"
             )
-        body = self._encode(stage_id, stage_input, sampling)
+        body = encode_call(stage_id, stage_input, sampling, msgpack=self.msgpack)
         async with run.limit:
             url = await self.resolver.url_for(stage_id)
             t0 = time.perf_counter()
@@ -371,23 +284,6 @@ class RunClient:
         except BaseExceptionGroup as eg:
             raise _first_leaf(eg) from None
 
-    def _encode(
-        self, stage_id: int, stage_input: StageInputValue, sampling: SamplingParams | None
-    ) -> bytes:
-        if self.msgpack:
-            if isinstance(stage_input, list):
-                raws = _raw_join(stage_input)
-                return codec.encode(
-                    RunRequestBin(stage_id, sampling_params=sampling, stage_inputs=raws)
-                )
-            return codec.encode(RunRequestBin(stage_id, _raw(stage_input), sampling))
-        if isinstance(stage_input, list):
-            texts = _text_join(stage_input)
-            return codec.encode_json(
-                RunRequest(stage_id, sampling_params=sampling, stage_inputs=texts)
-            )
-        return codec.encode_json(RunRequest(stage_id, _text(stage_input), sampling))
-
     async def _post(self, stage_id: int, url: str, body: bytes) -> bytes:
         ctype = MSGPACK if self.msgpack else JSON
         headers = {"Content-Type": ctype, "Accept": ctype}
@@ -403,9 +299,9 @@ class RunClient:
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise self._error(stage_id, url, None, str(exc) or type(exc).__name__) from exc
 
-    def _decode(self, stage_id: int, url: str, raw: bytes) -> _Answer:
+    def _decode(self, stage_id: int, url: str, raw: bytes) -> Answer:
         try:
-            answer = _answer(
+            answer = decode_answer(
                 codec.decode(raw, RunResponseBin)
                 if self.msgpack
                 else codec.decode_json(raw, RunResponse)
@@ -433,54 +329,7 @@ class RunClient:
         return self._session
 
 
-def _raw(value: Opaque | Prompt) -> bytes | Prompt:
-    if isinstance(value, str):
-        raise TypeError("msgpack mode carries stage inputs as bytes")
-    return value
-
-
-def _text(value: Opaque | Prompt) -> str | Prompt:
-    if isinstance(value, bytes):
-        raise TypeError("JSON mode carries stage inputs as base64 strings")
-    return value
-
-
-def _raw_join(values: list[Opaque]) -> list[bytes]:
-    if any(isinstance(v, str) for v in values):
-        raise TypeError("msgpack mode carries stage inputs as bytes")
-    return [v for v in values if isinstance(v, bytes)]
-
-
-def _text_join(values: list[Opaque]) -> list[str]:
-    if any(isinstance(v, bytes) for v in values):
-        raise TypeError("JSON mode carries stage inputs as base64 strings")
-    return [v for v in values if isinstance(v, str)]
-
-
 # ---- answers, both encodings -------------------------------------------------------------------
-
-
-def _answer(resp: RunResponse | RunResponseBin) -> _Answer:
-    outputs = {k: _output_bin(v) for k, v in (resp.outputs or {}).items()}
-    if resp.output is not None:
-        outputs[resp.stage_id] = _output_bin(resp.output)
-    nexts: list[tuple[int, str | bytes]] = [(n.stage_id, n.stage_input) for n in resp.next or ()]
-    if not nexts and resp.next_stage_id is not None:
-        if resp.stage_input is None:
-            raise ValueError("next_stage_id without stage_input")
-        nexts.append((resp.next_stage_id, resp.stage_input))
-    return _Answer(resp.stage_id, resp.request_id, resp.chunk, outputs, nexts)
-
-
-def _output_bin(out: RunOutput | RunOutputBin) -> RunOutputBin:
-    """Outputs as raw bytes: JSON answers carry media as base64."""
-    if isinstance(out, RunOutputBin):
-        return out
-    try:
-        data = None if out.data is None else base64.b64decode(out.data, validate=True)
-    except binascii.Error as exc:
-        raise ValueError(f"output data of kind {out.kind!r} is not base64: {exc}") from None
-    return RunOutputBin(out.kind, out.text, data, out.mime_type, dict(out.fields))
 
 
 def _joined(chunks: Mapping[int, Mapping[int, RunOutputBin]]) -> dict[int, RunOutputBin]:
@@ -500,55 +349,3 @@ def _joined(chunks: Mapping[int, Mapping[int, RunOutputBin]]) -> dict[int, RunOu
 def _first_leaf(eg: BaseExceptionGroup[BaseException]) -> BaseException:
     first = eg.exceptions[0]
     return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
-
-
-def error_message(body: bytes) -> str:
-    """The message of an error answer: ``{"error": {"message", "field"?}}``, ``{"error": "…"}``
-    (JSON or msgpack), or the body as text."""
-    doc: object = None
-    for decode in (msgspec.json.decode, msgspec.msgpack.decode):
-        try:
-            doc = decode(body)
-            break
-        except msgspec.DecodeError:
-            continue
-    if isinstance(doc, dict):
-        err = doc.get("error", doc)
-        if isinstance(err, str):
-            return err[:MAX_ERROR_CHARS]
-        if isinstance(err, dict) and isinstance(err.get("message"), str):
-            message: str = err["message"]
-            fld = err.get("field")
-            if isinstance(fld, str) and fld not in message:
-                message = f"{fld}: {message}"
-            return message[:MAX_ERROR_CHARS]
-    text = body.decode("utf-8", errors="replace").strip()
-    return text[:MAX_ERROR_CHARS] or "(empty body)"
-
-
-# ---- writing outputs ---------------------------------------------------------------------------
-
-_SUFFIX = {"audio": ".wav", "image": ".png", "data": ".bin"}
-_MIME_SUFFIX = {"audio/wav": ".wav", "image/png": ".png", "application/octet-stream": ".bin"}
-
-
-def output_paths(outputs: Mapping[int, RunOutputBin], output: Path | None) -> dict[int, Path]:
-    """Where each media output goes: ``output`` (or ``output.wav``/``.png``/``.bin``) when
-    there is one; with several, ``<stem>-<stage id><suffix>``."""
-    media = {k: v for k, v in sorted(outputs.items()) if v.data is not None}
-    paths: dict[int, Path] = {}
-    for stage_id, out in media.items():
-        suffix = _MIME_SUFFIX.get(out.mime_type or "", _SUFFIX.get(out.kind, ".bin"))
-        path = output if output is not None else Path(f"output{suffix}")
-        if len(media) > 1:
-            path = path.with_name(f"{path.stem}-{stage_id}{path.suffix or suffix}")
-        paths[stage_id] = path
-    return paths
-
-
-def write_outputs(outputs: Mapping[int, RunOutputBin], output: Path | None) -> dict[int, Path]:
-    """Write every media output to its :func:`output_paths` path; return the paths."""
-    paths = output_paths(outputs, output)
-    for stage_id, path in paths.items():
-        path.write_bytes(outputs[stage_id].data or b"")
-    return paths
