@@ -131,6 +131,8 @@ class VllmEngine(StageEngine):
     def close(self) -> None:
         for stream in list(self._streams.values()):
             stream.close()
+        if self._llm is not None:
+            self._llm.engine_core.shutdown()  # vLLM's executor and its distributed state
         self._llm = None
 
     # ---- the core's protocol -------------------------------------------------------------

@@ -36,6 +36,9 @@ def vllm_env() -> Iterator[dict[str, str]]:
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "OMP_NUM_THREADS": "1",
+        # vLLM torch.compiles a few sampler ops (logprobs, top-k/top-p) on first use: ~25 s
+        # per fresh process here, every test process being fresh. Eager gives the same numbers.
+        "TORCHDYNAMO_DISABLE": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
     for key in ("HOME", "TMPDIR", "XDG_CACHE_HOME"):

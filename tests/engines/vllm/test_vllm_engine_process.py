@@ -123,7 +123,7 @@ async def test_a_new_request_joins_the_running_batch(client: EngineClient) -> No
     running_seen: list[int] = []
     rates: list[float] = []
     generating = asyncio.Event()
-    long = asyncio.create_task(run(client, request("long", max_tokens=1900), log, generating))
+    long = asyncio.create_task(run(client, request("long", max_tokens=1200), log, generating))
     await generating.wait()  # the long request is generating
     short = asyncio.create_task(run(client, request("short", max_tokens=400), log))
 
