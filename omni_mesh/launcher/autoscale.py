@@ -11,8 +11,11 @@ thread every ``poll_s``) reads each stage's scale resource and
 - starts replicas while fewer run (or start) than desired: a headless ``omni-stage`` on a free
   port, which joins its pool by itself once its engine is READY;
 - retires replicas while more run than desired, newest first (those still starting before
-  those serving): SIGTERM, so the pod leaves its pool, finishes its in-flight work and exits 0;
-  the supervisor does not restart a retired replica.
+  those serving): first the control plane drains it (``POST /v1/instances/{id}/drain``: it
+  leaves discovery, and every sender's pool, while it still serves), ``DRAIN_NOTICE_S`` later it
+  gets SIGTERM, so it finishes its in-flight work and exits 0 (its own drain); the supervisor
+  does not restart a retired replica. Without that notice a sender whose cached pool still
+  lists the replica could hit its closed port and spend a retry.
 
 Every action is logged with the decision's reason and inputs. The control plane being
 unreachable changes nothing: the pools keep their size until it answers again.
@@ -30,6 +33,7 @@ import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlsplit
 
 from omni_mesh.configs.autoscale import AutoscaleConfig
 from omni_mesh.control_plane.client import ControlPlaneClient, ControlPlaneError, ScaleStatus
@@ -43,6 +47,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 CLIENT_TIMEOUT_S = 1.0  # one control-plane call; the supervisor's thread waits for it
+DRAIN_NOTICE_S = 2.0  # from leaving discovery to SIGTERM: the watch reaches every sender
 QUIET_S = 30.0  # between two "control plane unreachable" warnings per stage
 
 
@@ -53,6 +58,7 @@ class StagePool:
     stage_id: int
     policy: AutoscaleConfig
     children: list[Child] = field(default_factory=list)  # oldest first, none retiring
+    leaving: list[tuple[Child, float, str]] = field(default_factory=list)  # SIGTERM due at, why
     next_replica: int = 0  # number of the next replica's name
     warned_at: float = -QUIET_S
 
@@ -138,8 +144,14 @@ class StageActuator:
     # ---- following the desired counts -------------------------------------------------------
 
     def tick(self, now: float | None = None) -> None:
-        """Every ``poll_s``: read each autoscaled stage's desired count and act on it."""
+        """SIGTERM the drained replicas that are due; every ``poll_s``: read each autoscaled
+        stage's desired count and act on it."""
         now = time.monotonic() if now is None else now
+        for pool in self.pools.values():
+            due = [leaving for leaving in pool.leaving if leaving[1] <= now]
+            pool.leaving = [leaving for leaving in pool.leaving if leaving[1] > now]
+            for child, _, why in due:
+                self._sup.retire(child, why)
         if now < self._next_tick:
             return
         self._next_tick = now + self.poll_s
@@ -172,9 +184,44 @@ class StageActuator:
             return
         # Newest first, those still starting before those serving.
         order = sorted(live, key=lambda c: (c.ready, -c.started_at))
-        for child in order[: have - desired]:
+        leaving = order[: have - desired]
+        drained = self._drain(pool, leaving, why)
+        due = time.monotonic() + DRAIN_NOTICE_S
+        for child in leaving:
             pool.children.remove(child)
-            self._sup.retire(child, f"autoscale stage={pool.stage_id} {why}")
+            reason = f"autoscale stage={pool.stage_id} {why}"
+            if child in drained:
+                pool.leaving.append((child, due, reason))
+            else:  # not registered (still starting), or no control plane: its own drain
+                self._sup.retire(child, reason)
+
+    def _drain(self, pool: StagePool, children: list[Child], why: str) -> list[Child]:
+        """Take ``children`` out of discovery (control-plane drain); those it drained."""
+        try:
+            snapshot = self._run(self._client.instances(self._pipeline, pool.stage_id, all=True))
+        except ControlPlaneError as exc:
+            self._warn(pool, f"cannot list its replicas to drain them: {exc}")
+            return []
+        by_port = {_port(i.address): i.instance_id for i in snapshot.instances}
+        drained = []
+        for child in children:
+            instance_id = by_port.get(_port(child.ready_url or ""))
+            if instance_id is None:
+                continue
+            try:
+                self._run(self._client.drain(instance_id, reason=f"autoscale {why}"[:200]))
+            except ControlPlaneError as exc:
+                self._warn(pool, f"cannot drain instance={instance_id}: {exc}")
+                continue
+            logger.info(
+                "autoscale stage=%d drained process=%s instance=%s: SIGTERM in %gs",
+                pool.stage_id,
+                child.name,
+                instance_id,
+                DRAIN_NOTICE_S,
+            )
+            drained.append(child)
+        return drained
 
     def _start_replica(self, pool: StagePool, why: str) -> None:
         plan = self._plan_replica(pool.stage_id, pool.next_replica)
@@ -216,6 +263,12 @@ class StageActuator:
             pool.warned_at = now
             logger.warning("autoscale stage=%d %s (keeping %d replicas)", pool.stage_id, what,
                            len(pool.live()))  # fmt: skip
+
+
+def _port(url: str) -> int | None:
+    """The port of ``http://host:port[/path]``; None when there is none."""
+    port = urlsplit(url).port if url else None
+    return port
 
 
 def _reason(status: ScaleStatus, have: int, desired: int) -> str:

@@ -1,5 +1,5 @@
 """``omni-up``'s autoscaling actuator against real processes: the synthetic pipeline with a
-slow, autoscaled stage 1 (``min_replicas: 0``, ``max_replicas: 3``, short windows). Under a
+slow, autoscaled stage 1 (``min_replicas: 0``, ``max_replicas: 2``, short windows). Under a
 bounded load it cannot carry alone, stage 1 gains replicas; when the load goes they are
 retired by draining (exit 0, never restarted) — every request answered 200 on the way up and
 down. Idle, the stage scales to zero; a request then waits (the hop client wakes the stage)
@@ -52,10 +52,10 @@ stages:
     output_connectors: {to_stage_2: shm}
     autoscale:
       min_replicas: 0
-      max_replicas: 3
+      max_replicas: 2
       target_utilization: 0.5
       scale_up_window_s: 0.3
-      scale_down_window_s: 1.5
+      scale_down_window_s: 1.0
       max_scale_down_step: 1
       cooldown_s: 0.5
   - stage_id: 2
@@ -87,9 +87,9 @@ class Up:
                 argv = Path(f"/proc/{child}/cmdline").read_bytes().decode().split("\0")
             except OSError:
                 continue
-            if "--headless" in argv and argv[argv.index("--stage-id") + 1] == "1":
-                if pid_alive(int(child)):
-                    pods.add(int(child))
+            stage1 = "--headless" in argv and argv[argv.index("--stage-id") + 1] == "1"
+            if stage1 and pid_alive(int(child)):
+                pods.add(int(child))
         return pods
 
     def generate(self, seed: int, timeout: float = 60.0) -> tuple[int, bytes]:
@@ -138,10 +138,10 @@ def test_a_loaded_stage_gains_replicas_and_loses_them_by_draining(up: Up) -> Non
     for w in workers:
         w.start()
     try:
-        wait_until(lambda: len(up.stage1_pods()) >= 3, 40, interval=0.2,
+        wait_until(lambda: len(up.stage1_pods()) >= 2, 40, interval=0.2,
                    message=lambda: f"{up.scale()}\n{up.proc.stderr[-3000:]}")  # fmt: skip
-        wait_until(lambda: up.scale()["ready"] == 3, 30, interval=0.2, message=up.scale)
-        time.sleep(1.0)  # traffic across all three
+        wait_until(lambda: up.scale()["ready"] == 2, 40, interval=0.2, message=up.scale)
+        time.sleep(1.0)  # traffic across both
     finally:
         stop.set()
         for w in workers:
@@ -153,7 +153,10 @@ def test_a_loaded_stage_gains_replicas_and_loses_them_by_draining(up: Up) -> Non
     err = up.proc.stderr
     assert re.search(r"autoscale stage=1 starting process=stage1-s1-\d+ .*replicas 1->", err), err
     retired = re.findall(r"retired process=(stage1-s1-\d+) pid=\d+ exited with code 0", err)
-    assert len(retired) >= 2, err
+    assert len(retired) >= 1, err
+    # Out of discovery first (control-plane drain), SIGTERM only then.
+    drained = re.findall(r"drained process=(stage1-s1-\d+) instance=\w+: SIGTERM in", err)
+    assert set(retired) <= set(drained), err
     assert "restarting it" not in err and "restarted process" not in err, err
 
 
