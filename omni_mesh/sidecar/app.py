@@ -252,7 +252,9 @@ def _load(pod: Pod) -> LoadReport:
             "step_ms": stats.step_ms,
             "batch_size": float(stats.batch_size),
             "max_num_seqs": float(pod.stage_config.max_num_seqs),
-            "running": float(stats.running),
+            # Work handed to the engine and not answered yet, less its queue (the core's own
+            # ``running`` counts only streams open between steps: 0 for whole answers).
+            "running": float(max(0, pod.engine.in_flight - stats.queued)) if pod.engine else 0.0,
         }
         if stats.engine is not None:  # a model engine with its own scheduler (vLLM)
             engine["running"] = float(stats.engine.running)
