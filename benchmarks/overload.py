@@ -25,6 +25,7 @@ import asyncio
 import math
 import tempfile
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,6 +71,7 @@ class Run:
     lost: int = 0
     lost_samples: list[str] = field(default_factory=list)
     offered_s: float = 0.0  # open loop: how long arrivals were sent (every answer counts)
+    reasons: dict[str, float] = field(default_factory=dict)  # the API server's sheds by reason
 
     def _in_window(self, statuses: tuple[int, ...]) -> list[float]:
         end = self.window_s
@@ -156,6 +158,30 @@ async def open_loop(url: str, rps: float, seconds: float) -> Run:
     return run
 
 
+async def shed_reasons(url: str) -> dict[str, float]:
+    """The API server's ``omni_stage_shed_total`` by reason (where the queue forms)."""
+    async with aiohttp.ClientSession() as sess, sess.get(url + "/metrics") as resp:
+        text = await resp.text()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("omni_stage_shed_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            out[reason] = out.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def _measured(url: str, load: Awaitable[Run]) -> Run:
+    before = await shed_reasons(url)
+    run = await load
+    after = await shed_reasons(url)
+    run.reasons = {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
+    return run
+
+
+def _reasons(r: Run) -> str:
+    return ", ".join(f"{k} {v:.0f}" for k, v in sorted(r.reasons.items())) or "-"
+
+
 # ---- the report ------------------------------------------------------------------------------
 
 
@@ -172,6 +198,7 @@ def _closed_row(r: Run) -> list[str]:
         _ms(percentile(ok, 99)),
         f"{percentile(ok, 99) / percentile(ok, 50):.2f}" if ok else "-",
         str(len(r.shed())),
+        _reasons(r),
         str(r.lost),
     ]
 
@@ -187,6 +214,7 @@ def _open_row(r: Run, capacity: float) -> list[str]:
         str(len(shed)),
         f"{percentile(shed, 99) * 1000:.1f}" if shed else "-",
         f"{max(shed) * 1000:.1f}" if shed else "-",
+        _reasons(r),
         str(r.lost),
     ]
 
@@ -199,7 +227,8 @@ async def _closed_levels(opts: Options, tmp: Path) -> list[Run]:
         await closed_loop(dep.url, 16, 0.0, 2.0)  # the stages measure their service time
         for clients in levels:
             # Past the first answers of every client: the queues are in their steady state.
-            run = await closed_loop(dep.url, clients, warm + clients / 150, measure)
+            load = closed_loop(dep.url, clients, warm + clients / 150, measure)
+            run = await _measured(dep.url, load)
             print(f"[overload] closed {run.label}: {_closed_row(run)}", flush=True)
             runs.append(run)
     return runs
@@ -212,7 +241,7 @@ async def _open_levels(opts: Options, tmp: Path, capacity: float) -> list[Run]:
     with Deployment(tmp, deploy_yaml(OPEN_QUEUE_WAIT_S), "1:1:1", "overload-open") as dep:
         await closed_loop(dep.url, 16, 0.0, 2.0)
         for f in factors:
-            run = await open_loop(dep.url, f * capacity, seconds)
+            run = await _measured(dep.url, open_loop(dep.url, f * capacity, seconds))
             run.label = f"{f:g}x"
             print(f"[overload] open {run.label}: {_open_row(run, capacity)}", flush=True)
             runs.append(run)
@@ -248,7 +277,7 @@ async def bench(opts: Options) -> Report:
     capacity = closed[0].goodput
     opened = await _open_levels(opts, tmp, capacity)
     ray = await _ray(opts)
-    head = ["clients", "ok/s", "p50 ms", "p99 ms", "p99/p50", "shed", "lost"]
+    head = ["clients", "ok/s", "p50 ms", "p99 ms", "p99/p50", "shed", "API sheds by reason", "lost"]
     report.add(
         md_table(
             head,
@@ -258,7 +287,17 @@ async def bench(opts: Options) -> Report:
     )
     report.add(
         md_table(
-            ["offered", "ok/s", "p50 ms", "p99 ms", "shed", "shed p99 ms", "shed max ms", "lost"],
+            [
+                "offered",
+                "ok/s",
+                "p50 ms",
+                "p99 ms",
+                "shed",
+                "shed p99 ms",
+                "shed max ms",
+                "API sheds by reason",
+                "lost",
+            ],
             [_open_row(r, capacity) for r in opened],
             title=f"Open loop (capacity = {fmt_num(capacity)}/s, the 64-client figure; "
             f"max_queue_wait_s {OPEN_QUEUE_WAIT_S:g})",

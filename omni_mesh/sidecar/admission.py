@@ -67,8 +67,7 @@ class AdmissionGate:
         when it is shed, at once or while it waits."""
         now = time.monotonic()
         w = Waiter(priority, tenant, deadline, now)
-        changed = self.queue.offer(w, now)
-        self._settle(changed, now)
+        self._settle(self.queue.offer(w, now))
         if w.state == "queued":
             await self._wait(w)
         if w.shed is not None:
@@ -78,7 +77,7 @@ class AdmissionGate:
     def leave(self, w: Waiter) -> None:
         """The work of ``w`` ended: its slot goes to the next waiter."""
         now = time.monotonic()
-        self._settle(self.queue.release(now, now - w.admitted_at), now)
+        self._settle(self.queue.release(now, now - w.admitted_at))
 
     async def _wait(self, w: Waiter) -> None:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -88,7 +87,7 @@ class AdmissionGate:
                 await fut
         except TimeoutError:
             if w.state == "queued":  # not admitted in the same instant
-                self._settle([self.queue.expire(w, time.monotonic())], time.monotonic())
+                self._settle([self.queue.expire(w, time.monotonic())])
         except BaseException:  # cancelled: the client went away
             if w.state == "queued":
                 self.queue.cancel(w)
@@ -99,7 +98,7 @@ class AdmissionGate:
         finally:
             self._wakeups.pop(w, None)
 
-    def _settle(self, changed: list[Waiter], now: float) -> None:
+    def _settle(self, changed: list[Waiter]) -> None:
         """Count and wake the waiters whose state changed."""
         for w in changed:
             if w.state == "admitted":
