@@ -95,7 +95,9 @@ def stage_input(
     )
 
 
-async def hold(pod: FakePod, rid: str, release: asyncio.Event, order: list[str], **kw: object):
+async def hold(
+    pod: FakePod, rid: str, release: asyncio.Event, order: list[str], **kw: object
+) -> None:
     async with admitted(pod, rid, "hop", stage_input(rid, **kw)):  # type: ignore[arg-type]
         order.append(rid)
         await release.wait()

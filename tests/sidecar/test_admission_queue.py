@@ -20,7 +20,9 @@ HIGH, NORMAL, LOW = Priority.HIGH, Priority.NORMAL, Priority.LOW
 FAR = 1e9  # a deadline that never matters
 
 
-def waiter(priority: Priority = NORMAL, tenant: str = "", deadline: float = FAR, at: float = 0.0):
+def waiter(
+    priority: Priority = NORMAL, tenant: str = "", deadline: float = FAR, at: float = 0.0
+) -> Waiter:
     return Waiter(priority, tenant, deadline, at)
 
 
