@@ -410,7 +410,7 @@ async def test_omni_run_stage_error_exits_1_with_the_message(serve: Serve, tmp_p
         (["--replicas", "1:two:1"], "count for stage 1 (talker)"),
         (["--stage-overrides", "[1]"], "--stage-overrides"),
         (["--secret", "short"], "--secret: must be at least 16 characters"),
-        (["--port", "70000"], "not a TCP port"),
+        (["--port", "70000"], "--port / OMNI_UP_PORT: Input should be less than or equal to 65535"),
     ],
 )
 def test_omni_up_rejects_bad_flags_with_exit_2(
