@@ -73,8 +73,8 @@ __all__ = [
     "PlatformSection",
     "RefName",
     "StageDeployConfig",
+    "check_stage_keys",
     "edge_stage",
-    "split_engine_extras",
 ]
 
 
@@ -96,9 +96,10 @@ class ConnectorSpec(BaseModel):
     )
 
 
-def split_engine_extras(data: Mapping[Any, Any]) -> dict[Any, Any]:
-    """Move keys that are not stage fields into ``engine_extras`` (stage keys win on clash)."""
-    fields = StageDeployConfig.model_fields
+def check_stage_keys(data: Mapping[Any, Any]) -> dict[Any, Any]:
+    """Refuse pipeline-wide settings inside a stage entry. Any other key that is not a stage
+    field is refused by the model (``extra="forbid"``): free-form engine keys go under an
+    explicit ``engine_extras:`` block (vLLM's arguments under ``engine_args:``)."""
     misplaced = sorted(str(k) for k in data if k in PIPELINE_ONLY_KEYS)
     if misplaced:
         raise ValueError(
