@@ -50,6 +50,10 @@ RECOVERY_BOUND_S = 10.0
 MAX_OUTSTANDING = 200  # arrivals beyond this many unanswered requests are dropped (failed)
 WINDOW_S = 2.0  # p99 over the requests sent in the last WINDOW_S
 SAMPLE_S = 0.25
+#: The hop liveness prober is tuned for silent hosts (a probe must connect within 0.3 s): on a
+#: loopback machine whose cores are saturated, an overloaded pod's /health misses that and
+#: every hop to it is failed and replayed. Loopback has no silent hosts: give probes time.
+LIVENESS_ENV = {"OMNI_STAGE_HOP_CONNECT_TIMEOUT_S": "3", "OMNI_STAGE_HOP_PROBE_TIMEOUT_S": "10"}
 
 STAGES = """\
 pipeline: synthetic
@@ -197,7 +201,8 @@ class Deployment:
             "--log-level",
             "info",
         ]
-        self.proc = ManagedProcess(argv, name=f"omni-up-{label}", env=clean_env(), log_dir=tmp)
+        env = clean_env(LIVENESS_ENV)
+        self.proc = ManagedProcess(argv, name=f"omni-up-{label}", env=env, log_dir=tmp)
         self.url = f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> Deployment:
