@@ -57,6 +57,7 @@ class AdmissionGate:
         self._lengths = [metrics.queue_length.labels(*labels, p) for p in PRIORITY_NAMES]
         self._waits = [metrics.queue_wait.labels(*labels, p) for p in PRIORITY_NAMES]
         self._admitted = [metrics.admitted.labels(*labels, p) for p in PRIORITY_NAMES]
+        self._shown = [0] * len(PRIORITY_NAMES)  # the queue lengths the gauges show
 
     @property
     def queued(self) -> int:
@@ -114,8 +115,13 @@ class AdmissionGate:
         self._gauges()
 
     def _gauges(self) -> None:
-        for p, gauge in zip(Priority, self._lengths, strict=True):
-            gauge.set(self.queue.queued(p))
+        """Queue lengths into the gauges; only those that changed (most requests never
+        queue: no gauge is touched for them)."""
+        for p in Priority:
+            n = self.queue.queued(p)
+            if n != self._shown[p]:
+                self._shown[p] = n
+                self._lengths[p].set(n)
 
     @staticmethod
     def _loop_time(monotonic_s: float) -> float:

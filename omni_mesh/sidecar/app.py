@@ -36,6 +36,7 @@ from omni_mesh.data_plane.connectors import EdgeConnectors
 from omni_mesh.data_plane.messages import StageInput
 from omni_mesh.data_plane.shm import ShmReader, sweep_orphans
 from omni_mesh.data_plane.signing import hop_token
+from omni_mesh.observability.children import labelled
 from omni_mesh.observability.metrics import SidecarMetrics
 from omni_mesh.sidecar import routes_api, routes_hop, routes_run
 from omni_mesh.sidecar.appkeys import POD
@@ -134,10 +135,10 @@ async def _prune_mappings(pod: Pod, every_s: float = 5.0) -> None:
 
 def _record_hop(metrics: SidecarMetrics, pipeline: str, si: StageInput, stats: HopStats) -> None:
     labels = (pipeline, str(si.from_stage), str(si.stage_id))
-    metrics.handoff_bytes.labels(*labels).inc(stats.bytes_sent)
-    metrics.handoff_duration.labels(*labels).observe(stats.seconds)
+    labelled(metrics.handoff_bytes, *labels).inc(stats.bytes_sent)
+    labelled(metrics.handoff_duration, *labels).observe(stats.seconds)
     if stats.retries:
-        metrics.hop_retries.labels(*labels).inc(stats.retries)
+        labelled(metrics.hop_retries, *labels).inc(stats.retries)
 
 
 async def _session_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from omni_mesh.observability.children import labelled
 from omni_mesh.sidecar.errors import ApiError
 from omni_mesh.sidecar.pod import Pod
 
@@ -51,6 +52,6 @@ def counted(pod: Pod, route: str) -> Iterator[Execution]:
         execution.failed("engine_error")
         raise
     finally:
-        pod.metrics.requests.labels(
-            pod.pipeline.name, str(pod.stage_id), route, execution.outcome
+        labelled(
+            pod.metrics.requests, pod.pipeline.name, str(pod.stage_id), route, execution.outcome
         ).inc()

@@ -17,6 +17,7 @@ from aiohttp import web
 from omni_mesh.data_plane import codec, framing, wire
 from omni_mesh.data_plane.constants import HOP_FRAMES, MSGPACK
 from omni_mesh.data_plane.messages import StageInput, transfer_key
+from omni_mesh.observability.children import labelled
 from omni_mesh.sidecar.admission import admitted
 from omni_mesh.sidecar.appkeys import POD
 from omni_mesh.sidecar.errors import ApiError, bad_request
@@ -57,7 +58,7 @@ async def hop(request: web.Request) -> web.StreamResponse:
             response, outcome = await _answer(request, pod, si)
             if outcome != "ok":
                 execution.failed(outcome)
-    pod.metrics.request_duration.labels(*labels, "hop").observe(time.monotonic() - t0)
+    labelled(pod.metrics.request_duration, *labels, "hop").observe(time.monotonic() - t0)
     return response
 
 
@@ -84,7 +85,7 @@ async def _answer(request: web.Request, pod: Pod, si: StageInput) -> tuple[web.S
                     response.enable_chunked_encoding()
                     await response.prepare(request)
                 await response.write(framing.encode_frame(frame))
-                pod.metrics.hop_frames.labels(*labels).inc()
+                labelled(pod.metrics.hop_frames, *labels).inc()
     except Exception as exc:
         if response is None:
             raise  # an ordinary error answer (a dead engine: 503, replayed by the sender)
