@@ -16,6 +16,8 @@ import select
 import socket
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from typing import cast
 
 from omni_mesh.data_plane import framing
@@ -148,59 +150,172 @@ class BlockingChannel:
 
 # ---- sidecar side (asyncio) ------------------------------------------------------------------
 
+#: What :meth:`AsyncChannel.listen` delivers: a message, a broken channel, or ``None`` at EOF.
+Delivery = EngineMessage | ChannelError | None
+
 
 class AsyncChannel:
-    """Frames over asyncio streams. Concurrent ``send`` calls never interleave frames
-    (each frame is one ``write``); ``recv`` is for one reader task."""
+    """Frames over an asyncio transport. Concurrent ``send`` calls never interleave frames
+    (each frame is one ``write``). Read with ``recv`` (one reader task), or hand every
+    message to a callback as it is read with :meth:`listen` (no reader task: the message
+    reaches its consumer in the same turn of the event loop as the bytes)."""
 
-    def __init__(
-        self,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        *,
-        max_frame: int = MAX_FRAME,
-    ) -> None:
-        self._reader = reader
-        self._writer = writer
-        self.max_frame = max_frame
+    def __init__(self, protocol: _FrameProtocol) -> None:
+        self._protocol = protocol
+        self.max_frame = protocol.max_frame
 
     @classmethod
     async def open(cls, sock: socket.socket, *, max_frame: int = MAX_FRAME) -> AsyncChannel:
         """Wrap the parent end of :func:`make_socketpair` (the event loop takes it over)."""
-        reader, writer = await asyncio.open_unix_connection(sock=sock)
-        return cls(reader, writer, max_frame=max_frame)
+        loop = asyncio.get_running_loop()
+        _, protocol = await loop.create_unix_connection(
+            lambda: _FrameProtocol(max_frame), sock=sock
+        )
+        return cls(protocol)
 
     async def send(self, msg: EngineMessage) -> None:
         frame = encode_frame(msg, max_frame=self.max_frame)
         try:
-            self._writer.write(frame)
-            await self._writer.drain()
+            await self._protocol.write(frame)
         except ConnectionError as exc:
             raise ChannelError(f"cannot send {type(msg).__name__}: peer gone ({exc})") from exc
 
     async def recv(self) -> EngineMessage | None:
         """The next message; ``None`` once the peer has closed the channel."""
-        try:
-            header = await self._reader.readexactly(framing.HEADER_SIZE)
-        except asyncio.IncompleteReadError as exc:
-            if exc.partial:
-                raise ChannelError("peer closed mid-frame (in the length prefix)") from None
-            return None
-        except ConnectionResetError:
-            return None
-        try:
-            size = framing.frame_size(header, self.max_frame)
-        except framing.FrameTooLarge as exc:
-            raise ChannelError(str(exc)) from None
-        try:
-            body = await self._reader.readexactly(size)
-        except (asyncio.IncompleteReadError, ConnectionResetError) as exc:
-            raise ChannelError(f"peer closed mid-frame (expected {size} bytes)") from exc
-        return _decode_frame(body)
+        got = await self._protocol.next_delivery()
+        if isinstance(got, ChannelError):
+            raise got
+        return got
+
+    def listen(self, on_message: Callable[[Delivery], None]) -> None:
+        """From now on call ``on_message`` with every message (those received and not taken
+        by :meth:`recv` first), then once with ``None`` at EOF or a :class:`ChannelError`
+        when the channel breaks. It runs inside the transport's read callback: keep it short
+        and non-blocking; an exception it raises is logged."""
+        self._protocol.listen(on_message)
 
     async def close(self) -> None:
-        self._writer.close()
+        await self._protocol.close()
+
+
+class _FrameProtocol(asyncio.Protocol):
+    """Decodes frames as bytes arrive; keeps them for ``recv`` or hands them to a listener."""
+
+    def __init__(self, max_frame: int) -> None:
+        self.max_frame = max_frame
+        self._frames = framing.FrameDecoder(max_frame)
+        self._inbox: deque[Delivery] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._listener: Callable[[Delivery], None] | None = None
+        self._transport: asyncio.Transport | None = None
+        self._ended = False  # EOF, an error or connection_lost: nothing more is read
+        self._lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._paused = False
+        self._drained: asyncio.Future[None] | None = None
+
+    # ---- reading -------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self._ended:
+            return
+        self._frames.feed(data)
+        while True:
+            try:
+                body = self._frames.next_frame()
+                if body is None:
+                    return
+                self._deliver(_decode_frame(body))
+            except framing.FrameTooLarge as exc:
+                self._end(ChannelError(str(exc)))
+                return
+            except ChannelError as exc:
+                self._end(exc)
+                return
+
+    def eof_received(self) -> bool:
+        self._end(self._truncation())
+        return False  # close the transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end(self._truncation())
+        if not self._lost.done():
+            self._lost.set_result(None)
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_exception(ConnectionResetError("the channel closed"))
+            self._drained.exception()  # retrieved: no writer may be waiting on it
+
+    def _truncation(self) -> ChannelError | None:
+        pending = self._frames.pending
+        if not pending:
+            return None
+        if pending < framing.HEADER_SIZE:
+            return ChannelError("peer closed mid-frame (in the length prefix)")
+        (size,) = framing.HEADER.unpack_from(self._frames.peek(framing.HEADER_SIZE))
+        return ChannelError(f"peer closed mid-frame (expected {size} bytes)")
+
+    def _end(self, last: ChannelError | None) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        self._deliver(last)
+        if last is not None and self._transport is not None:
+            self._transport.close()  # a broken stream cannot be resynchronised
+
+    def _deliver(self, item: Delivery) -> None:
+        if self._listener is not None:
+            self._call(item)
+            return
+        self._inbox.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _call(self, item: Delivery) -> None:
+        assert self._listener is not None
         try:
-            await self._writer.wait_closed()
-        except ConnectionError as exc:
-            log.debug("engine channel closed with %r", exc)
+            self._listener(item)
+        except Exception:  # a consumer bug must not break the channel's read callback
+            log.exception("channel listener failed on %s", type(item).__name__)
+
+    async def next_delivery(self) -> Delivery:
+        while not self._inbox:
+            if self._ended:
+                return None
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._inbox.popleft()
+
+    def listen(self, listener: Callable[[Delivery], None]) -> None:
+        self._listener = listener
+        while self._inbox:
+            self._call(self._inbox.popleft())
+
+    # ---- writing -------------------------------------------------------------------------
+
+    async def write(self, frame: bytearray) -> None:
+        transport = self._transport
+        if transport is None or transport.is_closing() or self._lost.done():
+            raise ConnectionResetError("the channel is closed")
+        transport.write(frame)
+        if self._paused:
+            if self._drained is None or self._drained.done():
+                self._drained = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._drained)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    async def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+            await self._lost

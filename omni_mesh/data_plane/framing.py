@@ -69,6 +69,10 @@ class FrameDecoder:
         del buf[:end]
         return body
 
+    def peek(self, n: int) -> bytes:
+        """The first ``n`` bytes buffered (fewer when fewer are)."""
+        return bytes(self._buf[:n])
+
     @property
     def pending(self) -> int:
         """Bytes buffered that do not make a whole frame yet (0 at a clean boundary)."""

@@ -15,13 +15,14 @@ import contextlib
 import logging
 import signal
 import sys
+from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 import msgspec
 
 from omni_mesh.configs.deploy import StageDeployConfig
-from omni_mesh.data_plane.channel import AsyncChannel, ChannelError, make_socketpair
+from omni_mesh.data_plane.channel import AsyncChannel, ChannelError, Delivery, make_socketpair
 from omni_mesh.data_plane.constants import INLINE_MAX
 from omni_mesh.data_plane.messages import (
     Abort,
@@ -68,13 +69,38 @@ class EngineStartError(RuntimeError):
         self.config_error = config_error
 
 
+class _Mailbox:
+    """One work's outputs in arrival order, for its one reader (an ``asyncio.Queue`` does the
+    same with far more machinery, built on every hop)."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[StageOutput | BaseException] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: StageOutput | BaseException) -> None:
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self) -> StageOutput | BaseException:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+
 @dataclass
 class _Work:
     """One submitted input: its outputs in order (or the error that ended it) in ``mailbox``.
     A whole input may stream several chunks; a chunk of an upstream stream gets one output."""
 
     whole: bool
-    mailbox: asyncio.Queue[StageOutput | BaseException] = field(default_factory=asyncio.Queue)
+    mailbox: _Mailbox = field(default_factory=_Mailbox)
     answered: bool = False  # its last output came (the engine is done with its inputs)
 
     def ends_with(self, out: StageOutput) -> bool:
@@ -115,6 +141,7 @@ class EngineClient:
         # slots released) once its last Result says the engine let go of them.
         self._abandoned: dict[str, _Work] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._channel_ended = asyncio.Event()  # EOF (or a broken frame) on the channel
         self._stopping = False
         self.dead = asyncio.Event()
         self.death_reason = ""
@@ -162,10 +189,9 @@ class EngineClient:
             await self._kill()
             await self._chan.close()
             raise
-        self._tasks = [
-            asyncio.create_task(self._receive_loop(), name="engine-rx"),
-            asyncio.create_task(self._watch_process(), name="engine-wait"),
-        ]
+        # Messages are handled in the channel's read callback: no receive task to wake.
+        self._chan.listen(self._on_message)
+        self._tasks = [asyncio.create_task(self._watch_process(), name="engine-wait")]
         logger.info(
             "engine ready stage=%d pid=%d engine=%s load=%.2fs",
             self.stage_id,
@@ -204,9 +230,10 @@ class EngineClient:
                     "engine did not exit in %.0fs stage=%d: killing", timeout_s, self.stage_id
                 )
                 await self._kill()
-        # Let the receive loop read what the engine sent before it exited (EOF ends it).
+        # Let the channel deliver what the engine sent before it exited (EOF ends it).
         if self._tasks:
-            await asyncio.wait(self._tasks[:1], timeout=2.0)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._channel_ended.wait(), 2.0)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -237,21 +264,21 @@ class EngineClient:
         if not self._stopping:
             self._died(f"engine process exited with code {code}")
 
-    async def _receive_loop(self) -> None:
-        assert self._chan is not None
-        while True:
-            msg = await self._chan.recv()
-            if msg is None:
-                if not self._stopping:
-                    self._died("engine closed its channel")
-                return
-            if isinstance(msg, Result):
-                self._on_result(msg.key, msg.output)
-            elif isinstance(msg, Stats):
-                self.stats = msg
-            elif isinstance(msg, Fatal):
-                self._died(f"engine fatal error: {msg.message}")
-                return
+    def _on_message(self, msg: Delivery) -> None:
+        """Every message from the engine after READY, as the channel reads it (nothing more
+        is handled after a fatal error)."""
+        if msg is None or isinstance(msg, ChannelError):
+            self._channel_ended.set()
+            if not self._stopping:
+                self._died("engine closed its channel" if msg is None else f"channel: {msg}")
+        elif self.dead.is_set():
+            return
+        elif isinstance(msg, Result):
+            self._on_result(msg.key, msg.output)
+        elif isinstance(msg, Stats):
+            self.stats = msg
+        elif isinstance(msg, Fatal):
+            self._died(f"engine fatal error: {msg.message}")
 
     def _on_result(self, key: str, out: StageOutput) -> None:
         work = self._pending.get(key)
