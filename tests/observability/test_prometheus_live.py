@@ -212,7 +212,8 @@ def test_control_plane_series(scraped: Prometheus) -> None:
         ("omni-cp", "synthetic", "1"): 1.0,
         ("omni-cp", "synthetic", "2"): 1.0,
     }
-    assert scraped.values("sum(omni_cp_registrations_total)") == {(): 3.0}
+    # three stage pods and the --api-only server (registered with role api, in no stage pool)
+    assert scraped.values("sum(omni_cp_registrations_total)") == {(): 4.0}
     assert scraped.values("omni_cp_sweeper_leader", "job") == {("omni-cp",): 1.0}
 
 
