@@ -68,12 +68,14 @@ class Payload(Struct):
 
 
 class SamplingParams(Struct, forbid_unknown_fields=True):
-    """Optional sampling knobs for AR stages."""
+    """Optional sampling knobs for AR stages. Every field is optional: ``None`` = unset, so the
+    stage's own default applies (a vLLM stage's ``sampling:``; a reference engine's built-in
+    temperature 0.8 / top_k 0 = off) and a request overrides only what it sets."""
 
-    temperature: Annotated[float, Meta(ge=0.0, le=10.0)] = 0.8
-    top_k: Annotated[int, Meta(ge=0, le=1_000_000)] = 0
+    temperature: Annotated[float, Meta(ge=0.0, le=10.0)] | None = None
+    top_k: Annotated[int, Meta(ge=0, le=1_000_000)] | None = None  # 0 = off
     max_tokens: Annotated[int, Meta(ge=1, le=8192)] | None = None
-    # vLLM stages (reference engines ignore these); unset = the stage's default (deploy config).
+    # vLLM stages (reference engines ignore these).
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
     stop: (

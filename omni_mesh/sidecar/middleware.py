@@ -64,6 +64,7 @@ _API_ROUTES = frozenset(
         "/v1/models",
         "/v1/audio/speech",
         "/v1/chat/completions",
+        "/v1/completions",
         "/v1/images/generations",
         "/v1/run",
     }

@@ -23,6 +23,13 @@ class AudioParams(Struct):
     format: Literal["wav", "pcm16"] = "wav"
 
 
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, Meta(ge=0, le=1_000_000)]  # 0 = off
+RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=10.0)]
+_StopText = Annotated[str, Meta(min_length=1, max_length=256)]
+Stop = _StopText | Annotated[list[_StopText], Meta(max_length=16)]
+
+
 class StreamOptions(Struct):
     include_usage: bool = False
 
@@ -36,6 +43,37 @@ class ChatRequest(Struct):
     max_tokens: Annotated[int, Meta(ge=1, le=8192)] | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1, le=8192)] | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None  # vLLM's extension (extra_body)
+    repetition_penalty: RepetitionPenalty | None = None  # vLLM's extension (extra_body)
+    stop: Stop | None = None
+    logprobs: bool = False  # the sampled tokens' logprobs (no alternatives: top_logprobs 0)
+    top_logprobs: Annotated[int, Meta(ge=0, le=0)] | None = None
+    n: Annotated[int, Meta(ge=1, le=1)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class CompletionRequest(Struct):
+    """``/v1/completions``: a text prompt or the prompt's token ids."""
+
+    model: str
+    prompt: (
+        Annotated[str, Meta(min_length=1, max_length=32_768)]
+        | Annotated[
+            list[Annotated[int, Meta(ge=0, le=2**31 - 1)]], Meta(min_length=1, max_length=8192)
+        ]
+    )
+    max_tokens: Annotated[int, Meta(ge=1, le=8192)] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None  # vLLM's extension (extra_body)
+    repetition_penalty: RepetitionPenalty | None = None  # vLLM's extension (extra_body)
+    stop: Stop | None = None
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=0)] | None = None  # the sampled tokens' only
+    n: Annotated[int, Meta(ge=1, le=1)] = 1
+    echo: Literal[False] = False
     stream: bool = False
     stream_options: StreamOptions | None = None
 

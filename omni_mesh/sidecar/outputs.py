@@ -87,8 +87,9 @@ def final_output(
     kind = pipeline.stage(stage_id).final_output or OutputKind.DATA
     arrays = {k: array_from_tensor(t) for k, t in payload.tensors.items()}
     fields = dict(payload.fields)
-    if kind is OutputKind.TEXT:
-        return FinalOutput(stage_id, kind, text=str(fields.pop("text", "")), fields=fields)
+    if kind is OutputKind.TEXT:  # array: the sampled tokens' logprobs, when asked (vLLM)
+        text = str(fields.pop("text", ""))
+        return FinalOutput(stage_id, kind, text=text, fields=fields, array=arrays.get("logprobs"))
     if kind is OutputKind.AUDIO:
         wave = arrays["waveform"]
         out = FinalOutput(stage_id, kind, fields=fields, array=wave)
@@ -139,8 +140,13 @@ def join_outputs(parts: Sequence[FinalOutput]) -> FinalOutput:
         fields.update(part.fields or {})
     kind = first.kind
     if kind is OutputKind.TEXT:
+        logprobs = [p.array.reshape(-1) for p in parts if p.array is not None]
         return FinalOutput(
-            first.stage_id, kind, text="".join(p.text or "" for p in parts), fields=fields
+            first.stage_id,
+            kind,
+            text="".join(p.text or "" for p in parts),
+            fields=fields,
+            array=np.concatenate(logprobs) if logprobs else None,
         )
     if kind is OutputKind.AUDIO:
         rates = {int((p.fields or {}).get("sample_rate") or 24000) for p in parts}

@@ -23,9 +23,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from omni_mesh.configs.pipeline import OutputKind
 from omni_mesh.data_plane import wire
 from omni_mesh.data_plane.messages import Prompt, SamplingParams
+from omni_mesh.sidecar import routes_completions
 from omni_mesh.sidecar.appkeys import POD
 from omni_mesh.sidecar.client_requests import collect, entry, request_frames
 from omni_mesh.sidecar.errors import ApiError, bad_request, decode_body
+from omni_mesh.sidecar.openai_text import finish_reason, sampling_from, usage
 from omni_mesh.sidecar.openai_types import ChatRequest, ImageRequest, SpeechRequest
 from omni_mesh.sidecar.outputs import FinalOutput, final_stage
 from omni_mesh.sidecar.pod import Pod
@@ -163,7 +165,11 @@ async def chat(request: web.Request) -> web.StreamResponse:
     if max_tokens is not None and "max_tokens" in pod.pipeline.prompt_fields:
         fields["max_tokens"] = max_tokens
     prompt = Prompt(prompt=_chat_prompt(req), seed=req.seed, **fields)
-    sampling = SamplingParams(temperature=req.temperature) if req.temperature is not None else None
+    if req.logprobs:
+        raise bad_request(
+            "logprobs: not served on chat (use /v1/completions logprobs 0)", "logprobs"
+        )
+    sampling = sampling_from(req, max_tokens=None, logprobs=None)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options: only allowed when stream is true", "stream_options")
     if req.stream:
@@ -187,8 +193,10 @@ async def chat(request: web.Request) -> web.StreamResponse:
         "object": "chat.completion",
         "created": int(time.time()),
         "model": pod.pipeline.name,
-        "choices": [{"index": 0, "message": message, "finish_reason": "stop", "logprobs": None}],
-        "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+        "choices": [
+            {"index": 0, "message": message, "finish_reason": finish_reason(text), "logprobs": None}
+        ],
+        "usage": usage(text),
     }
     return web.json_response(completion)
 
@@ -239,6 +247,12 @@ async def metrics(request: web.Request) -> web.Response:
         labels = (pod.pipeline.name, str(pod.stage_id))
         pod.metrics.engine_queued.labels(*labels).set(pod.engine.stats.queued)
         pod.metrics.engine_step.labels(*labels).set(pod.engine.stats.step_ms / 1000.0)
+        model = pod.engine.stats.engine  # a model engine with its own scheduler (vLLM)
+        if model is not None:
+            pod.metrics.engine_running.labels(*labels).set(model.running)
+            pod.metrics.engine_waiting.labels(*labels).set(model.waiting)
+            pod.metrics.engine_kv_cache.labels(*labels).set(model.kv_cache_usage)
+            pod.metrics.engine_tokens.labels(*labels).set(model.tokens_per_s)
     body = generate_latest(pod.metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -251,4 +265,5 @@ def add_routes(app: web.Application, *, client_api: bool) -> None:
         app.router.add_get("/v1/models", models)
         app.router.add_post("/v1/audio/speech", speech)
         app.router.add_post("/v1/chat/completions", chat)
+        routes_completions.add_routes(app)  # /v1/completions
         app.router.add_post("/v1/images/generations", images)

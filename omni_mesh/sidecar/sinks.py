@@ -32,6 +32,7 @@ from omni_mesh.sidecar.errors import (
 )
 from omni_mesh.sidecar.hop_client import HopUnavailable
 from omni_mesh.sidecar.middleware import API_ROUTE, API_STARTED, STREAM_FAILED
+from omni_mesh.sidecar.openai_text import finish_reason, usage
 from omni_mesh.sidecar.outputs import (
     ChunkAssembler,
     FinalOutput,
@@ -315,11 +316,11 @@ class ChatEvents:
         raise AssertionError("an event stream is always streamed")
 
     def tail(self, outputs: list[FinalOutput]) -> bytes:
+        text = next((o for o in outputs if o.stage_id == self.text_stage), None)
         out = b"" if self._role_sent else self._delta({"content": ""})
-        out += self._delta({}, "stop")
+        out += self._delta({}, finish_reason(text))
         if self.include_usage:
-            usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-            out += self._event([], usage=usage)
+            out += self._event([], usage=usage(text))
         return out + b"data: [DONE]\n\n"
 
     def error_event(self, err: ApiError) -> bytes:

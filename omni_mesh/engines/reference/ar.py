@@ -22,7 +22,7 @@ from omni_mesh.engines.reference.common import (
     ReferenceEngine,
     extra_int,
     passthrough,
-    sampling_or_default,
+    temperature_top_k,
 )
 from omni_mesh.engines.reference.dit import SIZE_RANGE, STEPS_RANGE
 from omni_mesh.engines.reference.layers import (
@@ -89,8 +89,7 @@ class ImageArEngine(ReferenceEngine[ArInput]):
         prompt = fields.prompt_bytes("prompt", self.max_prompt_bytes)
         fields.optional_int("size", None, *SIZE_RANGE)
         fields.optional_int("steps", None, *STEPS_RANGE)
-        sampling = sampling_or_default(request.sampling)
-        return ArInput(prompt, sampling.temperature, sampling.top_k)
+        return ArInput(prompt, *temperature_top_k(request.sampling))
 
     def run(
         self, request: EngineRequest, inputs: ArInput, generator: torch.Generator

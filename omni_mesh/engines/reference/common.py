@@ -150,8 +150,27 @@ def as_tensor(arr: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(arr)
 
 
+#: The reference engines' sampling when a request leaves it unset.
+DEFAULT_TEMPERATURE = 0.8
+DEFAULT_TOP_K = 0  # off
+
+
 def sampling_or_default(sampling: SamplingParams | None) -> SamplingParams:
     return sampling if sampling is not None else SamplingParams()
+
+
+def temperature_top_k(
+    sampling: SamplingParams | None,
+    temperature: float = DEFAULT_TEMPERATURE,
+    top_k: int = DEFAULT_TOP_K,
+) -> tuple[float, int]:
+    """The request's temperature and top_k, each falling back to the given default when unset."""
+    if sampling is None:
+        return temperature, top_k
+    return (
+        temperature if sampling.temperature is None else sampling.temperature,
+        top_k if sampling.top_k is None else sampling.top_k,
+    )
 
 
 def extra_int(ctx: EngineContext, name: str, default: int, lo: int, hi: int) -> int:

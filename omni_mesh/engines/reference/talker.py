@@ -45,6 +45,7 @@ from omni_mesh.engines.reference.common import (
     as_tensor,
     extra_float,
     extra_int,
+    temperature_top_k,
     voice_index,
 )
 from omni_mesh.engines.reference.layers import (
@@ -163,9 +164,8 @@ class TalkerEngine(ReferenceEngine[TalkerInput]):
         if sampling is not None:
             caps.append(sampling.max_tokens)
         frames = min([FRAMES_PER_TOKEN * len(text), *(c for c in caps if c is not None)])
-        if sampling is None:
-            return TalkerInput(voice, frames, text, None, self.temperature, self.top_k)
-        return TalkerInput(voice, frames, text, None, sampling.temperature, sampling.top_k)
+        temperature, top_k = temperature_top_k(sampling, self.temperature, self.top_k)
+        return TalkerInput(voice, frames, text, None, temperature, top_k)
 
     def run(
         self, request: EngineRequest, inputs: TalkerInput, generator: torch.Generator

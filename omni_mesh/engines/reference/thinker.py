@@ -26,6 +26,7 @@ from omni_mesh.engines.reference.common import (
     extra_int,
     passthrough,
     sampling_or_default,
+    temperature_top_k,
     voice_index,
 )
 from omni_mesh.engines.reference.layers import (
@@ -110,7 +111,7 @@ class ThinkerEngine(ReferenceEngine[ThinkerInput]):
                 f"is {requested}; this stage generates at most {self.max_tokens_limit} "
                 "(engine_extras.max_tokens_limit)",
             )
-        return ThinkerInput(prompt, requested, sampling.temperature, sampling.top_k)
+        return ThinkerInput(prompt, requested, *temperature_top_k(request.sampling))
 
     def run(
         self, request: EngineRequest, inputs: ThinkerInput, generator: torch.Generator

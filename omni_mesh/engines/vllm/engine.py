@@ -56,6 +56,16 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_TOKENS = 16
 DEFAULT_MAX_TOKENS = 64
+#: The request sampling fields that override the stage's defaults when set (``None`` = unset).
+REQUEST_SAMPLING_FIELDS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "max_tokens",
+    "repetition_penalty",
+    "stop",
+    "logprobs",
+)
 
 
 def _extra_int(ctx: EngineContext, key: str, default: int, low: int, high: int) -> int:
@@ -262,10 +272,8 @@ class VllmEngine(StageEngine):
             "stop": list(d.stop) or None,
         }
         s = request.sampling if self.request_sampling else None
-        if s is not None:
-            values["temperature"] = s.temperature
-            values["top_k"] = s.top_k
-            for key in ("top_p", "max_tokens", "repetition_penalty", "stop", "logprobs"):
+        if s is not None:  # field by field: unset (None) keeps the stage's default
+            for key in REQUEST_SAMPLING_FIELDS:
                 if getattr(s, key) is not None:
                     values[key] = getattr(s, key)
         cap = request.data.fields.get("max_tokens")

@@ -1,0 +1,222 @@
+"""``tiny-llm`` through ``omni-up`` and the official ``openai`` SDK: ``/v1/completions`` and
+``/v1/chat/completions``, streamed and not, answer as vLLM's own OpenAI server does for the fields
+they share (ids, object, model, ``finish_reason`` length/stop, ``usage``, ``[DONE]``,
+``stream_options.include_usage``); a prompt of token ids; the same seed gives the same text;
+the stage's ``sampling`` defaults apply to what a request leaves unset; bad sampling values are a
+400 naming the field on every route; a client that leaves mid-stream aborts the request inside
+vLLM (the pod's running-requests gauge falls back to 0). One ``omni-up`` for the module, streaming
+(``async_chunk``, a chunk per token), its stage's default temperature 0 (greedy)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from omni_mesh.configs.loader import bundled_deploy_path
+from tests.procs import ManagedProcess, clean_env, free_port, wait_until
+from tests.sidecar.topology import post_json
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+MODEL = "tiny-llm"
+RUNNING = "omni_stage_engine_running_requests"
+
+
+class Server:
+    def __init__(self, proc: ManagedProcess, url: str, stage_url: str) -> None:
+        self.proc = proc
+        self.url = url  # the API server
+        self.stage_url = stage_url  # the vLLM stage's pod
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+    def running(self) -> float:
+        """The vLLM engine's running batch, from the pod's /metrics (its last stats report)."""
+        with urllib.request.urlopen(f"{self.stage_url}/metrics", timeout=5) as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith(RUNNING + "{"):
+                    return float(line.rsplit(" ", 1)[1])
+        return -1.0
+
+
+@pytest.fixture(scope="module")
+def server(vllm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log_dir: Path = tmp_path_factory.mktemp("vllm-openai")
+    overlay = log_dir / "tiny-llm.yaml"
+    overlay.write_text(
+        f"base_config: {bundled_deploy_path(MODEL)}\n"
+        "async_chunk: true\n"
+        "stages:\n"
+        "  - stage_id: 0\n"
+        "    max_model_len: 2048\n"
+        "    sampling: {temperature: 0.0, max_tokens: 16}\n"
+        "    engine_extras: {chunk_tokens: 1}\n"
+    )
+    port = free_port()
+    argv = [sys.executable, "-m", "omni_mesh.launcher.cli", "--pipeline", MODEL,
+            "--port", str(port), "--deploy-config", str(overlay)]  # fmt: skip
+    proc = ManagedProcess(argv, name="omni-up", env=clean_env(), log_dir=log_dir).start()
+    try:
+        proc.wait_for_output(r"omni-up ready", timeout=200)
+        stage_url = proc.wait_for_output(r"stage 0 \S+ #0\s+(http://\S+)")[1]
+        yield Server(proc, f"http://127.0.0.1:{port}", stage_url)
+    finally:
+        proc.interrupt(timeout=60)
+
+
+def test_completion_fields_usage_and_length(server: Server) -> None:
+    out = server.client.completions.create(model=MODEL, prompt="once upon a time", max_tokens=12)
+    assert out.id.startswith("cmpl-") and out.object == "text_completion" and out.model == MODEL
+    assert out.created > 0 and len(out.choices) == 1
+    assert out.choices[0].finish_reason == "length" and out.choices[0].text
+    assert out.usage is not None
+    assert out.usage.completion_tokens == 12 and out.usage.prompt_tokens > 0
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 12
+    # Sampled (temperature 1): the same seed gives the same text, other seeds other texts.
+    choice = server.client.completions.create(
+        model=MODEL, prompt="once upon a time", max_tokens=12, temperature=1.0, seed=3
+    ).choices[0]
+    again = server.client.completions.create(
+        model=MODEL, prompt="once upon a time", max_tokens=12, temperature=1.0, seed=3
+    )
+    assert again.choices[0].text == choice.text
+    other = [
+        server.client.completions.create(
+            model=MODEL, prompt="once upon a time", max_tokens=12, temperature=1.0, seed=s
+        )
+        .choices[0]
+        .text
+        for s in (4, 5)
+    ]
+    assert any(t != choice.text for t in other)
+
+
+def test_stage_defaults_apply_to_what_the_request_leaves_unset(server: Server) -> None:
+    # The stage's default temperature is 0 (greedy): a request that sets only top_p or seed
+    # gets the same text whatever its seed; max_tokens defaults to the stage's 16.
+    texts = {
+        server.client.completions.create(model=MODEL, prompt="the stage default", top_p=0.9, seed=s)
+        .choices[0]
+        .text
+        for s in (1, 2, 3)
+    }
+    assert len(texts) == 1
+    out = server.client.completions.create(model=MODEL, prompt="the stage default", seed=9)
+    assert out.usage is not None and out.usage.completion_tokens == 16
+
+
+def test_token_id_prompt_stop_and_logprobs(server: Server) -> None:
+    by_ids = server.client.completions.create(
+        model=MODEL, prompt=[5, 17, 300, 41, 99], max_tokens=6, logprobs=0
+    )
+    assert by_ids.usage is not None and by_ids.usage.prompt_tokens == 5
+    logprobs = by_ids.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None
+    assert len(logprobs.token_logprobs) == 6 and all(lp <= 0 for lp in logprobs.token_logprobs)
+    greedy = server.client.completions.create(model=MODEL, prompt="stop here", max_tokens=16)
+    text = greedy.choices[0].text
+    stop = text[len(text) // 2 :][:3].strip() or text[-1]
+    stopped = server.client.completions.create(
+        model=MODEL, prompt="stop here", max_tokens=16, stop=[stop]
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stop not in stopped.choices[0].text and text.startswith(stopped.choices[0].text)
+
+
+def test_streamed_completion_token_by_token_with_usage(server: Server) -> None:
+    whole = server.client.completions.create(model=MODEL, prompt="stream me", max_tokens=10)
+    events = list(
+        server.client.completions.create(
+            model=MODEL,
+            prompt="stream me",
+            max_tokens=10,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    texts = [e.choices[0].text for e in events if e.choices and e.choices[0].text]
+    assert len(texts) >= 5  # a chunk per token (tokens of a few bytes may merge)
+    assert "".join(texts) == whole.choices[0].text
+    assert all(e.object == "text_completion" and e.id == events[0].id for e in events)
+    finals = [e.choices[0].finish_reason for e in events if e.choices]
+    assert finals[-1] == "length" and set(finals[:-1]) == {None}
+    assert events[-1].choices == [] and events[-1].usage is not None
+    assert events[-1].usage.completion_tokens == 10
+
+
+def test_chat_streamed_and_not(server: Server) -> None:
+    messages = [{"role": "user", "content": "hello there"}]
+    out = server.client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=8,
+        seed=1,
+    )
+    assert out.object == "chat.completion" and out.id.startswith("chatcmpl-")
+    assert out.choices[0].finish_reason == "length" and out.choices[0].message.content
+    assert out.usage is not None and out.usage.completion_tokens == 8
+    stream = server.client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=8,
+        seed=1,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    events = list(stream)
+    deltas = [e.choices[0].delta.content for e in events if e.choices and e.choices[0].delta]
+    assert events[0].choices[0].delta.role == "assistant"
+    assert len([d for d in deltas if d]) >= 4
+    assert "".join(d or "" for d in deltas) == out.choices[0].message.content
+    assert [e.choices[0].finish_reason for e in events if e.choices][-1] == "length"
+    assert events[-1].usage is not None and events[-1].usage.total_tokens == out.usage.total_tokens
+
+
+_USER = [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "field"),
+    [
+        ("completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
+        ("completions", {"prompt": "x", "temperature": -1}, "temperature"),
+        ("completions", {"prompt": "x", "stop": [""]}, "stop"),
+        ("chat/completions", {"messages": _USER, "top_k": -2}, "top_k"),
+        ("chat/completions", {"messages": _USER, "repetition_penalty": 0}, "repetition_penalty"),
+        (
+            "run",
+            {"stage_id": 0, "stage_input": {"prompt": "x"}, "sampling_params": {"top_p": 0}},
+            "top_p",
+        ),
+    ],
+)
+def test_bad_sampling_is_a_400_naming_the_field(
+    server: Server, route: str, body: dict[str, object], field: str
+) -> None:
+    if route != "run":
+        body = {"model": MODEL, **body}
+    status, raw = post_json(f"{server.url}/v1/{route}", body)
+    assert status == 400, raw[:500]
+    assert field in json.loads(raw)["error"]["message"]
+
+
+def test_a_client_that_leaves_mid_stream_aborts_the_vllm_request(server: Server) -> None:
+    stream = server.client.completions.create(
+        model=MODEL, prompt="a long story", max_tokens=2000, stream=True, temperature=1.0
+    )
+    got = 0
+    for event in stream:
+        got += bool(event.choices and event.choices[0].text)
+        if got >= 3:
+            break
+    wait_until(lambda: server.running() == 1, 10, interval=0.1)  # still generating
+    stream.close()  # the connection goes away
+    # 2,000 tokens take several seconds here; the engine reports its batch every 0.5 s.
+    wait_until(lambda: server.running() == 0, 2.5, interval=0.05)
+    logs = Path(server.proc.wait_for_output(r"logs\s+(\S+)")[1])
+    wait_until(lambda: "vLLM request aborted" in (logs / "stage0-llm-0.log").read_text(), 5)
