@@ -91,7 +91,10 @@ def add_setting_flags(
                 *spec.flags, action=argparse.BooleanOptionalAction, help=help_text, **common
             )
         elif spec.kind == "append":
-            parser.add_argument(*spec.flags, action="append", help=help_text, **common)
+            metavar = "URL" if spec.field.endswith(("plane", "url", "urls")) else "VALUE"
+            parser.add_argument(
+                *spec.flags, action="append", metavar=metavar, help=help_text, **common
+            )
         else:
             metavar = spec.field.rsplit("_", 1)[-1].upper()
             parser.add_argument(*spec.flags, metavar=metavar, help=help_text, **common)
@@ -169,7 +172,9 @@ def _help(field: FieldInfo, env: tuple[str, ...]) -> str:
     default = field.default
     if field.default_factory is not None:
         shown = "computed"
-    elif default is None or default == () or str(default) == "PydanticUndefined":
+    elif field.is_required():
+        shown = "none: required"
+    elif default is None or default == ():
         shown = "unset"
     else:
         shown = str(default.value if hasattr(default, "value") else default)
