@@ -24,6 +24,7 @@ from pydantic_settings import BaseSettings
 from omni_mesh.configs.autoscale import AutoscaleConfig
 from omni_mesh.configs.cli_flags import DEPLOY_FLAG_FIELDS, env_name, field_bounds, flag_name
 from omni_mesh.configs.deploy import ConnectorSpec, DeployConfig, PlatformSection, StageDeployConfig
+from omni_mesh.configs.deploy_fields import StageSampling
 from omni_mesh.configs.settings import ControlPlaneSettings, UpSettings
 from omni_mesh.configs.settings_flags import SettingFlag, env_names
 from omni_mesh.configs.stage_settings import STAGE_FLAGS, StageSettings
@@ -37,6 +38,7 @@ MODELS: dict[str, type[BaseModel]] = {
     "top-level": DeployConfig,
     "connector": ConnectorSpec,
     "stage": StageDeployConfig,
+    "sampling": StageSampling,
     "autoscale": AutoscaleConfig,
     "platform": PlatformSection,
 }
@@ -56,7 +58,7 @@ def type_text(annotation: Any) -> str:
         return "one of " + ", ".join(f'"{v}"' for v in args)
     if origin is dict:
         return f"mapping of {type_text(args[0])} to {type_text(args[1])}"
-    if origin is list:
+    if origin is list or (origin is tuple and len(args) == 2 and args[1] is Ellipsis):
         return f"list of {type_text(args[0])}"
     if annotation is Any:
         return "any"
@@ -66,7 +68,12 @@ def type_text(annotation: Any) -> str:
 
 def default_text(field: FieldInfo) -> str:
     if field.default_factory is not None:
-        return f"`{field.default_factory()!r}`"  # type: ignore[call-arg]
+        value = field.default_factory()  # type: ignore[call-arg]
+        if isinstance(value, BaseModel):  # a nested section: its own table says its defaults
+            return "`{}`"
+        return f"`{value!r}`"
+    if isinstance(field.default, BaseModel):
+        return "`{}`"
     if field.default is PydanticUndefined:
         return "required"
     if field.default is None:
