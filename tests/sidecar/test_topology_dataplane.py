@@ -57,7 +57,13 @@ def test_replay_after_kill_gives_identical_bytes(tmp_path: Path, no_shm_leak: No
                 seed: pool.submit(_audio, topo, f"replay {seed % 4}", seed % 4)
                 for seed in range(12)
             }
-            time.sleep(0.3)
+            # Kill it while it holds work (a fixed sleep raced a loaded machine: with nothing
+            # in flight at the kill, no hop fails and nothing is replayed).
+            victim_url = topo.urls[1][1]
+            until = time.monotonic() + 30
+            while topo.metric(victim_url, "omni_stage_in_flight") < 1:
+                assert time.monotonic() < until, "the victim never held a request"
+                time.sleep(0.02)
             os.kill(victim.pid, signal.SIGKILL)  # the sidecar only: its engine cleans up
             for seed, fut in futures.items():
                 assert fut.result(timeout=120) == reference[seed % 4], seed
