@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 
 from omni_mesh.data_plane.framing import HEADER_SIZE, FrameDecoder, FrameTooLarge
 from omni_mesh.data_plane.wire import READ_CHUNK, ResponseTooLarge
+from omni_mesh.sidecar.timeouts import within
 
 logger = logging.getLogger(__name__)
 
@@ -187,8 +188,9 @@ class HopHttpClient:
         """A fresh connection within ``connect_timeout_s`` (the caller's deadline bounds it
         too: that one raises ``TimeoutError``, not :class:`HopConnectionError`)."""
         try:
-            async with asyncio.timeout(self.connect_timeout_s):
-                reader, writer = await asyncio.open_connection(host, port, limit=_HEAD_LIMIT)
+            reader, writer = await within(
+                asyncio.open_connection(host, port, limit=_HEAD_LIMIT), self.connect_timeout_s
+            )
         except TimeoutError:
             raise HopConnectionError(
                 f"cannot connect to {host}:{port}: no connection within "

@@ -25,6 +25,7 @@ import logging
 from dataclasses import dataclass
 
 from omni_mesh.sidecar.hop_http import HopHttpClient
+from omni_mesh.sidecar.timeouts import within
 
 logger = logging.getLogger(__name__)
 
@@ -50,20 +51,16 @@ async def probe(host: str, port: int, *, connect_timeout_s: float, answer_timeou
     """``GET /health`` on a fresh connection: ``""`` when anything answered over HTTP, else
     why not (for logs and for the error of the calls it fails)."""
     try:
-        async with asyncio.timeout(connect_timeout_s):
-            reader, writer = await asyncio.open_connection(host, port)
+        reader, writer = await within(asyncio.open_connection(host, port), connect_timeout_s)
     except TimeoutError:
         return f"no connection within {connect_timeout_s:g}s"
     except OSError as exc:
         return f"cannot connect: {exc.strerror or exc}"
     authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    request = f"GET {PROBE_PATH} HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\n\r\n"
     try:
-        async with asyncio.timeout(answer_timeout_s):
-            writer.write(
-                f"GET {PROBE_PATH} HTTP/1.1\r\nHost: {authority}\r\n"
-                "Connection: close\r\n\r\n".encode()
-            )
-            line = await reader.readline()
+        writer.write(request.encode())
+        line = await within(reader.readline(), answer_timeout_s)
     except TimeoutError:
         return f"connected, but no answer within {answer_timeout_s:g}s"
     except OSError as exc:
