@@ -87,9 +87,15 @@ class Run:
 
     @property
     def goodput(self) -> float:
-        """200s per second of the window (open loop: of the sending period)."""
-        seconds = self.offered_s or self.window_s
-        return len(self.ok()) / seconds if seconds else math.nan
+        """200s per second of the window (open loop: from the first arrival to the last
+        answer, so that a backlog drained after the arrivals stopped is not counted faster)."""
+        return len(self.ok()) / self.seconds if self.seconds else math.nan
+
+    @property
+    def seconds(self) -> float:
+        if not self.offered_s:
+            return self.window_s
+        return max([self.offered_s, *(t + lat for t, lat, _ in self.answers)])
 
     def lose(self, why: str) -> None:
         self.lost += 1
@@ -436,7 +442,7 @@ def _plot(closed: list[Run], opened: list[Run], capacity: float, report: Report)
     ax_c.legend(loc="upper left")
     factors = [float(r.label.rstrip("x")) for r in opened]
     ax_o.plot(factors, [r.goodput for r in opened], "o-", label="ok/s")
-    ax_o.plot(factors, [len(r.shed()) / r.offered_s for r in opened], "s--", label="shed/s")
+    ax_o.plot(factors, [len(r.shed()) / r.seconds for r in opened], "s--", label="shed/s")
     ax_o.axhline(capacity, color="gray", linestyle=":", label="capacity")
     ax_o.set_xlabel("offered load (x capacity)")
     ax_o.set_ylabel("requests/s")
