@@ -12,37 +12,20 @@ from __future__ import annotations
 import base64
 import json
 import os
-import random
 import signal
-import socket
 import threading
 from collections.abc import Iterator
 
+import openai
 import pytest
 
 from omni_mesh.configs.loader import bundled_deploy_path
-from tests.procs import LOCALHOST, wait_until
-from tests.sidecar import topology
+from tests.procs import wait_until
 from tests.sidecar.topology import Topology, engine_pid, post_json
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 PIPELINE = "tiny-omni-vllm"
-
-
-def _port_below_ephemeral_range() -> int:
-    """A free port under Linux's ephemeral range (32768+). A vLLM engine listens on a dozen
-    kernel-chosen ports; a port picked the same way (bind to 0) before a pod binds it, a minute
-    later once its engine is ready, is likely to be taken by then."""
-    for _ in range(200):
-        port = random.randrange(20_000, 32_000)
-        with socket.socket() as s:
-            try:
-                s.bind((LOCALHOST, port))
-            except OSError:
-                continue
-        return port
-    raise AssertionError("no free port in 20000-32000")
 
 
 @pytest.fixture(scope="module")
@@ -51,15 +34,13 @@ def topo(vllm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> 
     overlay = log_dir / "streaming.yaml"
     overlay.write_text(f"base_config: {bundled_deploy_path(PIPELINE)}\nasync_chunk: true\n")
     top = Topology(PIPELINE, [1, 2, 1], log_dir, extra_stage_args=["--deploy-config", str(overlay)])
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(topology, "free_port", _port_below_ephemeral_range)
-        try:
-            top.start()
-            for stage_id, count in enumerate(top.replicas):
-                top.wait_discovered(stage_id, count, timeout=180)
-            yield top
-        finally:
-            top.close()
+    try:  # free_port() picks below the ephemeral range: vLLM's own sockets cannot take them
+        top.start()
+        for stage_id, count in enumerate(top.replicas):
+            top.wait_discovered(stage_id, count, timeout=180)
+        yield top
+    finally:
+        top.close()
 
 
 def generate(topo: Topology, seed: int, max_tokens: int = 24) -> tuple[str, bytes]:
@@ -90,6 +71,49 @@ def test_speech_route(topo: Topology) -> None:
     )
     assert status == 200, body[:500]
     assert body[:4] == b"RIFF" and len(body) > 44
+
+
+def test_sdk_speech_streams_a_wav(topo: Topology) -> None:
+    client = openai.OpenAI(base_url=f"{topo.api_url}/v1", api_key="none", max_retries=0)
+    pieces: list[bytes] = []
+    with client.audio.speech.with_streaming_response.create(
+        model=PIPELINE, voice="echo", input="hello there", extra_body={"seed": 3}
+    ) as response:
+        assert response.headers.get("content-length") is None  # streamed, chunked
+        pieces.extend(response.iter_bytes())
+    body = b"".join(pieces)
+    assert body[:4] == b"RIFF" and len(body) > 44
+
+
+def test_sdk_chat_with_audio_streams_text_then_audio(topo: Topology) -> None:
+    client = openai.OpenAI(base_url=f"{topo.api_url}/v1", api_key="none", max_retries=0)
+    events = list(
+        client.chat.completions.create(
+            model=PIPELINE,
+            messages=[{"role": "user", "content": "tell me a story"}],
+            modalities=["text", "audio"],
+            audio={"voice": "echo", "format": "pcm16"},
+            max_tokens=24,
+            seed=7,
+            stream=True,
+        )
+    )
+    kinds = []
+    for event in events:
+        if not event.choices:
+            continue
+        delta = event.choices[0].delta
+        audio = getattr(delta, "audio", None)  # the SDK types it (ChoiceDeltaAudio)
+        if delta.content:
+            kinds.append("text")
+        if audio is not None:
+            kinds.append("audio")
+            assert base64.b64decode(audio.data)
+    # The thinker's text streams in chunks (1 token, then engine_extras.chunk_tokens each) and
+    # the audio follows as each chunk is spoken.
+    assert kinds.count("text") >= 3 and kinds.count("audio") >= 2, kinds
+    assert kinds.index("text") < kinds.index("audio")
+    assert events[-1].choices[0].finish_reason == "length"
 
 
 @pytest.mark.parametrize(
