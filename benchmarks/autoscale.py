@@ -480,6 +480,16 @@ async def bench(opts: Options) -> Report:
             lambda v: f"{v:.0f}",
         ),
     ]
+    report.notes.append(
+        f"The replica-second bound: a square wave spending half its time at each level cannot "
+        f"go below (low + high replicas) / 2 / max = ({MIN_REPLICAS} + {MAX_REPLICAS}) / 2 / "
+        f"{MAX_REPLICAS} = {(MIN_REPLICAS + MAX_REPLICAS) / 2 / MAX_REPLICAS:.1%} of static max "
+        "when the peak needs max; every replica start (~10 s here) adds to that."
+    )
+    report.notes.append(
+        "p99 recovery counts from the step until every 2 s window stays under the target to the "
+        "end of the step: on this shared machine static max spikes too (see the plot)."
+    )
     if not opts.quick:
         static = traces[2]
         report.notes.append(

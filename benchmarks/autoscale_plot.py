@@ -36,9 +36,10 @@ def plot(traces: Sequence[Trace], path: Path, *, target_s: float) -> None:
         )
         series = [(x, y) for x, y in tr.p99_series() if not math.isnan(y)]
         ax_p99.plot([x for x, _ in series], [min(y, 30.0) for _, y in series], label=tr.label)
+    ready = [(s[0], s[2]) for s in first.samples if s[2] >= 0]  # -1: the sample failed
     ax_rep.plot(
-        [s[0] for s in first.samples],
-        [max(s[2], 0) for s in first.samples],
+        [t for t, _ in ready],
+        [n for _, n in ready],
         linestyle=":",
         color="gray",
         label=f"{first.label} (ready in discovery)",
