@@ -24,7 +24,8 @@ def test_bundled_tiny_llm() -> None:
     }
     assert (stage.sampling.temperature, stage.sampling.max_tokens) == (0.8, 64)
     assert stage.max_model_len == 512
-    assert stage.engine_extras == {"chunk_tokens": 16, "chat_template": False}
+    assert stage.engine_extras == {"chunk_tokens": 1, "chat_template": False}
+    assert load_deploy_config(None, get_pipeline("tiny-llm")).async_chunk  # token by token
 
 
 def test_bundled_tiny_omni_vllm() -> None:
