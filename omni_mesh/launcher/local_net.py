@@ -15,14 +15,21 @@ _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _FALLBACK_EPHEMERAL_LOW = 32768  # Linux's default when the range cannot be read
 
 
-def ephemeral_low() -> int:
-    """The lowest port of the kernel's ephemeral range (the ports ``bind(0)`` and outgoing
-    connections get), read from ``/proc/sys/net/ipv4/ip_local_port_range``."""
+def _read_ephemeral_low() -> int:
     try:
-        low = int(_EPHEMERAL_RANGE.read_text().split()[0])
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return _FALLBACK_EPHEMERAL_LOW
-    return low
+
+
+#: Read once, at import: free_port() is also called from inside event loops (no file I/O there).
+_EPHEMERAL_LOW = _read_ephemeral_low()
+
+
+def ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (the ports ``bind(0)`` and outgoing
+    connections get), from ``/proc/sys/net/ipv4/ip_local_port_range`` as it was at import."""
+    return _EPHEMERAL_LOW
 
 
 def free_port(host: str = "127.0.0.1") -> int:
