@@ -150,6 +150,9 @@ def test_a_loaded_stage_gains_replicas_and_loses_them_by_draining(up: Up) -> Non
     wait_until(lambda: len(up.stage1_pods()) <= 1, 40, interval=0.2,
                message=lambda: f"{up.scale()}\n{up.proc.stderr[-3000:]}")  # fmt: skip
     assert statuses and set(statuses) == {200}, statuses
+    retired_line = r"retired process=stage1-s1-\d+ pid=\d+ exited with code 0"
+    wait_until(lambda: re.search(retired_line, up.proc.stderr), 10, interval=0.1,
+               message=lambda: up.proc.stderr[-3000:])  # fmt: skip
     err = up.proc.stderr
     assert re.search(r"autoscale stage=1 starting process=stage1-s1-\d+ .*replicas 1->", err), err
     retired = re.findall(r"retired process=(stage1-s1-\d+) pid=\d+ exited with code 0", err)
