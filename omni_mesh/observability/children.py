@@ -7,7 +7,7 @@ dropped child is only looked up again, never lost, since the metric keeps it).""
 from __future__ import annotations
 
 import functools
-from typing import TypeVar, cast
+from typing import TYPE_CHECKING, TypeVar
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -15,12 +15,14 @@ M = TypeVar("M", Counter, Gauge, Histogram)
 
 MAX_CHILDREN = 4096
 
+if TYPE_CHECKING:
 
-def labelled(metric: M, *values: str) -> M:
-    """``metric.labels(*values)``, cached."""
-    return cast(M, _child(metric, values))
+    def labelled(metric: M, *values: str) -> M:
+        """``metric.labels(*values)``, cached."""
 
+else:
 
-@functools.lru_cache(maxsize=MAX_CHILDREN)
-def _child(metric: Counter | Gauge | Histogram, values: tuple[str, ...]) -> object:
-    return metric.labels(*values)
+    @functools.lru_cache(maxsize=MAX_CHILDREN)  # one C call per use: no wrapper around it
+    def labelled(metric, *values):
+        """``metric.labels(*values)``, cached."""
+        return metric.labels(*values)

@@ -14,12 +14,11 @@ this one.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from types import TracebackType
 
 from aiohttp import web
 
@@ -43,6 +42,7 @@ PRIORITY_HEADER = "X-Omni-Priority"
 TENANT_HEADER = "X-Omni-Tenant"
 PRIORITY_NAMES_TYPED: tuple[PriorityClass, ...] = ("high", "normal", "low")
 _TENANT = re.compile(r"[\w.:\-]{1,64}")
+_PRIORITIES = tuple(Priority)
 
 
 class AdmissionGate:
@@ -116,9 +116,13 @@ class AdmissionGate:
 
     def _gauges(self) -> None:
         """Queue lengths into the gauges; only those that changed (most requests never
-        queue: no gauge is touched for them)."""
-        for p in Priority:
-            n = self.queue.queued(p)
+        queue: no gauge is touched for them). A free slot means an empty queue (a slot that
+        frees goes to the next waiter at once)."""
+        queue = self.queue
+        if queue.in_use < queue.slots and not any(self._shown):
+            return
+        for p in _PRIORITIES:
+            n = queue.queued(p)
             if n != self._shown[p]:
                 self._shown[p] = n
                 self._lengths[p].set(n)
@@ -155,6 +159,8 @@ def gate_of(pod: Pod) -> AdmissionGate:
         slots = stage.max_inflight if pod.engine is not None else api_slots(pod)
         queue = AdmissionQueue(slots, stage.max_queue, stage.max_queue_wait_s)
         pod.gate = AdmissionGate(queue, pod.metrics, (pod.pipeline.name, str(pod.stage_id)))
+        # Read when scraped: no gauge update on every request.
+        pod.in_flight_gauge.set_function(lambda: pod.in_flight)
     return pod.gate
 
 
@@ -169,39 +175,59 @@ def api_slots(pod: Pod) -> int:
     return max(MIN_API_SLOTS, 2 * entry.max_inflight * entry.max_pool_size)
 
 
-@contextlib.asynccontextmanager
-async def admitted(
+def admitted(
     pod: Pod, key: str, route: str, si: StageInput | None = None, *, deadline_ms: int = 0
-) -> AsyncIterator[None]:
-    """Hold one of the pod's slots for a piece of work, waiting in the admission queue when
-    all are taken; ``key`` names it (the request id, or the
+) -> Admission:
+    """Hold one of the pod's slots for a piece of work (``async with``), waiting in the
+    admission queue when all are taken; ``key`` names it (the request id, or the
     :func:`~omni_mesh.data_plane.messages.transfer_key` of a stage input) so that the same
     work sent twice to one pod is refused (409) while it runs. Priority, tenant and deadline
     come from ``si`` (normal, anonymous and ``deadline_ms`` without one)."""
-    labels = (pod.pipeline.name, str(pod.stage_id))
-    if pod.draining:
-        pod.metrics.rejected.labels(*labels, "draining").inc()
-        raise ApiError(
-            503, "instance is draining", type_="unavailable", headers={"Retry-After": "1"}
-        )
-    if pod.engine is not None and pod.engine.is_running(key):
-        pod.metrics.rejected.labels(*labels, "duplicate").inc()
-        raise ApiError(409, f"request {key} is already running here", type_="conflict")
-    gate = gate_of(pod)
-    priority, tenant = Priority.NORMAL, ""
-    if si is not None:
-        priority, tenant, deadline_ms = parse_priority(si.priority), si.tenant, si.deadline_ms
-    deadline = time.monotonic() + (deadline_ms / 1000.0 - time.time()) if deadline_ms else 1e18
-    w = await gate.enter(priority, tenant, deadline)
-    pod.in_flight += 1
-    gauge = pod.in_flight_gauge
-    gauge.inc()
-    try:
-        yield
-    finally:
-        pod.in_flight -= 1
-        gauge.dec()
-        gate.leave(w)
+    return Admission(pod, key, si, deadline_ms)
+
+
+class Admission:
+    """The async context manager of :func:`admitted` (a class, not an async generator: it
+    runs on every hop)."""
+
+    __slots__ = ("_gate", "_waiter", "deadline_ms", "key", "pod", "si")
+
+    def __init__(self, pod: Pod, key: str, si: StageInput | None, deadline_ms: int) -> None:
+        self.pod = pod
+        self.key = key
+        self.si = si
+        self.deadline_ms = deadline_ms
+        self._gate: AdmissionGate | None = None
+        self._waiter: Waiter | None = None
+
+    async def __aenter__(self) -> None:
+        pod, key, si = self.pod, self.key, self.si
+        if pod.draining:
+            pod.metrics.rejected.labels(pod.pipeline.name, str(pod.stage_id), "draining").inc()
+            raise ApiError(
+                503, "instance is draining", type_="unavailable", headers={"Retry-After": "1"}
+            )
+        if pod.engine is not None and pod.engine.is_running(key):
+            pod.metrics.rejected.labels(pod.pipeline.name, str(pod.stage_id), "duplicate").inc()
+            raise ApiError(409, f"request {key} is already running here", type_="conflict")
+        gate = gate_of(pod)
+        priority, tenant, deadline_ms = Priority.NORMAL, "", self.deadline_ms
+        if si is not None:
+            priority, tenant, deadline_ms = parse_priority(si.priority), si.tenant, si.deadline_ms
+        deadline = time.monotonic() + (deadline_ms / 1000.0 - time.time()) if deadline_ms else 1e18
+        self._waiter = await gate.enter(priority, tenant, deadline)
+        self._gate = gate
+        pod.in_flight += 1
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        assert self._gate is not None and self._waiter is not None
+        self.pod.in_flight -= 1
+        self._gate.leave(self._waiter)
 
 
 # ---- a client request's class -------------------------------------------------------------

@@ -6,9 +6,8 @@ serves). Work aborted because the client went away or its deadline passed is ``c
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
+from types import TracebackType
 
 from omni_mesh.observability.children import labelled
 from omni_mesh.sidecar.errors import ApiError
@@ -35,23 +34,46 @@ class Execution:
             self.outcome = outcome_of(code)
 
 
-@contextmanager
-def counted(pod: Pod, route: str) -> Iterator[Execution]:
+def counted(pod: Pod, route: str) -> Counting:
     """Count the execution in the block once: its outcome, ``cancelled`` when the block is
     cancelled or closed early (a client that went away), the error's type when it raises."""
-    execution = Execution()
-    try:
-        yield execution
-    except (asyncio.CancelledError, GeneratorExit):
-        execution.outcome = CANCELLED
-        raise
-    except ApiError as exc:
-        execution.failed(exc.type)
-        raise
-    except Exception:
-        execution.failed("engine_error")
-        raise
-    finally:
+    return Counting(pod, route)
+
+
+class Counting:
+    """The context manager of :func:`counted` (a class, not a ``@contextmanager`` generator:
+    it runs on every hop)."""
+
+    __slots__ = ("_execution", "_pod", "_route")
+
+    def __init__(self, pod: Pod, route: str) -> None:
+        self._pod = pod
+        self._route = route
+        self._execution = Execution()
+
+    def __enter__(self) -> Execution:
+        return self._execution
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        execution = self._execution
+        if exc is None:
+            pass
+        elif isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+            execution.outcome = CANCELLED
+        elif isinstance(exc, ApiError):
+            execution.failed(exc.type)
+        elif isinstance(exc, Exception):
+            execution.failed("engine_error")
+        pod = self._pod
         labelled(
-            pod.metrics.requests, pod.pipeline.name, str(pod.stage_id), route, execution.outcome
+            pod.metrics.requests,
+            pod.pipeline.name,
+            str(pod.stage_id),
+            self._route,
+            execution.outcome,
         ).inc()
