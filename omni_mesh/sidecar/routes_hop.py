@@ -7,7 +7,6 @@ something downstream emits chunks (``async_chunk``): each frame is sent as soon 
 
 from __future__ import annotations
 
-import contextlib
 import hmac
 import logging
 import time
@@ -72,8 +71,9 @@ async def _answer(request: web.Request, pod: Pod, si: StageInput) -> tuple[web.S
     labels = (pod.pipeline.name, str(pod.stage_id))
     response: web.StreamResponse | None = None
     outcome = "ok"
+    frames = pod.runner.run_stream(si)
     try:
-        async with contextlib.aclosing(pod.runner.run_stream(si)) as frames:
+        try:
             async for frame in frames:
                 if frame.error is not None:
                     outcome = frame.error.code
@@ -86,6 +86,8 @@ async def _answer(request: web.Request, pod: Pod, si: StageInput) -> tuple[web.S
                     await response.prepare(request)
                 await response.write(framing.encode_frame(frame))
                 labelled(pod.metrics.hop_frames, *labels).inc()
+        finally:
+            await frames.aclose()  # (not contextlib.aclosing: this runs on every hop)
     except Exception as exc:
         if response is None:
             raise  # an ordinary error answer (a dead engine: 503, replayed by the sender)

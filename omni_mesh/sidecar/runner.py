@@ -41,12 +41,11 @@ from omni_mesh.data_plane.messages import (
     StageTiming,
     Tensor,
     is_whole,
-    transfer_key,
 )
 from omni_mesh.data_plane.shm import ShmReader, inline
 from omni_mesh.data_plane.tensors import payload_nbytes
-from omni_mesh.observability.tracing import stage_span
 from omni_mesh.sidecar.engine_client import EngineClient
+from omni_mesh.sidecar.engine_outputs import EngineOutputs
 from omni_mesh.sidecar.hop_client import HopClient, HopUnavailable
 
 logger = logging.getLogger(__name__)
@@ -86,43 +85,9 @@ class StageRunner:
             j for j, c in pipeline.join_collectors().items() if c == stage_id
         )
 
-    @contextlib.asynccontextmanager
-    async def _engine_outputs(
-        self, si: StageInput
-    ) -> AsyncIterator[AsyncGenerator[StageOutput, None]]:
-        """The local engine's outputs for ``si`` inside this stage's span; their tensors stay
-        valid inside the block, and next-stage inputs carry this span as their parent."""
-        name = f"stage {self.stage_id} {self.pipeline.stage(self.stage_id).name}"
-        attributes: dict[str, str | int] = {
-            "omni.request_id": si.request_id,
-            "omni.pipeline": self.pipeline.name,
-            "omni.stage_id": self.stage_id,
-            "omni.attempt": si.attempt,
-            "omni.instance_id": self.instance_id(),
-        }
-        holds_slots = False
-
-        async def outputs(traceparent: str) -> AsyncGenerator[StageOutput, None]:
-            nonlocal holds_slots
-            async with contextlib.aclosing(self.engine.stream(si)) as stream:
-                async for out in stream:
-                    holds_slots = holds_slots or out.error is not None or _holds_slots(out)
-                    if self.on_chunk is not None and not (out.last and out.chunk == 0):
-                        self.on_chunk()
-                    if traceparent != si.traceparent:
-                        out.next = [
-                            msgspec.structs.replace(n, traceparent=traceparent) for n in out.next
-                        ]
-                    yield out
-
-        with stage_span(name, si.traceparent, attributes) as traceparent:
-            stream = outputs(traceparent)
-            try:
-                yield stream
-            finally:
-                await stream.aclose()
-                if holds_slots:
-                    self.engine.release(transfer_key(si))  # one IPC message, only when needed
+    def _engine_outputs(self, si: StageInput) -> EngineOutputs:
+        """The local engine's outputs for ``si`` (``async with``, then iterate)."""
+        return EngineOutputs(self, si)
 
     @contextlib.asynccontextmanager
     async def executed(self, si: StageInput) -> AsyncIterator[list[StageOutput]]:
@@ -178,20 +143,22 @@ class StageRunner:
             own.timings = [timing]
             yield own
             return
+        downstream = self.hop.stream(out.next[0])
         try:
-            async with contextlib.aclosing(self.hop.stream(out.next[0])) as downstream:
-                async for frame in downstream:
-                    if frame.more:  # downstream streams: pass our part on first, then relay
-                        if own.outputs:
-                            yield msgspec.structs.replace(own, more=True)
-                            own = HopResult(request_id=si.request_id)
-                        yield frame
-                        continue
-                    timing.total_ms = (time.monotonic() - t0) * 1000.0
-                    yield _merge(own, frame, timing)
-                    return
+            async for frame in downstream:
+                if frame.more:  # downstream streams: pass our part on first, then relay
+                    if own.outputs:
+                        yield msgspec.structs.replace(own, more=True)
+                        own = HopResult(request_id=si.request_id)
+                    yield frame
+                    continue
+                timing.total_ms = (time.monotonic() - t0) * 1000.0
+                yield _merge(own, frame, timing)
+                return
         except HopUnavailable as exc:
             yield _unavailable(si, exc)
+        finally:
+            await downstream.aclose()  # (not contextlib.aclosing: this runs on every hop)
 
     async def _feed(
         self,
@@ -348,14 +315,6 @@ class FrameMerger:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-
-
-def _holds_slots(out: StageOutput) -> bool:
-    """Whether the engine wrote any of this output into its shared memory."""
-    payloads = [n.payload for n in out.next]
-    if out.final is not None:
-        payloads.append(out.final)
-    return any(t.shm is not None for p in payloads for t in p.tensors.values())
 
 
 def _merge(own: HopResult, downstream: HopResult, timing: StageTiming) -> HopResult:
