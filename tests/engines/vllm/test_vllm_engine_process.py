@@ -1,7 +1,14 @@
-"""The vLLM engine in a real engine process (``async_chunk`` on), through EngineClient: chunked
-token streams, determinism per seed, continuous batching by vLLM's scheduler (a request added
-while another runs joins it), abort freeing the request inside vLLM, engine stats, and bad input
-failing as data. One engine process for the module (vLLM takes ~10 s to import and start)."""
+"""The vLLM engine in real engine processes, through EngineClient. Two engine processes for the
+module, started at once (vLLM takes ~10 s to import and start; two imports share the 2 cores):
+
+- ``tiny-llm``'s text engine with ``async_chunk`` on: chunked token streams, determinism per seed,
+  continuous batching by vLLM's scheduler (a request added while another runs joins it), abort
+  freeing the request inside vLLM, engine stats, and bad input failing as data;
+- ``tiny-omni-vllm``'s talker, whole answers (async_chunk off): token ids in (no tokenizer:
+  ``skip_tokenizer_init``), one output per request once vLLM finished it, codec frames out to
+  code2wav through the processor, deterministic per seed, concurrent requests batched, a bad
+  input failing alone.
+"""
 
 from __future__ import annotations
 
@@ -33,15 +40,36 @@ pytestmark = [
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def client(vllm_env: dict[str, str]) -> AsyncIterator[EngineClient]:
+async def engines(vllm_env: dict[str, str]) -> AsyncIterator[tuple[EngineClient, EngineClient]]:
     base = load_deploy_config(None, get_pipeline("tiny-llm")).stage(0)
-    config = base.model_copy(update={"max_model_len": 2048, "max_num_seqs": 8})
-    engine = EngineClient("tiny-llm", 0, config, log_level="WARNING", async_chunk=True)
-    await engine.start(timeout_s=90)
+    extras = {**base.engine_extras, "chunk_tokens": 16}  # chunks of 1, 16, 16, … tokens
+    update = {"max_model_len": 2048, "max_num_seqs": 8, "engine_extras": extras}
+    config = base.model_copy(update=update)
+    text_engine = EngineClient("tiny-llm", 0, config, log_level="WARNING", async_chunk=True)
+    talker_config = load_deploy_config(None, get_pipeline("tiny-omni-vllm")).stage(1)
+    talker_engine = EngineClient(
+        "tiny-omni-vllm", 1, talker_config, log_level="WARNING", async_chunk=False
+    )
+    started = await asyncio.gather(
+        text_engine.start(timeout_s=120), talker_engine.start(timeout_s=120), return_exceptions=True
+    )
     try:
-        yield engine
+        for outcome in started:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        yield text_engine, talker_engine
     finally:
-        await engine.stop(timeout_s=10)
+        await asyncio.gather(text_engine.stop(timeout_s=10), talker_engine.stop(timeout_s=10))
+
+
+@pytest.fixture
+def client(engines: tuple[EngineClient, EngineClient]) -> EngineClient:
+    return engines[0]
+
+
+@pytest.fixture
+def talker(engines: tuple[EngineClient, EngineClient]) -> EngineClient:
+    return engines[1]
 
 
 def request(
@@ -184,3 +212,64 @@ async def test_token_ids_input_and_bad_ids_fail_alone(client: EngineClient) -> N
     assert bad[0].error.code == "bad_input"
     again = await run(client, request("after-bad", max_tokens=4))
     assert again[-1].error is None
+
+
+# ---- the talker, whole answers --------------------------------------------------------------
+
+
+def talker_input(rid: str, ids: np.ndarray, *, seed: int = 1, codes: int = 32) -> StageInput:
+    return StageInput(
+        pipeline="tiny-omni-vllm",
+        request_id=rid,
+        stage_id=1,
+        from_stage=0,
+        deadline_ms=int((time.time() + 60) * 1000),
+        seed=seed,
+        payload=Payload(
+            fields={"max_tokens": codes, "voice": "echo"},
+            tensors={"token_ids": tensor_from_array(ids)},
+        ),
+    )
+
+
+async def run_whole(engine: EngineClient, si: StageInput) -> list[StageOutput]:
+    try:
+        return [out async for out in engine.stream(si)]
+    finally:
+        engine.release(transfer_key(si))
+
+
+async def frames(engine: EngineClient, si: StageInput) -> np.ndarray:
+    (out,) = await run_whole(engine, si)
+    assert out.error is None and out.last and out.chunk == 0
+    (nxt,) = out.next
+    assert nxt.stage_id == 2
+    return np.array(array_from_tensor(nxt.payload.tensors["codes"]))
+
+
+PROMPT = np.array([3, 700, 41, 1000], dtype=np.int64)
+
+
+async def test_codec_tokens_become_code2wav_frames(talker: EngineClient) -> None:
+    codes = await frames(talker, talker_input("frames", PROMPT, codes=32))
+    assert codes.shape == (8, 4) and codes.dtype == np.int64
+    assert codes.min() >= 0 and codes.max() < 1024
+
+
+async def test_deterministic_per_seed_and_batched(talker: EngineClient) -> None:
+    a, b, c = await asyncio.gather(
+        frames(talker, talker_input("seed-a", PROMPT, seed=9)),
+        frames(talker, talker_input("seed-b", PROMPT, seed=9)),
+        frames(talker, talker_input("seed-c", PROMPT, seed=10)),
+    )
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+async def test_a_bad_input_fails_alone(talker: EngineClient) -> None:
+    bad = talker_input("bad", np.zeros((2, 2), dtype=np.int64))
+    (out,) = await run_whole(talker, bad)
+    assert out.error is not None and out.error.code == "bad_input"
+    assert "token_ids must be a non-empty 1-D integer array" in out.error.message
+    ok = await frames(talker, talker_input("after", PROMPT, codes=8))
+    assert ok.shape == (2, 4)
