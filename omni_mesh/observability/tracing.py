@@ -58,6 +58,12 @@ def setup_tracing(service_name: str, exporter: TracingExporter) -> TracerProvide
     return provider
 
 
+def tracing_on() -> bool:
+    """Whether :func:`setup_tracing` installed a provider in this process (hot paths skip
+    building span attributes when not)."""
+    return _enabled
+
+
 def _otlp_exporter() -> SpanExporter:
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # type: ignore[import-not-found,unused-ignore]

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from omni_mesh.data_plane.messages import StageInput, StageOutput, transfer_key
-from omni_mesh.observability.tracing import stage_span
+from omni_mesh.observability.tracing import stage_span, tracing_on
 
 if TYPE_CHECKING:
     from omni_mesh.sidecar.runner import StageRunner
@@ -31,6 +31,8 @@ class EngineOutputs:
         self._holds_slots = False
 
     async def __aenter__(self) -> EngineOutputs:
+        if not tracing_on():  # no span: next stages keep the parent's traceparent
+            return self
         runner, si = self._runner, self._si
         name = f"stage {runner.stage_id} {runner.pipeline.stage(runner.stage_id).name}"
         attributes: dict[str, str | int] = {
@@ -69,8 +71,8 @@ class EngineOutputs:
             if self._holds_slots:
                 self._runner.engine.release(transfer_key(self._si))  # one IPC message
         finally:
-            assert self._span is not None
-            self._span.__exit__(exc_type, exc, tb)
+            if self._span is not None:
+                self._span.__exit__(exc_type, exc, tb)
 
 
 def _holds_slots(out: StageOutput) -> bool:
