@@ -116,7 +116,10 @@ class StageDeployConfig(BaseModel):
 
     stage_id: int = Field(ge=0, lt=MAX_STAGES, description="Pipeline stage this entry configures.")
     num_replicas: int = Field(
-        default=1, ge=1, le=MAX_REPLICAS, description="Replicas in this stage's pool."
+        default=1,
+        ge=0,
+        le=MAX_REPLICAS,
+        description="Replicas in this stage's pool (0 only with autoscale.min_replicas 0).",
     )
     devices: DeviceList | None = Field(
         default=None,
@@ -229,7 +232,15 @@ class StageDeployConfig(BaseModel):
     @model_validator(mode="after")
     def _check_autoscale(self, info: ValidationInfo) -> Self:
         scale = self.autoscale
-        if scale is None or _context(info, "layer"):
+        if _context(info, "layer"):
+            return self
+        if scale is None:
+            if self.num_replicas == 0:
+                raise ValueError(
+                    f"num_replicas is 0 but stage {self.stage_id} has no autoscale policy: a "
+                    "stage starts at 0 replicas only when autoscale.min_replicas is 0 (the "
+                    "first request wakes it); give it at least 1 replica"
+                )
             return self
         if not scale.min_replicas <= self.num_replicas <= scale.max_replicas:
             raise ValueError(

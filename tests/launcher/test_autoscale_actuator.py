@@ -5,7 +5,9 @@ retired by draining (exit 0, never restarted) — every request answered 200 on 
 down. Idle, the stage scales to zero; a request then waits (the hop client wakes the stage)
 while a replica starts, and succeeds.
 
-One omni-up serves both tests (module scope): the second starts where the first left off."""
+omni-up starts stage 1 at zero replicas (``--replicas 1:0:1``): the first request wakes it.
+
+One omni-up serves all tests (module scope): each starts where the one before left off."""
 
 from __future__ import annotations
 
@@ -104,7 +106,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     port, cp_port = free_port(), free_port()
     argv = [sys.executable, "-m", "omni_mesh.launcher.cli", "--pipeline", PIPELINE,
             "--port", str(port), "--cp-port", str(cp_port), "--deploy-config", str(deploy),
-            "--replicas", "1:1:1", "--drain-timeout", "10"]  # fmt: skip
+            "--replicas", "1:0:1", "--drain-timeout", "10"]  # fmt: skip
     before = shm_segments()
     proc = ManagedProcess(argv, name="omni-up", env=clean_env(), log_dir=tmp).start()
     try:
@@ -119,6 +121,14 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
         assert shm_segments() - before == set()
     finally:
         proc.cleanup()
+
+
+def test_a_stage_started_at_zero_is_woken_by_the_first_request(up: Up) -> None:
+    assert "replicas 1:0:1" in up.proc.stdout
+    assert up.stage1_pods() == set()
+    status, body = up.generate(1)
+    assert status == 200, body[:300]
+    assert re.search(r"autoscale stage=1 starting process=.*replicas 0->1 .*wake", up.proc.stderr)
 
 
 def test_a_loaded_stage_gains_replicas_and_loses_them_by_draining(up: Up) -> None:
@@ -154,7 +164,7 @@ def test_a_loaded_stage_gains_replicas_and_loses_them_by_draining(up: Up) -> Non
     wait_until(lambda: re.search(retired_line, up.proc.stderr), 10, interval=0.1,
                message=lambda: up.proc.stderr[-3000:])  # fmt: skip
     err = up.proc.stderr
-    assert re.search(r"autoscale stage=1 starting process=stage1-s1-\d+ .*replicas 1->", err), err
+    assert re.search(r"autoscale stage=1 starting process=stage1-s1-\d+ .*replicas [01]->2", err), err
     retired = re.findall(r"retired process=(stage1-s1-\d+) pid=\d+ exited with code 0", err)
     assert len(retired) >= 1, err
     # Out of discovery first (control-plane drain), SIGTERM only then.
