@@ -7,9 +7,13 @@ own parsers, the deploy YAML loads, and promtool accepts the scrape job."""
 
 from __future__ import annotations
 
+import http.server
+import json
 import re
 import shutil
 import subprocess
+import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +24,9 @@ import yaml
 
 from omni_mesh.configs.loader import load_deploy_config
 from omni_mesh.configs.pipeline import get_pipeline
+from omni_mesh.configs.settings import ControlPlaneSettings
 from omni_mesh.control_plane.cli import build_parser as cp_parser
+from omni_mesh.control_plane.schema import DrainRequest
 from omni_mesh.sidecar.cli_stage import parser as stage_parser
 from omni_mesh.sidecar.cli_stage import settings_from_args
 
@@ -28,6 +34,7 @@ K8S = Path(__file__).resolve().parents[2] / "k8s"
 BASE = K8S / "tiny-omni"
 GPU = K8S / "gpu"
 Doc = dict[str, Any]
+HEARTBEAT_S = ControlPlaneSettings.model_fields["heartbeat_interval_ms"].default / 1000
 
 
 def _docs(*folders: Path) -> Iterator[tuple[str, Doc]]:
@@ -119,10 +126,19 @@ def test_stage_pods(label: str, doc: Doc) -> None:
     # probes on /health
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"]["path"] == "/health", probe
-    # a preStop drain, and a grace period longer than the drain
-    assert "kill -TERM 1" in " ".join(container["lifecycle"]["preStop"]["exec"]["command"])
+    # a preStop drain: out of discovery first, a wait, SIGTERM only then; a grace period
+    # longer than the preStop's calls, its wait and the drain together
     args = settings_from_args(stage_parser().parse_args(_args(container)))
-    assert pod["terminationGracePeriodSeconds"] > args.drain_timeout_s
+    script = _prestop_script(container)
+    drain_at = script.index(f"{args.control_plane[0]}/v1/instances/%s/drain")
+    wait = re.search(r"^sleep (\d+)$", script, re.MULTILINE)
+    assert wait is not None, script
+    assert drain_at < wait.start() < script.index("kill -TERM 1"), script
+    assert int(wait.group(1)) >= 2 * HEARTBEAT_S  # every sender's pool has dropped the pod
+    calls_s = 2 * 2  # the two HTTP calls' timeouts
+    assert (
+        pod["terminationGracePeriodSeconds"] > args.drain_timeout_s + int(wait.group(1)) + calls_s
+    )
     # the command is omni-stage's, for a headless stage of tiny-omni advertising its own address
     assert container["command"] == ["omni-stage"]
     assert (args.pipeline, args.headless) == ("tiny-omni", True)
@@ -134,6 +150,61 @@ def test_stage_pods(label: str, doc: Doc) -> None:
     gpus = container["resources"]["limits"].get("nvidia.com/gpu")
     assert gpus == (1 if label.startswith("gpu/") else None)
     assert (args.platform == "cuda") == label.startswith("gpu/")
+
+
+def _prestop_script(container: Doc) -> str:
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:2] == ["/bin/sh", "-c"]
+    return str(command[2])
+
+
+def test_prestop_drains_the_instance_on_the_control_plane(tmp_path: Path) -> None:
+    """The preStop's drain call, run against a stand-in for the pod's /health and omni-cp: it
+    reads its instance id from /health and POSTs a valid drain request for it."""
+    seen: list[tuple[str, str, bytes]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(("GET", self.path, b""))
+            self._answer({"status": "ok", "stage_id": 1, "instance_id": "abc123"})
+
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append(("POST", self.path, body))
+            self._answer({})
+
+        def _answer(self, body: Doc) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        here = f"http://127.0.0.1:{server.server_address[1]}"
+        for _, doc in STAGES:
+            script = _prestop_script(_container(doc))
+            code = re.search(r"python -c '\n(.*?)\n' \|\|", script, re.DOTALL)
+            assert code is not None, script
+            code_text = code.group(1).replace("http://127.0.0.1:9000", here)
+            code_text = code_text.replace("http://omni-cp:7700", here)
+            subprocess.run([sys.executable, "-c", code_text], check=True, timeout=30)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+    assert len(seen) == 2 * len(STAGES)
+    for get, post in zip(seen[::2], seen[1::2], strict=True):
+        assert get[:2] == ("GET", "/health")
+        assert post[:2] == ("POST", "/v1/instances/abc123/drain")
+        DrainRequest.model_validate_json(post[2])
 
 
 def test_api_and_control_plane_commands() -> None:
