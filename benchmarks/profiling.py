@@ -75,6 +75,7 @@ IDLE_LEAVES = (
     "Condition.wait ",
     "Event.wait ",
     "Thread.join ",
+    "_worker ",  # an idle thread-pool worker (blocked in its queue's C get)
     "select ",
     "poll ",
 )
