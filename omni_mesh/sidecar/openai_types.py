@@ -46,6 +46,7 @@ class ChatRequest(Struct):
     top_p: TopP | None = None
     top_k: TopK | None = None  # vLLM's extension (extra_body)
     repetition_penalty: RepetitionPenalty | None = None  # vLLM's extension (extra_body)
+    ignore_eos: bool | None = None  # vLLM's extension (extra_body)
     stop: Stop | None = None
     logprobs: bool = False  # the sampled tokens' logprobs (no alternatives: top_logprobs 0)
     top_logprobs: Annotated[int, Meta(ge=0, le=0)] | None = None
@@ -69,6 +70,7 @@ class CompletionRequest(Struct):
     top_p: TopP | None = None
     top_k: TopK | None = None  # vLLM's extension (extra_body)
     repetition_penalty: RepetitionPenalty | None = None  # vLLM's extension (extra_body)
+    ignore_eos: bool | None = None  # vLLM's extension (extra_body)
     stop: Stop | None = None
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
     logprobs: Annotated[int, Meta(ge=0, le=0)] | None = None  # the sampled tokens' only
