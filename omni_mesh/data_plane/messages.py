@@ -83,6 +83,7 @@ class SamplingParams(Struct, forbid_unknown_fields=True):
         | None
     ) = None
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # top-n per token; 0 = sampled only
+    ignore_eos: bool | None = None  # generate max_tokens whatever the model says (benchmarks)
 
 
 class Prompt(Struct, forbid_unknown_fields=True):

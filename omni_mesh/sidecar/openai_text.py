@@ -20,7 +20,7 @@ from omni_mesh.sidecar.outputs import FinalOutput
 
 _FIELD = re.compile(r"`\$\.(\w+)")
 #: The request fields that are sampling params (the same names in both routes).
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty")
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty", "ignore_eos")
 
 
 def sampling_from(

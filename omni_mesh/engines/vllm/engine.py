@@ -65,6 +65,7 @@ REQUEST_SAMPLING_FIELDS = (
     "repetition_penalty",
     "stop",
     "logprobs",
+    "ignore_eos",
 )
 
 
