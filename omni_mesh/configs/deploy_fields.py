@@ -52,6 +52,7 @@ ApiRoute = Literal[
     "/v1/generate",
     "/v1/audio/speech",
     "/v1/chat/completions",
+    "/v1/completions",
     "/v1/images/generations",
     "/v1/run",
 ]

@@ -7,6 +7,8 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, Struct
 
+from omni_mesh.data_plane.messages import PriorityClass
+
 
 class TextPart(Struct):
     type: str
@@ -53,6 +55,7 @@ class ChatRequest(Struct):
     n: Annotated[int, Meta(ge=1, le=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    priority: PriorityClass | None = None  # admission class; X-Omni-Priority wins over it
 
 
 class CompletionRequest(Struct):
@@ -78,6 +81,7 @@ class CompletionRequest(Struct):
     echo: Literal[False] = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    priority: PriorityClass | None = None  # admission class; X-Omni-Priority wins over it
 
 
 class SpeechRequest(Struct):
@@ -88,6 +92,7 @@ class SpeechRequest(Struct):
     stream_format: Literal["audio", "sse"] = "audio"  # "sse": base64 PCM16 delta events
     speed: Annotated[float, Meta(ge=0.25, le=4.0)] = 1.0
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    priority: PriorityClass | None = None  # admission class; X-Omni-Priority wins over it
 
 
 class ImageRequest(Struct):
@@ -97,3 +102,4 @@ class ImageRequest(Struct):
     size: str = "64x64"
     response_format: Literal["b64_json"] = "b64_json"
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    priority: PriorityClass | None = None  # admission class; X-Omni-Priority wins over it

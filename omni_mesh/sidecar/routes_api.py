@@ -24,6 +24,7 @@ from omni_mesh.configs.pipeline import OutputKind
 from omni_mesh.data_plane import wire
 from omni_mesh.data_plane.messages import Prompt, SamplingParams
 from omni_mesh.sidecar import routes_completions
+from omni_mesh.sidecar.admission import openai_priority
 from omni_mesh.sidecar.appkeys import POD
 from omni_mesh.sidecar.client_requests import collect, entry, request_frames
 from omni_mesh.sidecar.errors import ApiError, bad_request, decode_body
@@ -125,7 +126,8 @@ async def speech(request: web.Request) -> web.StreamResponse:
     if audio_stage is None:
         raise bad_request(f"pipeline {pod.pipeline.name!r} produces no audio", "model")
     fields = _voice_field(pod, req.voice)
-    prompt = Prompt(prompt=req.input, seed=req.seed, **fields)
+    priority = openai_priority(request, req.priority)
+    prompt = Prompt(prompt=req.input, seed=req.seed, priority=priority, **fields)
     si = entry(pod, request, prompt)
     sink: Sink
     if req.stream_format == "sse":
@@ -164,7 +166,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
     max_tokens = req.max_completion_tokens or req.max_tokens
     if max_tokens is not None and "max_tokens" in pod.pipeline.prompt_fields:
         fields["max_tokens"] = max_tokens
-    prompt = Prompt(prompt=_chat_prompt(req), seed=req.seed, **fields)
+    priority = openai_priority(request, req.priority)
+    prompt = Prompt(prompt=_chat_prompt(req), seed=req.seed, priority=priority, **fields)
     if req.logprobs:
         raise bad_request(
             "logprobs: not served on chat (use /v1/completions logprobs 0)", "logprobs"
@@ -221,7 +224,8 @@ async def images(request: web.Request) -> web.Response:
     data = []
     for i in range(req.n):
         seed = None if req.seed is None else req.seed + i
-        prompt = Prompt(prompt=req.prompt, seed=seed, size=size)
+        priority = openai_priority(request, req.priority)
+        prompt = Prompt(prompt=req.prompt, seed=seed, size=size, priority=priority)
         image = _pick(await generate_outputs(pod, request, prompt), OutputKind.IMAGE)
         assert image is not None and image.data is not None
         data.append({"b64_json": base64.b64encode(image.data).decode()})

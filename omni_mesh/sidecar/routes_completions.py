@@ -18,6 +18,7 @@ from omni_mesh.configs.pipeline import OutputKind, PipelineSpec
 from omni_mesh.data_plane import wire
 from omni_mesh.data_plane.messages import Prompt
 from omni_mesh.data_plane.tensors import tensor_from_array
+from omni_mesh.sidecar.admission import openai_priority
 from omni_mesh.sidecar.appkeys import POD
 from omni_mesh.sidecar.client_requests import entry, request_frames
 from omni_mesh.sidecar.errors import ApiError, bad_request, decode_body, error_body
@@ -118,7 +119,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise bad_request("stream_options: only allowed when stream is true", "stream_options")
     sampling = sampling_from(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
     token_ids = None if isinstance(req.prompt, str) else req.prompt
-    prompt = Prompt(prompt=_TOKEN_PROMPT if token_ids else str(req.prompt), seed=req.seed)
+    text = _TOKEN_PROMPT if token_ids else str(req.prompt)
+    prompt = Prompt(prompt=text, seed=req.seed, priority=openai_priority(request, req.priority))
     si = entry(pod, request, prompt, sampling, param="prompt")
     if token_ids is not None:
         ids = np.asarray(token_ids, dtype=np.int64)
