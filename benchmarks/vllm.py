@@ -262,8 +262,8 @@ def _tables(report: Report, phases: list[Phase], speech: list[tuple[float, float
         "in-process in the stage's engine process (one core step = one LLMEngine.step()) and "
         "hands each token event to its aiohttp sidecar over shared memory; vllm serve runs its "
         "engine core in a second process behind its API process (ZMQ), with detokenizing and "
-        "SSE in the API process. On 2 shared cores that second process hop is what its extra "
-        "TTFT and lower batch throughput come from (see the figures; not profiled further)."
+        "SSE in the API process. On 2 shared cores that second process and hop are the likely "
+        "source of the gap in the figures (an explanation, not profiled)."
     )
     report.notes.append(
         "TTFT is the first token event; vllm serve sometimes sends several tokens in one event "
