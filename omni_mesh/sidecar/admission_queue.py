@@ -76,6 +76,13 @@ def shed_retry_after(message: str) -> float | None:
     return float(found.group(1)) if found and message.startswith("shed (") else None
 
 
+def retry_after_in(message: str) -> float | None:
+    """The Retry-After a shed error's message carries (``…; retry after X s``), whether the
+    stage that shed it answered this pod or a stage further on did; None without one."""
+    found = _SHED_RETRY.search(message)
+    return float(found.group(1)) if found else None
+
+
 @dataclass(eq=False)
 class Waiter:
     """One request at the gate. ``deadline`` and ``arrived`` are monotonic seconds."""

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from omni_mesh.data_plane import codec
 from omni_mesh.data_plane.messages import StageError
+from omni_mesh.sidecar.admission_queue import retry_after_in
 from omni_mesh.sidecar.hop_client import HopUnavailable
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,10 @@ _STAGE_ERROR_STATUS = {
 def from_stage_error(err: StageError) -> ApiError:
     status = _STAGE_ERROR_STATUS.get(err.code, 500)
     where = f"stage {err.stage_id}: " if err.stage_id >= 0 else ""
-    headers = {"Retry-After": "1"} if status == 503 else None
+    headers = None
+    if status == 503:  # a shed carries the shedding stage's Retry-After in its message
+        retry_after_s = (retry_after_in(err.message) if err.code == "shed" else None) or 1.0
+        headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))}
     return ApiError(status, f"{where}{err.message}", type_=err.code, headers=headers)
 
 

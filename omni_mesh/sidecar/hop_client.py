@@ -488,11 +488,15 @@ def _shed(status: int, body: bytearray) -> float | None:
 
 
 def _every_replica_shed(stage_id: int, sheds: dict[str, float]) -> HopUnavailable:
+    """The message ends with the largest Retry-After the replicas gave: it travels back
+    through the stages before this one (a ``StageError``) to the client's ``Retry-After``."""
+    retry_after_s = max(sheds.values())
     return HopUnavailable(
         stage_id,
         f"shed: every replica of stage {stage_id} shed the request "
-        f"({', '.join(sorted(sheds))}: queues full or its deadline out of reach)",
-        retry_after_s=max(sheds.values()),
+        f"({', '.join(sorted(sheds))}: queues full or its deadline out of reach); "
+        f"retry after {retry_after_s:.3f} s",
+        retry_after_s=retry_after_s,
         code="shed",
     )
 

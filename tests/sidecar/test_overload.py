@@ -8,6 +8,8 @@ No wall-clock performance assertions beyond generous bounds."""
 from __future__ import annotations
 
 import asyncio
+import math
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -140,6 +142,32 @@ async def test_a_request_that_cannot_meet_its_deadline_is_shed_at_once(topo: Top
     assert hops_after - hops_before == 10
     shed = topo.metric(topo.urls[1][0], "omni_stage_shed_total", reason="deadline")
     assert shed >= 1
+
+
+async def test_a_shed_after_the_entry_stage_carries_its_retry_after_to_the_client(
+    topo: Topology,
+) -> None:
+    """Stage 1 (not the entry stage) sheds: the client's Retry-After is the one stage 1
+    computed (its queue's drain time, seconds here), not a default of 1."""
+    client = Client(topo.api_url)
+    async with aiohttp.ClientSession() as session:
+        await warm(session, client)
+        tasks = await client.burst(session, [f"deep-{i:02d}" for i in range(30)], spacing_s=0.002)
+        await asyncio.sleep(0.3)  # ~3 s of backlog queues at the slow stage
+        status = await client.send(session, "shed-deep", timeout_s=0.4)
+        statuses = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    _, _, body, headers = client.answers["shed-deep"]
+    assert status == 503, body
+    error = body["error"]
+    assert isinstance(error, dict) and error["type"] == "shed", error
+    message = str(error["message"])
+    assert message.startswith("stage 1: shed: every replica of stage 1 shed"), message
+    found = re.search(r"; retry after ([0-9.]+) s$", message)
+    assert found is not None, message
+    computed_s = float(found.group(1))
+    assert computed_s > 1.0, message  # the backlog takes seconds to drain
+    assert headers["Retry-After"] == str(math.ceil(computed_s)), (headers, message)
+    assert statuses == [200] * 30
 
 
 async def test_high_priority_overtakes_a_low_priority_backlog(topo: Topology) -> None:
