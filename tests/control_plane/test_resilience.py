@@ -68,7 +68,14 @@ async def test_a_bug_is_a_logged_json_500(
         resp = await client.post("/x", data=b"{}")
         assert resp.status == 500
         assert resp.content_type == "application/json"
-        assert await resp.json() == {"error": {"message": "internal error (see omni-cp logs)"}}
+        assert await resp.json() == {
+            "error": {
+                "message": "internal error (see omni-cp logs)",
+                "type": "internal_error",
+                "param": None,
+                "code": 500,
+            }
+        }
     [record] = [r for r in caplog.records if "unhandled error" in r.getMessage()]
     assert record.getMessage() == "unhandled error: POST /x"
     assert record.exc_info is not None and record.exc_info[0] is ZeroDivisionError
@@ -89,7 +96,9 @@ async def test_a_payload_error_outside_read_model_is_a_400(
     assert await resp.json() == {
         "error": {
             "message": "request body could not be read: Can not decode content-encoding: gzip",
-            "field": "body",
+            "type": "invalid_request_error",
+            "param": "body",
+            "code": 400,
         }
     }
     assert resp.headers["Connection"] == "close"
