@@ -139,7 +139,15 @@ async def register(request: web.Request) -> web.Response:
 async def heartbeat(request: web.Request) -> web.Response:
     instance_id = instance_id_param(request)
     body = await read_model(request, HeartbeatRequest, allow_empty=True)
-    result = await request.app[appkeys.STORE].heartbeat(instance_id, body.load)
+    try:
+        result = await request.app[appkeys.STORE].heartbeat(instance_id, body.load)
+    except SettingsConflict as exc:
+        raise ConflictError(
+            f"instance {instance_id}: pipeline-wide setting {exc.setting} is {exc.ours} on this "
+            f"pod but {exc.theirs} on the pods registered while its lease had lapsed; every pod "
+            "of a pipeline must agree",
+            field=f"settings.{exc.setting}",
+        ) from None
     if result is None:
         raise _unknown_instance(instance_id)
     if result.revived:

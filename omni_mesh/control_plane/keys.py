@@ -52,6 +52,7 @@ INSTANCE_FIELDS: tuple[str, ...] = (
     "load",  # JSON object (LoadReport), "" until the first heartbeat
     "isolated_at_ms",  # when a probe isolated it (reason unreachable); absent otherwise
     "pool",  # the set it is a member of (a stage pool, or the pipeline's API servers)
+    "settings",  # JSON object: its pipeline-wide settings, checked again when it is readmitted
 )
 
 
@@ -153,8 +154,12 @@ class KeySchema:
 
     # ---- pipeline-wide settings -----------------------------------------------------------
 
+    @property
+    def fingerprint_prefix(self) -> str:
+        return f"{self.prefix}fingerprint:"
+
     def fingerprint(self, pipeline: str) -> str:
-        return f"{self.prefix}fingerprint:{pipeline}"
+        return f"{self.fingerprint_prefix}{pipeline}"
 
     def lua_prefixes(self) -> tuple[str, str, str, str]:
         """(instance, pool, version, channel) prefixes, in the order the scripts expect."""

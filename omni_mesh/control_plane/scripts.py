@@ -97,7 +97,7 @@ redis.call('HSET', KEYS[1],
   'schema', ARGV[12], 'pipeline', ARGV[2], 'stage_id', ARGV[3], 'address', ARGV[4],
   'host_id', ARGV[5], 'capacity', ARGV[6], 'labels', ARGV[7], 'state', 'healthy',
   'reason', '', 'epoch', ms(epoch), 'registered_at_ms', ms(now),
-  'last_heartbeat_ms', ms(now), 'load', ARGV[8], 'pool', KEYS[2])
+  'last_heartbeat_ms', ms(now), 'load', ARGV[8], 'pool', KEYS[2], 'settings', ARGV[13])
 redis.call('SADD', KEYS[2], ARGV[1])
 redis.call('SADD', KEYS[6], ARGV[2])
 redis.call('ZADD', KEYS[3], ms(now + tonumber(ARGV[9])), ARGV[1])
@@ -108,12 +108,15 @@ return {ms(epoch), ms(version), ms(now), superseded}
 
 # KEYS: inst, leases, evict
 # ARGV: id, load_json, lease_ttl_ms, version_prefix, channel_prefix, unreachable_reason,
-#       readmit_grace_ms
-# Returns {0} when unknown, else {1, epoch, state, reason, revived, previous_reason}. An instance
-# isolated only because its lease lapsed is healthy again, and so is one isolated because a
-# probe could not reach it, once ``readmit_grace_ms`` have passed since (a heartbeat sent just
-# before the process died may arrive after the isolation: it must not readmit a dead instance).
-# Operator isolation and draining are kept.
+#       readmit_grace_ms, fingerprint_prefix
+# Returns {0} when unknown, {2, setting, theirs, ours} when the instance comes back (its lease
+# had lapsed, or it is readmitted) with a pipeline-wide setting that disagrees with the
+# pipeline's fingerprint (replaced while it was away: nothing is changed, the lease is not
+# renewed), else {1, epoch, state, reason, revived, previous_reason}. An instance isolated only
+# because its lease lapsed is healthy again, and so is one isolated because a probe could not
+# reach it, once ``readmit_grace_ms`` have passed since (a heartbeat sent just before the process
+# died may arrive after the isolation: it must not readmit a dead instance). Operator isolation
+# and draining are kept.
 HEARTBEAT = (
     _PRELUDE
     + """
@@ -121,10 +124,8 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
   return {0}
 end
 local now, now_us = clock()
-redis.call('HSET', KEYS[1], 'last_heartbeat_ms', ms(now), 'load', ARGV[2])
-redis.call('ZADD', KEYS[2], ms(now + tonumber(ARGV[3])), ARGV[1])
-redis.call('ZREM', KEYS[3], ARGV[1])
-local f = redis.call('HMGET', KEYS[1], 'state', 'reason', 'epoch', 'pipeline', 'isolated_at_ms')
+local f = redis.call('HMGET', KEYS[1], 'state', 'reason', 'epoch', 'pipeline', 'isolated_at_ms',
+  'settings')
 local state, reason, revived = f[1], f[2], 0
 local readmit = false
 if state == 'isolated' then
@@ -134,6 +135,26 @@ if state == 'isolated' then
     readmit = now >= (tonumber(f[5]) or 0) + tonumber(ARGV[7])
   end
 end
+local lease = redis.call('ZSCORE', KEYS[2], ARGV[1])
+if (readmit or not lease or tonumber(lease) < now) and f[6] and f[6] ~= '' then
+  local ours = cjson.decode(f[6])
+  local names = {}
+  for name, _ in pairs(ours) do table.insert(names, name) end
+  table.sort(names)
+  local fingerprint = ARGV[8] .. f[4]
+  for _, name in ipairs(names) do
+    local theirs = redis.call('HGET', fingerprint, name)
+    if theirs and theirs ~= ours[name] then
+      return {2, name, theirs, ours[name]}
+    end
+  end
+  for _, name in ipairs(names) do
+    redis.call('HSET', fingerprint, name, ours[name])
+  end
+end
+redis.call('HSET', KEYS[1], 'last_heartbeat_ms', ms(now), 'load', ARGV[2])
+redis.call('ZADD', KEYS[2], ms(now + tonumber(ARGV[3])), ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
 if readmit then
   redis.call('HSET', KEYS[1], 'state', 'healthy', 'reason', '')
   bump(ARGV[4] .. f[4], ARGV[5] .. f[4], now_us)

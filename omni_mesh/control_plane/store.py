@@ -220,6 +220,9 @@ class InstanceStore:
         )
 
     async def heartbeat(self, instance_id: str, load: LoadReport) -> HeartbeatResult | None:
+        """Renew the lease (None: unknown instance). :class:`SettingsConflict` when the
+        instance comes back after its lease lapsed and the pipeline's fingerprint changed
+        while it was away (another pipeline configuration registered)."""
         k = self.keys
         res = await self._heartbeat(
             keys=[k.instance(instance_id), k.leases, k.evict],
@@ -231,10 +234,13 @@ class InstanceStore:
                 k.channel_prefix,
                 REASON_UNREACHABLE,
                 self.readmit_grace_ms,
+                k.fingerprint_prefix,
             ],
         )
         if int(res[0]) == 0:
             return None
+        if int(res[0]) == 2:
+            raise SettingsConflict(_text(res[1]), _text(res[2]), _text(res[3]))
         return HeartbeatResult(
             epoch=int(res[1]),
             state=InstanceState(_text(res[2])),

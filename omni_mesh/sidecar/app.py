@@ -229,7 +229,9 @@ async def _control_plane_ctx(app: web.Application) -> AsyncIterator[None]:
         settings=pipeline_fingerprint(pod.pipeline, pod.deploy),
     )
     # Registered by serve() once the site listens: never advertise a closed port.
-    lease = InstanceLease(client, request, lambda: _load(pod))
+    lease = InstanceLease(
+        client, request, lambda: _load(pod), on_refused=lambda exc: _refused(pod, exc)
+    )
     app[LEASE] = lease
     yield
     pod.router.on_eject = None
@@ -354,6 +356,13 @@ async def _register(app: web.Application, pod: Pod) -> None:
         pod.instance_id or "-",
         pod.settings.address,
     )
+
+
+def _refused(pod: Pod, exc: ControlPlaneError) -> None:
+    """Refused after registering (409: back from a lapsed lease, its pipeline-wide settings no
+    longer agree with the pipeline's pods): a configuration error, as at registration."""
+    logger.error("heartbeat refused stage=%d: %s", pod.stage_id, exc)
+    pod.stop(2)
 
 
 async def _drain(app: web.Application, pod: Pod) -> None:

@@ -13,7 +13,7 @@ from omni_mesh.configs.deploy import DeployConfig
 from omni_mesh.configs.fingerprint import pipeline_fingerprint
 from omni_mesh.configs.pipeline import get_pipeline
 from omni_mesh.control_plane.keys import KeySchema
-from omni_mesh.control_plane.schema import RegisterRequest
+from omni_mesh.control_plane.schema import LoadReport, RegisterRequest
 from omni_mesh.control_plane.store import InstanceStore, SettingsConflict
 
 pytestmark = pytest.mark.unit
@@ -76,6 +76,31 @@ async def test_a_restarted_replica_may_change_the_setting_when_alone(
     store = store_of(redis_client)
     await store.register(req(1, 9001), STAGES)
     await store.register(req(1, 9001, async_chunk="true"), STAGES)  # same address: replaces it
+
+
+async def test_a_pod_back_from_a_lapsed_lease_is_checked_again(
+    redis_client: redis.asyncio.Redis,
+) -> None:
+    """While its lease had lapsed a pipeline with another setting registered: the heartbeat
+    that would readmit it is refused naming the setting, and changes nothing."""
+    store = store_of(redis_client, lease_ttl_ms=150)
+    away = await store.register(req(1, 9001), STAGES)
+    await asyncio.sleep(0.3)  # lapsed
+    assert await store.heartbeat(away.instance_id, LoadReport()) is not None  # nothing changed
+    await asyncio.sleep(0.3)
+    other = await store.register(req(2, 9002, async_chunk="true"), STAGES)
+    lease_before = await redis_client.zscore(KEYS.leases, away.instance_id)
+    with pytest.raises(SettingsConflict) as exc:
+        await store.heartbeat(away.instance_id, LoadReport())
+    assert (exc.value.setting, exc.value.theirs, exc.value.ours) == ("async_chunk", "true", "false")
+    assert await redis_client.zscore(KEYS.leases, away.instance_id) == lease_before  # not renewed
+    assert await store.heartbeat(other.instance_id, LoadReport()) is not None
+    assert await store.try_acquire_sweeper_lock("t", 1000)
+    assert (await store.sweep("t", 1000)).events  # the sweeper isolates it (lease_expired) ...
+    with pytest.raises(SettingsConflict):  # ... and a heartbeat still does not readmit it
+        await store.heartbeat(away.instance_id, LoadReport())
+    pool = await store.pool("tiny-omni", 1, healthy_only=False)
+    assert [i.state.value for i in pool.instances] == ["isolated"]
 
 
 def test_the_fingerprint_names_streaming_and_the_stage_list() -> None:

@@ -1,10 +1,13 @@
 """Pods of one pipeline that disagree on a pipeline-wide setting: the second is refused by the
 control plane (409 naming async_chunk) and omni-stage exits 2 saying so; once the first pod has
-left, the other setting is accepted."""
+left, the other setting is accepted. A pod whose lease lapsed while a pipeline with the other
+setting registered is refused by its next heartbeat (409) and exits 2 the same way."""
 
 from __future__ import annotations
 
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -45,6 +48,38 @@ def test_async_chunk_must_agree_across_a_pipelines_pods(tmp_path: Path) -> None:
         accepted.wait_http_ready(url + "/health", timeout=90)
     finally:
         for proc in procs:
+            proc.cleanup()
+        cp.proc.terminate(timeout=10)
+    assert shm_segments() - before == set()
+
+
+def test_a_pod_back_from_a_lapsed_lease_is_checked_again(tmp_path: Path) -> None:
+    before = shm_segments()
+    cp = start_control_plane(
+        None, log_dir=tmp_path, name="cp-readmit", heartbeat_interval_ms=200, lease_ttl_ms=600
+    )
+    procs: list[ManagedProcess] = []
+    try:
+        away, url = pod(cp.url, 1, tmp_path)
+        procs.append(away)
+        away.wait_http_ready(url + "/health", timeout=90)
+        away.send_signal(signal.SIGSTOP)  # no heartbeats: its lease lapses
+        time.sleep(1.0)
+        other, url = pod(cp.url, 2, tmp_path, "--async-chunk")  # the fingerprint is replaced
+        procs.append(other)
+        other.wait_http_ready(url + "/health", timeout=90)
+        away.send_signal(signal.SIGCONT)
+        assert away.wait(60) == 2, away.describe()
+        refused = [line for line in away.stderr.splitlines() if "refused" in line]
+        assert len(refused) == 1 and "heartbeat refused" in refused[0], away.stderr
+        assert "409" in refused[0], refused
+        assert "pipeline-wide setting async_chunk is false on this pod but true" in refused[0]
+        assert other.alive
+        assert other.terminate(timeout=20) == 0
+    finally:
+        for proc in procs:
+            if proc.alive:
+                proc.send_signal(signal.SIGCONT)
             proc.cleanup()
         cp.proc.terminate(timeout=10)
     assert shm_segments() - before == set()

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from http import HTTPStatus
 
 from omni_mesh.control_plane.client.backoff import Backoff
 from omni_mesh.control_plane.client.http import ControlPlaneClient
@@ -37,6 +38,10 @@ DOWN_LOG_INTERVAL_S = 5.0
 logger = logging.getLogger(__name__)
 
 
+class _Refused(Exception):
+    """Re-registration refused with a 409: the lease gives up (``on_refused`` was told)."""
+
+
 class InstanceLease:
     """Registration + heartbeats of one instance. ``await start()``, later ``await stop()``."""
 
@@ -49,12 +54,14 @@ class InstanceLease:
         backoff_initial_s: float = 0.1,
         backoff_max_s: float = 5.0,
         on_registered: Callable[[Registration], None] | None = None,
+        on_refused: Callable[[ControlPlaneRequestError], None] | None = None,
     ) -> None:
         self.client = client
         self.request = request
         self._load_fn = load_fn
         self._backoff = Backoff(backoff_initial_s, backoff_max_s)
         self._on_registered = on_registered
+        self._on_refused = on_refused
         self.registration: Registration | None = None
         self.registered = False
         self.state: InstanceState | None = None
@@ -123,6 +130,8 @@ class InstanceLease:
             except ControlPlaneRequestError as exc:
                 if raise_rejections:
                     raise
+                if self._refused(exc):
+                    raise _Refused from None
                 logger.error("registration rejected %s: %s", self._tag, exc)
             else:
                 self._accept(registration)
@@ -168,13 +177,18 @@ class InstanceLease:
                     instance_id,
                     self._tag,
                 )
-                await self._register(raise_rejections=False)
+                try:
+                    await self._register(raise_rejections=False)
+                except _Refused:
+                    return
                 next_at = loop.time()
                 continue
             except ControlPlaneUnavailableError as exc:
                 self._log_down(exc)
                 continue
             except ControlPlaneRequestError as exc:
+                if self._refused(exc):
+                    return
                 logger.error("heartbeat rejected instance=%s: %s", instance_id, exc)
                 continue
             self._log_up()
@@ -187,6 +201,16 @@ class InstanceLease:
                     ack.reason or "-",
                 )
             self.state = ack.state
+
+    def _refused(self, exc: ControlPlaneRequestError) -> bool:
+        """A 409 (this pod disagrees with its pipeline's pods: a configuration error) after the
+        first registration: heartbeats stop and ``on_refused`` decides (the sidecar exits 2).
+        True when it was such a refusal; without ``on_refused`` the lease keeps trying."""
+        if exc.status != HTTPStatus.CONFLICT or self._on_refused is None:
+            return False
+        self._stopping = True
+        self._on_refused(exc)
+        return True
 
     def _log_down(self, exc: Exception) -> None:
         """A warning when the control plane stops answering, then one every
