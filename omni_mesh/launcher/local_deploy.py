@@ -22,6 +22,11 @@ run a failure. Last, a janitor removes shared-memory segments whose owner is gon
 Nothing here prints: the text for the user (the endpoint list, a failure) goes to the
 caller's callbacks. The deployment secret reaches the stages as ``OMNI_SECRET`` in their
 environment (not on their command line, which any local user can read).
+
+The children inherit omni-up's environment except the variables of the settings omni-up
+decides for each child itself (:func:`child_environment`): an ``OMNI_STAGE_HEADLESS=1`` in the
+shell must not turn the API server (``--api-only``) into a clash, nor an
+``OMNI_STAGE_ADVERTISE_ADDRESS`` give every replica one address.
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ from pathlib import Path
 
 from omni_mesh.configs.autoscale import AutoscaleConfig
 from omni_mesh.configs.pipeline import PipelineSpec
-from omni_mesh.configs.settings import LogLevel
+from omni_mesh.configs.settings import ControlPlaneSettings, LogLevel
+from omni_mesh.configs.settings_flags import env_names
+from omni_mesh.configs.stage_settings import StageSettings
 from omni_mesh.data_plane.shm_cleanup import (
     sweep_orphans,  # the host janitor, after the pods are gone
 )
@@ -52,6 +59,15 @@ logger = logging.getLogger(__name__)
 
 LOCALHOST = "127.0.0.1"
 SECRET_ENV = "OMNI_SECRET"
+#: omni-stage settings omni-up sets for each child (its role, address, control plane, what it
+#: loads, how it stops, its secret): their ``OMNI_STAGE_*`` variables are not passed on.
+CHILD_STAGE_SETTINGS = (
+    "pipeline", "stage_id", "headless", "api_only", "control_plane", "omni_master_address",
+    "omni_master_port", "host", "port", "advertise_address", "secret", "deploy_config",
+    "stage_overrides", "drain_timeout_s", "log_level",
+)  # fmt: skip
+#: The same for the control plane child (``omni-cp serve --host --port --log-level``).
+CHILD_CP_SETTINGS = ("host", "port", "log_level")
 _FOLLOW_POLL_S = 0.1
 
 
@@ -203,7 +219,7 @@ def run_local(
     sup = Supervisor(
         keep_logs=config.keep_logs, grace_s=config.stop_timeout_s, log_prefix="omni-up-"
     )
-    child_env = {**env, SECRET_ENV: config.secret, "PYTHONUNBUFFERED": "1"}
+    child_env = child_environment(env, config.secret)
     ok = True
     try:
         cp_port = config.cp_port or free_port(LOCALHOST)
@@ -236,6 +252,21 @@ def run_local(
                 on_error(f"had to SIGKILL:\n{killed}\nlogs kept in {sup.log_dir}")
             sup.close()
     return ok
+
+
+def child_environment(env: Mapping[str, str], secret: str) -> dict[str, str]:
+    """The environment of every child: omni-up's own, less the variables of the settings
+    omni-up gives each child explicitly (:data:`CHILD_STAGE_SETTINGS`,
+    :data:`CHILD_CP_SETTINGS`), plus the deployment secret."""
+    owned = {n for f in CHILD_STAGE_SETTINGS for n in env_names(StageSettings, f)}
+    owned |= {n for f in CHILD_CP_SETTINGS for n in env_names(ControlPlaneSettings, f)}
+    dropped = sorted(k for k in env if k in owned)
+    if dropped:
+        logger.info(
+            "not passed to the children (omni-up sets these itself): %s", ", ".join(dropped)
+        )
+    kept = {k: v for k, v in env.items() if k not in owned}
+    return {**kept, SECRET_ENV: secret, "PYTHONUNBUFFERED": "1"}
 
 
 def _follow(

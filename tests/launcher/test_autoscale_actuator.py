@@ -6,6 +6,9 @@ down. Idle, the stage scales to zero; a request then waits (the hop client wakes
 while a replica starts, and succeeds.
 
 omni-up starts stage 1 at zero replicas (``--replicas 1:0:1``): the first request wakes it.
+Its shell sets per-child ``OMNI_STAGE_*`` variables that would clash with the children's own
+flags (``OMNI_STAGE_HEADLESS=1`` next to the API server's ``--api-only``): omni-up does not pass
+them on, so every child, the ones the actuator starts included, comes up as omni-up says.
 
 One omni-up serves all tests (module scope): each starts where the one before left off."""
 
@@ -68,6 +71,16 @@ stages:
 """
 
 
+#: Variables of settings omni-up gives each child itself (see local_deploy.child_environment).
+SHELL_VARIABLES = {
+    "OMNI_STAGE_HEADLESS": "1",
+    "OMNI_STAGE_API_ONLY": "1",
+    "OMNI_STAGE_STAGE_ID": "2",
+    "OMNI_STAGE_PORT": "1",
+    "OMNI_STAGE_ADVERTISE_ADDRESS": "http://10.9.9.9:1",
+}
+
+
 class Up:
     def __init__(self, proc: ManagedProcess, port: int, cp_port: int) -> None:
         self.proc = proc
@@ -108,7 +121,8 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
             "--port", str(port), "--cp-port", str(cp_port), "--deploy-config", str(deploy),
             "--replicas", "1:0:1", "--drain-timeout", "10"]  # fmt: skip
     before = shm_segments()
-    proc = ManagedProcess(argv, name="omni-up", env=clean_env(), log_dir=tmp).start()
+    env = clean_env(SHELL_VARIABLES)
+    proc = ManagedProcess(argv, name="omni-up", env=env, log_dir=tmp).start()
     try:
         proc.wait_for_output(READY, timeout=90)
         children = descendants(proc.pid)
@@ -125,6 +139,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
 
 def test_a_stage_started_at_zero_is_woken_by_the_first_request(up: Up) -> None:
     assert "replicas 1:0:1" in up.proc.stdout
+    assert "not passed to the children (omni-up sets these itself): " in up.proc.stderr
     assert up.stage1_pods() == set()
     status, body = up.generate(1)
     assert status == 200, body[:300]
@@ -164,7 +179,8 @@ def test_a_loaded_stage_gains_replicas_and_loses_them_by_draining(up: Up) -> Non
     wait_until(lambda: re.search(retired_line, up.proc.stderr), 10, interval=0.1,
                message=lambda: up.proc.stderr[-3000:])  # fmt: skip
     err = up.proc.stderr
-    assert re.search(r"autoscale stage=1 starting process=stage1-s1-\d+ .*replicas [01]->2", err), err
+    started = r"autoscale stage=1 starting process=stage1-s1-\d+ .*replicas [01]->2"
+    assert re.search(started, err), err
     retired = re.findall(r"retired process=(stage1-s1-\d+) pid=\d+ exited with code 0", err)
     assert len(retired) >= 1, err
     # Out of discovery first (control-plane drain), SIGTERM only then.
