@@ -236,19 +236,20 @@ class Admission:
 def request_class(
     pod: Pod, request: web.Request, body_priority: PriorityClass | None = None
 ) -> tuple[PriorityClass, str]:
-    """A client request's priority class and tenant: ``priority`` in its body, else the
-    ``X-Omni-Priority`` header, else normal (400 naming it when bad or not accepted on this
-    route: ``priority_classes`` in the deploy config); the tenant is ``X-Omni-Tenant``, else a
-    hash of its API key (never the key itself), else anonymous."""
+    """A client request's priority class and tenant: the ``X-Omni-Priority`` header, else
+    ``priority`` in its body, else normal — on every route the header wins, so a gateway in
+    front can set the class (400 naming it when bad or not accepted on this route:
+    ``priority_classes`` in the deploy config); the tenant is ``X-Omni-Tenant``, else a hash of
+    its API key (never the key itself), else anonymous."""
     raw = request.headers.get(PRIORITY_HEADER)
     priority: PriorityClass = "normal"
-    if body_priority is not None:
-        priority = body_priority
-    elif raw is not None:
+    if raw is not None:
         try:
             priority = PRIORITY_NAMES_TYPED[parse_priority(raw)]
         except ValueError as exc:
             raise bad_request(f"{PRIORITY_HEADER}: {exc}", PRIORITY_HEADER) from None
+    elif body_priority is not None:
+        priority = body_priority
     route = request.path  # the client routes are plain paths
     caps = {str(k): v for k, v in pod.deploy.priority_classes.items()}
     allowed = caps.get(route)

@@ -227,6 +227,8 @@ def test_an_api_servers_default_slots_follow_the_entry_pool(pod: FakePod) -> Non
 def test_request_class_from_headers_and_body(pod: FakePod) -> None:
     req = make_mocked_request("POST", "/v1/generate", headers={"X-Omni-Priority": "High"})
     assert request_class(pod, req) == ("high", "")  # type: ignore[arg-type]
+    assert request_class(pod, req, "low") == ("high", "")  # type: ignore[arg-type]  # header wins
+    req = make_mocked_request("POST", "/v1/generate")
     assert request_class(pod, req, "low") == ("low", "")  # type: ignore[arg-type]
     req = make_mocked_request("POST", "/v1/generate", headers={"X-Omni-Tenant": "team-a"})
     assert request_class(pod, req) == ("normal", "team-a")  # type: ignore[arg-type]
