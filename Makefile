@@ -43,7 +43,7 @@ test-tools:
 	else echo "make: not root or no apt-get: tests that need$$missing will skip"; fi
 
 test: install test-tools
-	$(BIN)/pytest -q -p no:cacheprovider
+	$(BIN)/pytest -q -p no:cacheprovider --durations=15
 
 check: lint typecheck test
 
