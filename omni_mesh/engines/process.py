@@ -20,6 +20,7 @@ own segments *and* its sidecar's, then exits: no ``/dev/shm`` segment survives e
 from __future__ import annotations
 
 import enum
+import gc
 import logging
 import os
 import signal
@@ -134,6 +135,8 @@ class EngineProc:
                 )
             )
             self._core = core
+            gc.collect()
+            gc.freeze()  # what loading made stays out of every later collection (hot loop)
             self._serve(core)
             core.engine.close()
             return 0
