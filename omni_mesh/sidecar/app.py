@@ -55,6 +55,12 @@ logger = logging.getLogger(__name__)
 
 #: Socket read size of the HTTP server and client: large bodies arrive in fewer pieces.
 READ_BUFSIZE = 1 << 20
+#: Listen backlog: a burst of senders must reach the admission queue, not time out connecting
+#: (a full backlog drops SYNs, which looks like a silent host to the hop client).
+LISTEN_BACKLOG = 4096
+#: Idle keep-alive connections kept per replica: under overload hundreds of hops wait in a
+#: receiver's queue at once, and a new connection per hop would flood its backlog.
+HOP_IDLE_PER_HOST = 1024
 
 
 class WatchedPools:
@@ -98,7 +104,9 @@ async def build_pod(
     router = Router(pools, host_id=settings.host_id)
     reader = ShmReader()
     http = HopHttpClient(
-        connect_timeout_s=settings.hop_connect_timeout_s, keepalive_s=settings.hop_keepalive_s
+        connect_timeout_s=settings.hop_connect_timeout_s,
+        keepalive_s=settings.hop_keepalive_s,
+        max_idle_per_host=HOP_IDLE_PER_HOST,
     )
     secret = resolve_secret(settings)
     hop = HopClient(
@@ -156,15 +164,6 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     pod.reader.close()
 
 
-def liveness_config(settings: StageSettings) -> LivenessConfig:
-    return LivenessConfig(
-        probe_after_s=settings.hop_probe_after_s,
-        interval_s=settings.hop_probe_interval_s,
-        connect_timeout_s=settings.hop_connect_timeout_s,
-        answer_timeout_s=settings.hop_probe_timeout_s,
-    )
-
-
 async def sweep_orphaned_shm(*, directory: str | None = None) -> int:
     """Remove segments of dead processes before the engine starts (a directory scan and a
     ``/proc`` read per segment: in a worker thread, off the event loop); how many."""
@@ -172,6 +171,15 @@ async def sweep_orphaned_shm(*, directory: str | None = None) -> int:
     if removed:
         logger.info("removed %d orphaned shared-memory segments", removed)
     return removed
+
+
+def liveness_config(settings: StageSettings) -> LivenessConfig:
+    return LivenessConfig(
+        probe_after_s=settings.hop_probe_after_s,
+        interval_s=settings.hop_probe_interval_s,
+        connect_timeout_s=settings.hop_connect_timeout_s,
+        answer_timeout_s=settings.hop_probe_timeout_s,
+    )
 
 
 async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -301,8 +309,15 @@ async def serve(pod: Pod) -> int:
     try:
         if not await _until_stopped(pod, runner.setup()):
             return pod.exit_code or 0
-        site = web.TCPSite(runner, pod.settings.host, pod.settings.port, reuse_address=True)
+        site = web.TCPSite(
+            runner,
+            pod.settings.host,
+            pod.settings.port,
+            reuse_address=True,
+            backlog=LISTEN_BACKLOG,
+        )
         await site.start()
+        freeze_startup_objects()
         register = asyncio.create_task(_register(app, pod), name="register")
         logger.info(
             "listening pipeline=%s stage=%d on %s (%s)",
@@ -317,11 +332,18 @@ async def serve(pod: Pod) -> int:
         register.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await register
-        freeze_startup_objects()
         await _drain(app, pod)
     finally:
         await runner.cleanup()
     return pod.exit_code
+
+
+def freeze_startup_objects() -> None:
+    """Collect once, then keep everything start-up made (modules, the app, the engine client)
+    out of every later garbage collection: under load a collection otherwise re-scans them
+    about once per 20 hops (~40% of the GC time per hop)."""
+    gc.collect()
+    gc.freeze()
 
 
 async def _until_stopped(pod: Pod, work: Awaitable[None]) -> bool:
@@ -338,14 +360,6 @@ async def _until_stopped(pod: Pod, work: Awaitable[None]) -> bool:
     with contextlib.suppress(asyncio.CancelledError):
         await task
     return False
-def freeze_startup_objects() -> None:
-    """Collect once, then keep everything start-up made (modules, the app, the engine client)
-    out of every later garbage collection: under load a collection otherwise re-scans them
-    about once per 20 hops (~40% of the GC time per hop)."""
-    gc.collect()
-    gc.freeze()
-
-
 
 
 async def _register(app: web.Application, pod: Pod) -> None:
