@@ -124,9 +124,7 @@ def test_status_table() -> None:
                         heartbeat_age_ms=125_000,
                     ),
                 ),
-                api_servers=(
-                    _info(instance_id="api1", stage_id=0, labels={"role": "api-only"}),
-                ),
+                api_servers=(_info(instance_id="api1", stage_id=0, labels={"role": "api-only"}),),
             ),
         )
     )
