@@ -33,7 +33,7 @@ from omni_mesh.data_plane.connectors import Connector
 from omni_mesh.data_plane.constants import HOP_FRAMES, MSGPACK
 from omni_mesh.data_plane.messages import HopResult, StageError, StageInput
 from omni_mesh.data_plane.shm import ShmReader
-from omni_mesh.sidecar.admission_queue import SHED_TYPE, shed_retry_after
+from omni_mesh.sidecar.hop_answers import error_message, shed_retry_after_of, unseen
 from omni_mesh.sidecar.hop_http import FrameReader, HopConnectionError, HopHttpClient
 from omni_mesh.sidecar.router import Replica, Router
 
@@ -212,7 +212,7 @@ class HopClient:
                 )
                 # 2) A whole answer: one frame, done.
                 if answer.frames is None:
-                    yield _unseen(_hop_result(si, answer), seen)
+                    yield unseen(_hop_result(si, answer), seen)
                     return
                 # 3) A streamed answer: pass on its frames until the last one …
                 try:
@@ -310,7 +310,7 @@ class HopClient:
                     f"stage {stage_id}: failed on {budget.failures + 1} replica(s) "
                     f"(last: {replica.instance_id})"
                 )
-            elif (retry_after_s := _shed(answer.status, answer.body)) is not None:
+            elif (retry_after_s := shed_retry_after_of(answer.status, answer.body)) is not None:
                 budget.stats.shed += 1  # its queue is full: not a failure
                 sheds[replica.instance_id] = retry_after_s
             elif answer.status in _BUSY:  # busy: not a failure
@@ -387,7 +387,8 @@ class HopClient:
                 max_bytes=MAX_RESULT_BYTES,
                 stream_type=stream_type,
             )
-            if resp.status in _REPLICA_FAILED and _shed(resp.status, resp.body) is None:
+            failed = resp.status in _REPLICA_FAILED
+            if failed and shed_retry_after_of(resp.status, resp.body) is None:
                 text = bytes(resp.body[:300]).decode(errors="replace")
                 self._replica_failed(replica, f"status {resp.status}: {text}", budget)
                 return None
@@ -432,30 +433,13 @@ async def _stream_frames(
     ends without a last frame raises :class:`HopConnectionError`."""
     async with reader as frames:
         async for raw in frames:
-            frame = _unseen(codec.decode(raw, HopResult), seen)
+            frame = unseen(codec.decode(raw, HopResult), seen)
             if not frame.more:
                 yield frame
                 return
             if frame.outputs or frame.timings or frame.joins:  # not all replayed
                 yield frame
     raise HopConnectionError("the stream ended before its last frame")
-
-
-def _unseen(frame: HopResult, seen: set[tuple[int, int]]) -> HopResult:
-    """``frame`` without the (stage, chunk) outputs already passed on (a replayed stream
-    regenerates them); records the rest as seen."""
-    if not frame.outputs:
-        return frame
-    fresh = {}
-    for stage_id, payload in frame.outputs.items():
-        key = (stage_id, frame.chunks.get(stage_id, 0))
-        if key not in seen:
-            seen.add(key)
-            fresh[stage_id] = payload
-    if len(fresh) == len(frame.outputs):
-        return frame
-    chunks = {k: v for k, v in frame.chunks.items() if k in fresh}
-    return msgspec.structs.replace(frame, outputs=fresh, chunks=chunks)
 
 
 def _hop_result(si: StageInput, answer: Answer) -> HopResult:
@@ -467,24 +451,12 @@ def _hop_result(si: StageInput, answer: Answer) -> HopResult:
             message = f"unreadable hop answer from {answer.replica.instance_id}: {exc}"
             code = "engine_error"
     else:
-        message = _error_message(answer.body)
+        message = error_message(answer.body)
         code = "bad_input" if 400 <= answer.status < 500 else "engine_error"
     return HopResult(
         request_id=si.request_id,
         error=StageError(code=code, message=message, stage_id=si.stage_id),  # type: ignore[arg-type]
     )
-
-
-def _shed(status: int, body: bytearray) -> float | None:
-    """The Retry-After of a receiver's shed answer (its admission queue refused the work:
-    not a replica failure); None for any other answer."""
-    if status != 503 or not body.startswith(b'{"error"'):
-        return None
-    with contextlib.suppress(msgspec.DecodeError, KeyError, TypeError):
-        error = msgspec.json.decode(body)["error"]
-        if error["type"] == SHED_TYPE:
-            return shed_retry_after(error["message"]) or 1.0
-    return None
 
 
 def _every_replica_shed(stage_id: int, sheds: dict[str, float]) -> HopUnavailable:
@@ -499,11 +471,3 @@ def _every_replica_shed(stage_id: int, sheds: dict[str, float]) -> HopUnavailabl
         retry_after_s=retry_after_s,
         code="shed",
     )
-
-
-def _error_message(body: bytearray) -> str:
-    with contextlib.suppress(msgspec.DecodeError, KeyError, TypeError):
-        message = msgspec.json.decode(body)["error"]["message"]
-        if isinstance(message, str):
-            return message
-    return bytes(body[:500]).decode(errors="replace")
