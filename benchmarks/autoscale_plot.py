@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from benchmarks.autoscale import Trace
+    from benchmarks.autoscale_run import Trace
 
 
 def plot(traces: Sequence[Trace], path: Path, *, target_s: float) -> None:
