@@ -19,13 +19,16 @@ long each has waited (:meth:`HopHttpClient.outstanding`), and :meth:`HopHttpClie
 every call in flight to one ``host:port`` with :class:`HopReplicaLost` — what
 :class:`~omni_mesh.sidecar.liveness.HopLiveness` does when that replica fails a health probe.
 TCP keepalive (``keepalive_s``) is the kernel's second line, for idle pooled connections.
+
+This module is the pool, the calls and the streamed answers; the bytes of one connection
+(writing a request, reading a head or a chunk) and the typed errors are
+:mod:`omni_mesh.sidecar.hop_conn`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from types import TracebackType
@@ -33,19 +36,29 @@ from urllib.parse import urlsplit
 
 from omni_mesh.data_plane.framing import HEADER_SIZE, FrameDecoder, FrameTooLarge
 from omni_mesh.data_plane.wire import READ_CHUNK, ResponseTooLarge
+from omni_mesh.sidecar.hop_conn import (
+    HEAD_LIMIT,
+    HopConn,
+    HopConnectionError,
+    HopReplicaLost,
+    read_chunk,
+    read_chunked,
+    read_head,
+    request_head,
+    send_request,
+    set_keepalive,
+)
 from omni_mesh.sidecar.timeouts import within
 
+__all__ = [
+    "FrameReader",
+    "HopConnectionError",
+    "HopHttpClient",
+    "HopReplicaLost",
+    "HopResponse",
+]
+
 logger = logging.getLogger(__name__)
-
-_HEAD_LIMIT = 64 * 1024
-
-
-class HopConnectionError(ConnectionError):
-    """The connection was refused, reset, not made in time or closed before the answer ended."""
-
-
-class HopReplicaLost(HopConnectionError):
-    """The call was cut by :meth:`HopHttpClient.abort`: its replica stopped answering probes."""
 
 
 @dataclass
@@ -54,25 +67,6 @@ class HopResponse:
     content_type: str
     body: bytearray
     frames: FrameReader | None = None  # a streamed answer (``stream_type``): read these
-
-
-@dataclass(eq=False)  # hashed by identity: kept in the client's set of connections in use
-class _Conn:
-    key: tuple[str, int]
-    reader: asyncio.StreamReader
-    writer: asyncio.StreamWriter
-    reused: bool = False
-    since: float = 0.0  # loop time the call was sent (or its last frame came)
-    lost: str = ""  # why abort() cut it
-
-    def close(self) -> None:
-        self.writer.close()
-
-    def error(self, exc: BaseException) -> HopConnectionError:
-        """The typed error for ``exc`` raised while this connection carried a call."""
-        if self.lost:
-            return HopReplicaLost(self.lost)
-        return HopConnectionError(f"{type(exc).__name__}: {exc}")
 
 
 class HopHttpClient:
@@ -88,8 +82,8 @@ class HopHttpClient:
         self.max_idle = max_idle_per_host
         self.connect_timeout_s = connect_timeout_s
         self.keepalive_s = keepalive_s
-        self._idle: dict[tuple[str, int], list[_Conn]] = {}
-        self._in_use: set[_Conn] = set()
+        self._idle: dict[tuple[str, int], list[HopConn]] = {}
+        self._in_use: set[HopConn] = set()
         self._hosts: dict[str, tuple[str, int, bytes]] = {}
 
     async def post(
@@ -107,7 +101,7 @@ class HopHttpClient:
         :attr:`HopResponse.frames` to read (each frame at most ``max_bytes``, all of them
         within ``timeout_s`` of now); any other answer is read whole."""
         host, port, host_header = self._parse(address)
-        head = self._head(path, host_header, headers, len(body))
+        head = request_head(path, host_header, headers, len(body))
         deadline = asyncio.get_running_loop().time() + timeout_s
         async with asyncio.timeout_at(deadline):
             conn = await self._connection(host, port)
@@ -161,16 +155,9 @@ class HopHttpClient:
             self._hosts[address] = cached
         return cached
 
-    @staticmethod
-    def _head(path: str, host: bytes, headers: dict[str, str], length: int) -> bytes:
-        lines = [f"POST {path} HTTP/1.1".encode(), b"Host: " + host]
-        lines += [f"{k}: {v}".encode() for k, v in headers.items()]
-        lines.append(f"Content-Length: {length}".encode())
-        return b"\r\n".join(lines) + b"\r\n\r\n"
-
-    async def _connection(self, host: str, port: int, *, fresh: bool = False) -> _Conn:
+    async def _connection(self, host: str, port: int, *, fresh: bool = False) -> HopConn:
         idle = self._idle.get((host, port))
-        conn: _Conn | None = None
+        conn: HopConn | None = None
         while idle and not fresh:
             conn = idle.pop()
             if not conn.writer.is_closing() and not conn.reader.at_eof():
@@ -184,12 +171,12 @@ class HopHttpClient:
         self._in_use.add(conn)
         return conn
 
-    async def _connect(self, host: str, port: int) -> _Conn:
+    async def _connect(self, host: str, port: int) -> HopConn:
         """A fresh connection within ``connect_timeout_s`` (the caller's deadline bounds it
         too: that one raises ``TimeoutError``, not :class:`HopConnectionError`)."""
         try:
             reader, writer = await within(
-                asyncio.open_connection(host, port, limit=_HEAD_LIMIT), self.connect_timeout_s
+                asyncio.open_connection(host, port, limit=HEAD_LIMIT), self.connect_timeout_s
             )
         except TimeoutError:
             raise HopConnectionError(
@@ -202,11 +189,11 @@ class HopHttpClient:
             sock = writer.get_extra_info("socket")
             if sock is not None:
                 set_keepalive(sock, self.keepalive_s)
-        return _Conn((host, port), reader, writer)
+        return HopConn((host, port), reader, writer)
 
     async def _exchange(
         self,
-        conn: _Conn,
+        conn: HopConn,
         head: bytes,
         body: bytes,
         max_bytes: int,
@@ -215,13 +202,13 @@ class HopHttpClient:
     ) -> HopResponse:
         """One call on ``conn``; the connection is discarded when it fails."""
         try:
-            await self._send(conn.writer, head, body)
-            status, content_type, length, chunked, close = await self._read_head(conn.reader)
+            await send_request(conn.writer, head, body)
+            status, content_type, length, chunked, close = await read_head(conn.reader)
             if stream_type is not None and status == 200 and content_type == stream_type:
                 frames = FrameReader(self, conn, chunked, length, close, max_bytes, deadline)
                 return HopResponse(status, content_type, bytearray(), frames)
             if chunked:
-                data = await self._read_chunked(conn.reader, max_bytes)
+                data = await read_chunked(conn.reader, max_bytes)
             else:
                 if length > max_bytes:
                     raise ResponseTooLarge(f"answer of {length} bytes exceeds {max_bytes}")
@@ -238,54 +225,11 @@ class HopHttpClient:
             self._release(conn)
         return HopResponse(status, content_type, data)
 
-    @staticmethod
-    async def _send(writer: asyncio.StreamWriter, head: bytes, body: bytes) -> None:
-        if len(body) <= READ_CHUNK:
-            writer.write(head + body)  # one write: one segment for small calls
-        else:
-            writer.write(head)
-            view = memoryview(body)
-            for start in range(0, len(view), READ_CHUNK):
-                if writer.is_closing():  # aborted while draining (uvloop's write would raise)
-                    raise ConnectionResetError("the connection closed while sending the body")
-                writer.write(view[start : start + READ_CHUNK])
-                await writer.drain()
-        await writer.drain()
-
-    @staticmethod
-    async def _read_head(reader: asyncio.StreamReader) -> tuple[int, str, int, bool, bool]:
-        raw = await reader.readuntil(b"\r\n\r\n")
-        lines = raw[:-4].split(b"\r\n")
-        try:
-            status = int(lines[0].split(b" ", 2)[1])
-        except (IndexError, ValueError):
-            raise HopConnectionError(f"malformed status line {lines[0][:80]!r}") from None
-        content_type, length, chunked, close = "", 0, False, False
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            key = name.strip().lower()
-            if key == b"content-length":
-                length = int(value)
-            elif key == b"content-type":
-                content_type = value.strip().split(b";")[0].decode("latin-1")
-            elif key == b"transfer-encoding":
-                chunked = b"chunked" in value.lower()
-            elif key == b"connection":
-                close = value.strip().lower() == b"close"
-        return status, content_type, length, chunked, close
-
-    @staticmethod
-    async def _read_chunked(reader: asyncio.StreamReader, max_bytes: int) -> bytearray:
-        data = bytearray()
-        while chunk := await _read_chunk(reader, max_bytes - len(data)):
-            data += chunk
-        return data
-
-    def _discard(self, conn: _Conn) -> None:
+    def _discard(self, conn: HopConn) -> None:
         self._in_use.discard(conn)
         conn.close()
 
-    def _release(self, conn: _Conn) -> None:
+    def _release(self, conn: HopConn) -> None:
         self._in_use.discard(conn)
         conn.reused = False
         idle = self._idle.setdefault(conn.key, [])
@@ -293,35 +237,6 @@ class HopHttpClient:
             idle.append(conn)
         else:
             conn.close()
-
-
-def set_keepalive(sock: socket.socket, seconds: int) -> None:
-    """Have the kernel close ``sock`` when it has been idle for about ``seconds`` with its peer
-    silent (keepalive probes). No ``TCP_USER_TIMEOUT``: it would also cut a live receiver that
-    stops reading a large body for that long (zero window); calls in flight are the prober's."""
-    step = max(1, seconds // 5)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (
-        ("TCP_KEEPIDLE", step),
-        ("TCP_KEEPINTVL", step),
-        ("TCP_KEEPCNT", max(1, (seconds - step) // step)),
-    ):
-        option = getattr(socket, name, None)
-        if option is not None:  # Linux has them all; others keep their defaults
-            sock.setsockopt(socket.IPPROTO_TCP, option, value)
-
-
-async def _read_chunk(reader: asyncio.StreamReader, max_size: int) -> bytes:
-    """The next chunk of a chunked body (``b""`` at the last, empty one; our servers send no
-    trailers); :class:`ResponseTooLarge` when it is over ``max_size`` bytes."""
-    size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-    if size == 0:
-        await reader.readuntil(b"\r\n")
-        return b""
-    if size > max_size:
-        raise ResponseTooLarge(f"chunked answer exceeds {max_size} bytes")
-    data = await reader.readexactly(size + 2)  # the chunk and its CRLF
-    return data[:-2]
 
 
 class FrameReader:
@@ -335,7 +250,7 @@ class FrameReader:
     def __init__(
         self,
         client: HopHttpClient,
-        conn: _Conn,
+        conn: HopConn,
         chunked: bool,
         length: int,
         close: bool,
@@ -414,7 +329,7 @@ class FrameReader:
         """The next piece of the body (a chunk, or up to ``READ_CHUNK`` bytes of a
         Content-Length body); ``b""`` at its end."""
         if self._chunked:
-            return await _read_chunk(self._conn.reader, self._max_chunk)
+            return await read_chunk(self._conn.reader, self._max_chunk)
         if self._left == 0:
             return b""
         data = await self._conn.reader.read(min(self._left, READ_CHUNK))

@@ -31,12 +31,8 @@ from omni_mesh.data_plane.messages import HopResult, Payload, StageInput
 from omni_mesh.data_plane.shm import ShmReader
 from omni_mesh.sidecar.app import liveness_config
 from omni_mesh.sidecar.hop_client import HOP_PATH, HopClient
-from omni_mesh.sidecar.hop_http import (
-    HopConnectionError,
-    HopHttpClient,
-    HopReplicaLost,
-    set_keepalive,
-)
+from omni_mesh.sidecar.hop_conn import set_keepalive
+from omni_mesh.sidecar.hop_http import HopConnectionError, HopHttpClient, HopReplicaLost
 from omni_mesh.sidecar.liveness import HopLiveness, LivenessConfig, probe
 from omni_mesh.sidecar.router import Replica, Router
 from tests.sidecar.hops import send
