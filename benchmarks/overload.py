@@ -33,7 +33,7 @@ from pathlib import Path
 
 import aiohttp
 
-from benchmarks.autoscale import Deployment
+from benchmarks.autoscale_run import Deployment
 from benchmarks.common import ROOT, Options, Report
 from benchmarks.measure import Target, fmt_num, md_table, percentile
 
