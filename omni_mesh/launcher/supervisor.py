@@ -17,10 +17,9 @@ many times in a row before it is ready again), or does not answer its ready URL 
 
 **Stopping** (:meth:`Supervisor.stop`). Children stop in ascending ``stop_rank``: the children
 of one rank together, a rank only once the ranks before it are gone. A child gets SIGTERM (its
-own pid: a stage pod drains, then stops its engine itself) and ``grace_s`` to exit. If it does
-not, SIGKILL goes to its pid only, so that what it started (an engine, which then gets
-PDEATHSIG or EOF) can still clean up; whatever of its process group is still running
-``reap_s`` later is SIGKILLed as a group. Every SIGKILL is recorded in
+own pid: a stage pod drains, then stops its engine itself) and ``grace_s`` to exit, then
+SIGKILL; what is left of its process group ``reap_s`` later is SIGKILLed as a group (the
+:class:`~omni_mesh.launcher.reaper.Reaper`). Every SIGKILL is recorded in
 :attr:`Supervisor.killed`.
 
 **Removing one child on purpose** (:meth:`Supervisor.retire`, the autoscaler's scale-down):
@@ -34,19 +33,17 @@ Blocking by design (``subprocess`` + short HTTP probes): use it from a CLI's mai
 synchronous test fixture, not from inside an event loop.
 
 One child's process handling (spawning, signalling, its log, the restart bookkeeping) lives in
-:mod:`omni_mesh.launcher.supervised_child`, the port and HTTP checks in
+:mod:`omni_mesh.launcher.supervised_child`, signalling children to their end and clearing
+their process groups in :mod:`omni_mesh.launcher.reaper`, the port and HTTP checks in
 :mod:`omni_mesh.launcher.local_net`; their public names are re-exported here.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import re
 import shutil
 import signal
-import subprocess
 import tempfile
 import threading
 import time
@@ -55,6 +52,7 @@ from pathlib import Path
 from types import TracebackType
 
 from omni_mesh.launcher.local_net import free_port, http_ok, port_in_use
+from omni_mesh.launcher.reaper import Reaper
 from omni_mesh.launcher.supervised_child import (
     TAIL_LINES,
     Child,
@@ -86,7 +84,7 @@ logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^[A-Za-z0-9][\w.\-]{0,63}$")
 _PROBE_INTERVAL_S = 0.25  # readiness probes of a restarted child
-_POLL_S = 0.05
+_POLL_S = 0.05  # readiness polls, at first
 
 
 class SupervisorError(RuntimeError):
@@ -146,9 +144,7 @@ class Supervisor:
         self.log_dir = Path(tempfile.mkdtemp(prefix=log_prefix)) if log_dir is None else log_dir
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.keep_logs = keep_logs
-        self.grace_s = grace_s
-        self.reap_s = reap_s
-        self.killed: list[str] = []  # what had to be SIGKILLed, and why
+        self._reaper = Reaper(grace_s=grace_s, reap_s=reap_s)
         self._children: list[Child] = []
         self._retired: list[Child] = []  # retired and gone, their process groups not yet reaped
         self._stopping = False
@@ -158,6 +154,19 @@ class Supervisor:
     @property
     def children(self) -> tuple[Child, ...]:
         return tuple(self._children)
+
+    @property
+    def grace_s(self) -> float:
+        return self._reaper.grace_s
+
+    @property
+    def reap_s(self) -> float:
+        return self._reaper.reap_s
+
+    @property
+    def killed(self) -> list[str]:
+        """What had to be SIGKILLed, and why."""
+        return self._reaper.killed
 
     # ---- start and readiness -----------------------------------------------------------------
 
@@ -299,7 +308,7 @@ class Supervisor:
         code = child.returncode
         if code is None:
             if now - (child.retiring_since or now) > self.grace_s:
-                self._kill_child(child, f"did not exit within {self.grace_s:g}s of SIGTERM")
+                self._reaper.kill_child(child, f"did not exit within {self.grace_s:g}s of SIGTERM")
             return
         level = logging.INFO if code == 0 else logging.WARNING
         logger.log(level, "retired process=%s pid=%d %s", child.name, child.pid,
@@ -364,7 +373,7 @@ class Supervisor:
             child.old_groups = [g for g in child.old_groups if g[0] != pgid]
         self._retired = [c for c in self._retired if c.old_groups]
         if due:
-            self._kill_leftovers(due, wait_s=0.0)
+            self._reaper.kill_leftovers(due, wait_s=0.0)
 
     # ---- shutdown ----------------------------------------------------------------------------
 
@@ -378,76 +387,15 @@ class Supervisor:
         self._stopping = True
         try:
             for rank in sorted({c.stop_rank for c in self._children}):
-                self._stop_rank([c for c in self._children if c.stop_rank == rank])
+                self._reaper.stop_rank([c for c in self._children if c.stop_rank == rank])
             retired = [(c, pgid) for c in self._retired for pgid, _ in c.old_groups]
             self._retired = []
-            self._kill_leftovers(retired, wait_s=self.reap_s)
+            self._reaper.kill_leftovers(retired, wait_s=self.reap_s)
         except BaseException:
-            self._kill_all()
+            self._reaper.kill_all(self._children)
             raise
         finally:
             self._stopped = True
-
-    def _stop_rank(self, group: list[Child]) -> None:
-        live = [c for c in group if c.returncode is None]
-        for child in live:
-            logger.info("stopping process=%s pid=%d", child.name, child.pid)
-            signal_pid(child.pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.grace_s
-        for child in live:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        for child in live:
-            if child.returncode is None:
-                self._kill_child(child, f"did not exit within {self.grace_s:g}s of SIGTERM")
-        self._clear_groups(group, self.reap_s)
-
-    def _kill_child(self, child: Child, why: str) -> None:
-        """SIGKILL the child's own process (not its group: its engine may still clean up)."""
-        what = f"{child.name} (pid {child.pid}) {why}"
-        logger.warning("SIGKILL to %s", what)
-        self.killed.append(what)
-        signal_pid(child.pid, signal.SIGKILL)
-        child.process.wait()
-
-    def _clear_groups(self, children: list[Child], wait_s: float) -> None:
-        groups = [(c, c.pid) for c in children]
-        groups += [(c, pgid) for c in children for pgid, _ in c.old_groups]
-        for child in children:
-            child.old_groups = []
-        self._kill_leftovers(groups, wait_s=wait_s)
-
-    def _kill_leftovers(self, groups: list[tuple[Child, int]], *, wait_s: float) -> None:
-        """Wait up to ``wait_s`` for the (leaderless) process groups to empty, then SIGKILL
-        what is left of each and wait briefly until it is gone."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            members = group_members([pgid for _, pgid in groups])
-            left = [(c, pgid, members[pgid]) for c, pgid in groups if members.get(pgid)]
-            if not left or time.monotonic() >= deadline:
-                break
-            time.sleep(_POLL_S)
-        for child, pgid, pids in left:
-            what = (
-                f"{child.name}'s process group {pgid} (pids {', '.join(map(str, pids))}) "
-                f"still running {wait_s:g}s after {child.name} exited"
-            )
-            logger.warning("SIGKILL to %s", what)
-            self.killed.append(what)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGKILL)
-        if left:
-            gone_by = time.monotonic() + 2.0
-            pgids = [pgid for _, pgid, _ in left]
-            while any(group_members(pgids).values()) and time.monotonic() < gone_by:
-                time.sleep(_POLL_S)
-
-    def _kill_all(self) -> None:
-        """SIGKILL every child still running at once, then what is left of their groups."""
-        for child in self._children:
-            if child.returncode is None:
-                self._kill_child(child, "was still running when the stop was interrupted")
-        self._clear_groups(self._children, min(self.reap_s, 1.0))
 
     def close(self) -> None:
         """Stop every child and remove the log directory unless it is kept."""
