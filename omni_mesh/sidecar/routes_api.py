@@ -12,6 +12,7 @@ audio as it comes (chunked WAV/PCM, or OpenAI's ``stream_format: "sse"``),
 from __future__ import annotations
 
 import base64
+import json
 import time
 import uuid
 from typing import Any
@@ -29,7 +30,7 @@ from omni_mesh.sidecar.appkeys import POD
 from omni_mesh.sidecar.client_requests import collect, entry, request_frames
 from omni_mesh.sidecar.errors import ApiError, bad_request, decode_body
 from omni_mesh.sidecar.openai_text import finish_reason, sampling_from, usage
-from omni_mesh.sidecar.openai_types import ChatRequest, ImageRequest, SpeechRequest
+from omni_mesh.sidecar.openai_types import ChatMessage, ChatRequest, ImageRequest, SpeechRequest
 from omni_mesh.sidecar.outputs import FinalOutput, final_stage
 from omni_mesh.sidecar.pod import Pod
 from omni_mesh.sidecar.sinks import (
@@ -143,15 +144,36 @@ def _voice_field(pod: Pod, voice: str | None) -> dict[str, Any]:
     return {"voice": voice}
 
 
-def _chat_prompt(req: ChatRequest) -> str:
+#: The chat roles served (vLLM's server takes these for text conversations).
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
+
+
+def _content_text(message: ChatMessage, sep: str) -> str:
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    return sep.join(p.text for p in message.content if p.type == "text" and p.text)
+
+
+def _conversation(req: ChatRequest) -> tuple[str, str]:
+    """The last user message's text (the ``prompt`` every engine reads) and the whole
+    conversation as JSON text (the ``messages`` a chat-templated vLLM stage reads: each
+    message's text parts joined by newlines, as vLLM's server joins them)."""
+    messages: list[dict[str, str]] = []
+    for i, message in enumerate(req.messages):
+        if message.role not in CHAT_ROLES:
+            raise bad_request(
+                f"messages[{i}].role: {message.role!r} is not served "
+                f"(one of {', '.join(sorted(CHAT_ROLES))})",
+                "messages",
+            )
+        messages.append({"role": message.role, "content": _content_text(message, "\n")})
     for message in reversed(req.messages):
-        if message.role != "user" or message.content is None:
-            continue
-        if isinstance(message.content, str):
-            return message.content
-        text = " ".join(p.text for p in message.content if p.type == "text" and p.text)
-        if text:
-            return text
+        if message.role == "user":
+            text = _content_text(message, " ")
+            if text:
+                return text, json.dumps(messages, ensure_ascii=False)
     raise bad_request("messages: no user message with text content", "messages")
 
 
@@ -167,7 +189,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
     if max_tokens is not None and "max_tokens" in pod.pipeline.prompt_fields:
         fields["max_tokens"] = max_tokens
     priority = openai_priority(request, req.priority)
-    prompt = Prompt(prompt=_chat_prompt(req), seed=req.seed, priority=priority, **fields)
+    last_user, messages = _conversation(req)
+    prompt = Prompt(prompt=last_user, seed=req.seed, priority=priority, **fields)
     if req.logprobs:
         raise bad_request(
             "logprobs: not served on chat (use /v1/completions logprobs 0)", "logprobs"
@@ -175,12 +198,13 @@ async def chat(request: web.Request) -> web.StreamResponse:
     sampling = sampling_from(req, max_tokens=None, logprobs=None)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options: only allowed when stream is true", "stream_options")
+    si = entry(pod, request, prompt, sampling)
+    si.payload.fields = {**si.payload.fields, "messages": messages}
     if req.stream:
-        si = entry(pod, request, prompt, sampling)
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         sink = ChatEvents(pod.pipeline, want_audio=want_audio, include_usage=include_usage)
         return await respond(request, pod.pipeline, request_frames(pod, request, si), sink)
-    outputs = await generate_outputs(pod, request, prompt, sampling)
+    outputs = await collect(pod.pipeline, request_frames(pod, request, si))
     text = _pick(outputs, OutputKind.TEXT)
     message: dict[str, Any] = {"role": "assistant", "content": text.text if text else None}
     audio = _pick(outputs, OutputKind.AUDIO)

@@ -7,8 +7,10 @@ batch: continuous batching by vLLM's own scheduler) and hands each request its n
 a stream yields ``None`` while its request has nothing to emit yet. Closing a stream (abort,
 deadline, client gone) aborts the request inside vLLM at once, which frees its KV blocks.
 
-Input: ``prompt`` (text; the model's chat template applied when ``engine_extras.chat_template``
-is true) or an int array ``token_ids`` from the upstream stage; an optional ``max_tokens``
+Input: ``prompt`` (text) or an int array ``token_ids`` from the upstream stage. When
+``engine_extras.chat_template`` is true, the model's chat template is applied to field
+``messages`` (the chat route's whole conversation, JSON text) or else to ``prompt`` as one user
+message; an optional ``max_tokens``
 field (the prompt's, or set by a processor) caps the output. Output (``output``, and
 ``final`` for a text stage): field ``text`` and array ``token_ids`` (int64) of the new tokens,
 ``logprobs`` (float32, the sampled tokens') when the request asks for them, field
@@ -29,6 +31,7 @@ index for a chunk of an upstream stream), so a replay regenerates the same token
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -250,14 +253,40 @@ class VllmEngine(StageEngine):
                 "'token_ids' array"
             )
         if self.chat_template and self._tokenizer is not None:
-            messages = [{"role": "user", "content": text}]
             ids_list = self._tokenizer.apply_chat_template(
-                messages, tokenize=True, add_generation_prompt=True
+                self._messages(request, text), tokenize=True, add_generation_prompt=True
             )
             if not isinstance(ids_list, list):  # BatchEncoding in newer transformers
                 ids_list = list(ids_list["input_ids"])
             return {"prompt_token_ids": [int(t) for t in ids_list]}
         return {"prompt": text}
+
+    def _messages(self, request: EngineRequest, text: str) -> list[dict[str, str]]:
+        """The conversation to template: field ``messages`` (JSON text, a list of
+        ``{"role", "content"}`` strings, from the chat route), else ``prompt`` as one user
+        message."""
+        raw = request.data.fields.get("messages")
+        if raw is None:
+            return [{"role": "user", "content": text}]
+        try:
+            messages = json.loads(raw) if isinstance(raw, str) else None
+        except ValueError:
+            messages = None
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(
+                isinstance(m, dict)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)
+                for m in messages
+            )
+        ):
+            raise EngineInputError(
+                f"stage {self.ctx.stage.stage_id}: field 'messages' must be JSON text of a "
+                'non-empty list of {"role": str, "content": str}'
+            )
+        return [{"role": m["role"], "content": m["content"]} for m in messages]
 
     def _sampling(self, request: EngineRequest) -> Any:
         from vllm.exceptions import VLLMClientError

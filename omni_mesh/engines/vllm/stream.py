@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from omni_mesh.engines.vllm.engine import VllmEngine
 
 #: Input fields consumed by the engine itself (everything else passes through to ``output``).
-CONSUMED_FIELDS = frozenset({"prompt", "max_tokens"})
+CONSUMED_FIELDS = frozenset({"prompt", "max_tokens", "messages", "echo"})
 
 
 def pass_fields(data: StageData) -> dict[str, Scalar]:

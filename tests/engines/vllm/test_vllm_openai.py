@@ -14,11 +14,13 @@ import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
 
 from omni_mesh.configs.loader import bundled_deploy_path
+from omni_mesh.engines.vllm.tiny_models import ensure_tiny_model
 from tests.procs import ManagedProcess, clean_env, free_port, wait_until
 from tests.sidecar.topology import post_json
 
@@ -55,7 +57,7 @@ def server(vllm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -
         "  - stage_id: 0\n"
         "    max_model_len: 2048\n"
         "    sampling: {temperature: 0.0, max_tokens: 16}\n"
-        "    engine_extras: {chunk_tokens: 1}\n"
+        "    engine_extras: {chunk_tokens: 1, chat_template: true}\n"
     )
     port = free_port()
     argv = [sys.executable, "-m", "omni_mesh.launcher.cli", "--pipeline", MODEL,
@@ -175,6 +177,50 @@ def test_chat_streamed_and_not(server: Server) -> None:
     assert "".join(d or "" for d in deltas) == out.choices[0].message.content
     assert [e.choices[0].finish_reason for e in events if e.choices][-1] == "length"
     assert events[-1].usage is not None and events[-1].usage.total_tokens == out.usage.total_tokens
+
+
+def _templated(vllm_env: dict[str, str], messages: list[dict[str, str]]) -> list[int]:
+    """``messages`` through the tiny model's own chat template (as vLLM's server applies it)."""
+    from transformers import AutoTokenizer
+
+    models = Path(vllm_env["XDG_CACHE_HOME"]) / "omni-mesh" / "models"
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model("tiny-llama-text", models))
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    return [int(t) for t in (ids if isinstance(ids, list) else ids["input_ids"])]
+
+
+def test_chat_templates_the_whole_conversation(server: Server, vllm_env: dict[str, str]) -> None:
+    parts = [{"type": "text", "text": "tell"}, {"type": "text", "text": "more"}]
+    conversation: list[dict[str, Any]] = [
+        {"role": "system", "content": "you are terse"},
+        {"role": "user", "content": "hello there"},
+        {"role": "assistant", "content": "hi"},
+        {"role": "user", "content": parts},
+    ]
+    plain = [{**m, "content": "tell\nmore"} if i == 3 else m for i, m in enumerate(conversation)]
+    whole = server.client.chat.completions.create(
+        model=MODEL,
+        messages=conversation,
+        max_tokens=8,  # type: ignore[arg-type]
+    )
+    last = server.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "tell more"}], max_tokens=8
+    )
+    ids = _templated(vllm_env, plain)
+    assert whole.usage is not None and last.usage is not None
+    assert whole.usage.prompt_tokens == len(ids)
+    assert last.usage.prompt_tokens == len(
+        _templated(vllm_env, [{"role": "user", "content": "tell more"}])
+    )
+    assert whole.usage.prompt_tokens > last.usage.prompt_tokens
+    # The answer is the model's greedy continuation of exactly the templated conversation.
+    same = server.client.completions.create(model=MODEL, prompt=ids, max_tokens=8)
+    assert whole.choices[0].message.content == same.choices[0].text
+    status, raw = post_json(
+        f"{server.url}/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "tool", "content": "x"}, *conversation[1:2]]},
+    )
+    assert status == 400 and json.loads(raw)["error"]["param"] == "messages", raw[:300]
 
 
 _USER = [{"role": "user", "content": "x"}]
