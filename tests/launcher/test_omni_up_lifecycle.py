@@ -1,6 +1,6 @@
-"""``omni-up``'s lifecycle against real processes: Ctrl-C under load drains the deployment in
-pipeline order (every request answered, nothing SIGKILLed, no shared memory left); a replica
-killed with -9 is restarted on its port while the rest keeps serving; a stage that cannot
+"""``omni-up``'s lifecycle against real processes: a replica killed with -9 is restarted on its
+port while the rest keeps serving; Ctrl-C under load then drains the deployment in pipeline
+order (every request answered, nothing SIGKILLed, no shared memory left); a stage that cannot
 start makes omni-up stop everything and exit 1, naming it.
 
 An API server (``--api-only``) counts no requests in flight, so its drain is aiohttp's graceful
@@ -84,98 +84,104 @@ def _speech(port: int, text: str) -> tuple[int, bytes]:
     )
 
 
-def test_ctrl_c_under_load_drains_every_request_in_pipeline_order(tmp_path: Path) -> None:
-    before = shm_segments()
-    port = free_port()
-    up = _omni_up(tmp_path, port, "--replicas", "1:2")
-    try:
-        up.wait_for_output(READY, timeout=90)
-        children = descendants(up.pid)
-        results: dict[int, object] = {}
-        sent = [threading.Event() for _ in range(8)]
+def _kill_9_and_wait_for_the_restart(up: ManagedProcess, port: int) -> None:
+    """Kill one stage-1 replica with -9: the other keeps serving, omni-up restarts it on its
+    port, and it serves again."""
+    pods = _stage_pods(up, 1)
+    assert len(pods) == 2, pods
+    victim, victim_port = next(iter(pods.items()))
+    health = f"http://127.0.0.1:{victim_port}/health"
+    assert http_status(health) == 200
 
-        def client(i: int) -> None:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-            try:
-                body = {"model": "tiny-tts", "input": f"request {i} " * 4, "voice": "echo"}
-                conn.request("POST", "/v1/audio/speech", json.dumps(body),
-                             {"Content-Type": "application/json"})  # fmt: skip
-                sent[i].set()
-                response = conn.getresponse()
-                results[i] = (response.status, response.read())
-            except (OSError, http.client.HTTPException) as exc:
-                results[i] = exc
-            finally:
-                sent[i].set()
-                conn.close()
+    os.kill(victim, signal.SIGKILL)
+    # The other replica takes the work meanwhile (a hop to the dead one is replayed).
+    status, body = _speech(port, "while one replica is down")
+    assert status == 200 and media_readers.read_wav(body)[1] == 24000
 
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(sent))]
-        for t in threads:
-            t.start()
-        assert all(e.wait(10) for e in sent)
-        # Once every request has reached stage 0, the API server holds each one (a request
-        # still unread in its socket when it stops would be reset: see the module docstring).
-        (stage0_port,) = _stage_pods(up, 0).values()
-        wait_until(lambda: _hops_seen(stage0_port) >= len(sent), 10, interval=0.02)
-        up.send_signal(signal.SIGINT)
-        assert up.wait(timeout=60) == 0, up.describe()
-        for t in threads:
-            t.join(10)
+    def back() -> bool:
+        now = _stage_pods(up, 1)
+        return victim not in now and victim_port in now.values() and http_status(health) == 200
 
-        statuses = []
-        for i in range(len(sent)):
-            result = results.get(i)
-            assert isinstance(result, tuple), f"request {i}: {result!r} (dropped)"
-            status, body = result
-            assert status in (200, 503), (status, body[:300])
-            if status == 200:
-                assert media_readers.read_wav(body)[1] == 24000
-            statuses.append(status)
-        assert statuses.count(200) >= 1, statuses
-        # Pipeline order, each group after the one before: API server, stage 0, stage 1, cp.
-        order = re.findall(r"stopping process=(\S+)", up.stderr)
-        assert order[0] == "api-server" and order[-1] == "control-plane", order
-        assert order[1].startswith("stage0-") and {o[:7] for o in order[2:4]} == {"stage1-"}
-        assert "SIGKILL" not in up.stderr, up.stderr
-        assert [p for p in children if pid_alive(p)] == []
-        assert shm_segments() - before == set()
-    finally:
-        up.cleanup()
-
-
-def test_a_replica_killed_with_minus_9_is_restarted_on_its_port(tmp_path: Path) -> None:
-    before = shm_segments()
-    port = free_port()
-    up = _omni_up(tmp_path, port, "--replicas", "1:2")
-    try:
-        up.wait_for_output(READY, timeout=90)
-        pods = _stage_pods(up, 1)
-        assert len(pods) == 2, pods
-        victim, victim_port = next(iter(pods.items()))
-        health = f"http://127.0.0.1:{victim_port}/health"
-        assert http_status(health) == 200
-
-        os.kill(victim, signal.SIGKILL)
-        # The other replica takes the work meanwhile (a hop to the dead one is replayed).
-        status, body = _speech(port, "while one replica is down")
+    wait_until(back, 20, interval=0.2, message=lambda: up.describe())
+    assert up.alive
+    restart = rf"process=stage1-code2wav-\d+ pid={victim} was killed by SIGKILL; restarting"
+    assert re.search(restart, up.stderr), up.stderr
+    again = r"process=stage1-code2wav-\d+ pid=\d+ is ready again"
+    wait_until(lambda: re.search(again, up.stderr), 5, message=lambda: up.stderr)
+    for i in range(3):
+        status, body = _speech(port, f"after the restart {i}")
         assert status == 200 and media_readers.read_wav(body)[1] == 24000
 
-        def back() -> bool:
-            now = _stage_pods(up, 1)
-            return victim not in now and victim_port in now.values() and http_status(health) == 200
 
-        wait_until(back, 20, interval=0.2, message=lambda: up.describe())
-        assert up.alive
-        restart = rf"process=stage1-code2wav-\d+ pid={victim} was killed by SIGKILL; restarting"
-        assert re.search(restart, up.stderr), up.stderr
-        again = r"process=stage1-code2wav-\d+ pid=\d+ is ready again"
-        wait_until(lambda: re.search(again, up.stderr), 5, message=lambda: up.stderr)
-        for i in range(3):
-            status, body = _speech(port, f"after the restart {i}")
-            assert status == 200 and media_readers.read_wav(body)[1] == 24000
+def _ctrl_c_under_load(up: ManagedProcess, port: int) -> None:
+    """Ctrl-C with 8 requests in flight: every one answered (200, or 503 once draining), the
+    processes stopped in pipeline order, none SIGKILLed."""
+    results: dict[int, object] = {}
+    sent = [threading.Event() for _ in range(8)]
+
+    def client(i: int) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        try:
+            body = {"model": "tiny-tts", "input": f"request {i} " * 4, "voice": "echo"}
+            conn.request("POST", "/v1/audio/speech", json.dumps(body),
+                         {"Content-Type": "application/json"})  # fmt: skip
+            sent[i].set()
+            response = conn.getresponse()
+            results[i] = (response.status, response.read())
+        except (OSError, http.client.HTTPException) as exc:
+            results[i] = exc
+        finally:
+            sent[i].set()
+            conn.close()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(sent))]
+    for t in threads:
+        t.start()
+    assert all(e.wait(10) for e in sent)
+    # Once every request has reached stage 0, the API server holds each one (a request
+    # still unread in its socket when it stops would be reset: see the module docstring).
+    (stage0_port,) = _stage_pods(up, 0).values()
+    wait_until(lambda: _hops_seen(stage0_port) >= len(sent), 10, interval=0.02)
+    mark = len(up.stderr)
+    up.send_signal(signal.SIGINT)
+    assert up.wait(timeout=60) == 0, up.describe()
+    for t in threads:
+        t.join(10)
+
+    statuses = []
+    for i in range(len(sent)):
+        result = results.get(i)
+        assert isinstance(result, tuple), f"request {i}: {result!r} (dropped)"
+        status, body = result
+        assert status in (200, 503), (status, body[:300])
+        if status == 200:
+            assert media_readers.read_wav(body)[1] == 24000
+        statuses.append(status)
+    assert statuses.count(200) >= 1, statuses
+    stop_log = up.stderr[mark:]
+    # Pipeline order, each group after the one before: API server, stage 0, stage 1, cp.
+    order = re.findall(r"stopping process=(\S+)", stop_log)
+    assert order[0] == "api-server" and order[-1] == "control-plane", order
+    assert order[1].startswith("stage0-") and {o[:7] for o in order[2:4]} == {"stage1-"}
+    assert "SIGKILL" not in stop_log, stop_log
+
+
+@pytest.mark.timeout(240)  # two scenarios' worth
+def test_a_replica_killed_with_minus_9_is_restarted_then_ctrl_c_drains_in_pipeline_order(
+    tmp_path: Path,
+) -> None:
+    """One deployment (its start-up is most of the cost) for two scenarios, in this order: a
+    replica killed with -9 comes back on its port; then Ctrl-C under load drains everything,
+    the restarted replica included, leaving no process and no shared memory."""
+    before = shm_segments()
+    port = free_port()
+    up = _omni_up(tmp_path, port, "--replicas", "1:2")
+    try:
+        up.wait_for_output(READY, timeout=90)
         children = descendants(up.pid)
-        up.send_signal(signal.SIGTERM)
-        assert up.wait(timeout=60) == 0, up.describe()
+        _kill_9_and_wait_for_the_restart(up, port)
+        children |= descendants(up.pid)
+        _ctrl_c_under_load(up, port)
         assert [p for p in children if pid_alive(p)] == []
         assert shm_segments() - before == set()
     finally:
