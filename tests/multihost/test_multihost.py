@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -22,15 +21,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 HANDOFF_BYTES = "omni_stage_handoff_bytes_total"
 HOPS = "omni_stage_requests_total"
-
-
-@pytest.fixture(scope="module")
-def fabric(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fabric]:
-    fab = Fabric(tmp_path_factory.mktemp("multihost"))
-    try:
-        yield fab
-    finally:
-        fab.close()
 
 
 def _hops(fabric: Fabric, pod: str) -> float:

@@ -14,7 +14,6 @@ are replayed (``omni_mesh/sidecar/liveness.py``). Each test checks that replays 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -29,15 +28,6 @@ MAX_LATENCY_S = 3.0
 HOP_RETRIES = SC_HOP_RETRIES + "_total"
 #: The clients give up after this: a hung hop shows as a failure, not as a hung test.
 CLIENT_TIMEOUT_S = 12.0
-
-
-@pytest.fixture(scope="module")
-def fabric(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fabric]:
-    fab = Fabric(tmp_path_factory.mktemp("silent"))
-    try:
-        yield fab
-    finally:
-        fab.close()
 
 
 def replays(fabric: Fabric) -> float:
