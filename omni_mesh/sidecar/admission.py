@@ -21,6 +21,7 @@ import time
 from types import TracebackType
 
 from aiohttp import web
+from prometheus_client import Counter
 
 from omni_mesh.data_plane.messages import PriorityClass, StageInput
 from omni_mesh.observability.metrics import SidecarMetrics
@@ -58,6 +59,15 @@ class AdmissionGate:
         self._waits = [metrics.queue_wait.labels(*labels, p) for p in PRIORITY_NAMES]
         self._admitted = [metrics.admitted.labels(*labels, p) for p in PRIORITY_NAMES]
         self._shown = [0] * len(PRIORITY_NAMES)  # the queue lengths the gauges show
+        self._sheds: dict[tuple[str, Priority], Counter] = {}  # label children, made once
+
+    def count_shed(self, reason: str, priority: Priority) -> None:
+        """One more request shed for ``reason`` (its label child made on first use)."""
+        child = self._sheds.get((reason, priority))
+        if child is None:
+            child = self.metrics.shed.labels(*self.labels, reason, PRIORITY_NAMES[priority])
+            self._sheds[(reason, priority)] = child
+        child.inc()
 
     @property
     def queued(self) -> int:
@@ -106,9 +116,7 @@ class AdmissionGate:
                 self._admitted[w.priority].inc()
                 self._waits[w.priority].observe(w.waited_s)
             elif w.shed is not None:
-                self.metrics.shed.labels(
-                    *self.labels, w.shed.reason, PRIORITY_NAMES[w.priority]
-                ).inc()
+                self.count_shed(w.shed.reason, w.priority)
             fut = self._wakeups.get(w)
             if fut is not None and not fut.done():
                 fut.set_result(None)
@@ -258,7 +266,7 @@ def request_class(
             f"priority: {priority!r} is not accepted on {route} (accepted: {', '.join(allowed)})",
             "priority",
         )
-    return priority, _tenant(request)
+    return priority, request_tenant(request)
 
 
 def openai_priority(request: web.Request, field: PriorityClass | None) -> PriorityClass | None:
@@ -268,7 +276,9 @@ def openai_priority(request: web.Request, field: PriorityClass | None) -> Priori
     return None if PRIORITY_HEADER in request.headers else field
 
 
-def _tenant(request: web.Request) -> str:
+def request_tenant(request: web.Request) -> str:
+    """A client request's tenant: ``X-Omni-Tenant`` (400 when malformed), else a hash of its
+    API key, else anonymous ('')."""
     tenant = request.headers.get(TENANT_HEADER, "").strip()
     if tenant:
         if not _TENANT.fullmatch(tenant):

@@ -206,31 +206,50 @@ class AdmissionQueue:
 
     # ---- changing --------------------------------------------------------------------------
 
-    def offer(self, w: Waiter, now: float) -> list[Waiter]:
-        """Admit ``w`` at once, queue it, or shed it. Returns the waiters whose state changed:
-        ``w`` when admitted or shed, and a waiter evicted to make room for it."""
-        if self.in_use < self.slots and not len(self):
-            return [self._admit(w, now)]
-        wait_s = self.estimate_wait_s(w.priority, w.tenant)
+    @property
+    def idle(self) -> bool:
+        """A slot is free and nobody waits: an arrival is admitted at once."""
+        return self.in_use < self.slots and not len(self)
+
+    def refusal(self, priority: Priority, tenant: str, deadline: float, now: float) -> Shed | None:
+        """Why an arrival of this class and tenant would be shed now (None: it would be
+        admitted or queued). Changes nothing: the API server asks it on a request's headers
+        alone, before reading its body; :meth:`offer` asks it for every arrival."""
+        if self.idle:
+            return None
+        wait_s = self.estimate_wait_s(priority, tenant)
         service_s = self.service.seconds or 0.0
-        if now + wait_s + service_s > w.deadline:
+        if now + wait_s + service_s > deadline:
             why = (
-                f"the deadline ({max(0.0, w.deadline - now):.3f} s away) cannot be met: "
+                f"the deadline ({max(0.0, deadline - now):.3f} s away) cannot be met: "
                 f"about {wait_s:.3f} s in the queue ({len(self)} waiting) "
                 f"plus {service_s:.3f} s of service"
             )
-            return [self._shed(w, "deadline", why, wait_s)]
+            return Shed("deadline", wait_s, why)
         if wait_s > self.max_wait_s:
             why = (
                 f"about {wait_s:.3f} s in the queue exceeds max_queue_wait_s ({self.max_wait_s:g})"
             )
-            return [self._shed(w, "wait_limit", why, wait_s)]
+            return Shed("wait_limit", wait_s, why)
+        if len(self) >= self.max_queue and self._victim(priority) is None:
+            why = f"the queue is full ({self.max_queue} waiting, none of a lower class)"
+            return Shed("queue_full", self.retry_after_s(), why)
+        return None
+
+    def offer(self, w: Waiter, now: float) -> list[Waiter]:
+        """Admit ``w`` at once, queue it, or shed it. Returns the waiters whose state changed:
+        ``w`` when admitted or shed, and a waiter evicted to make room for it."""
+        if self.idle:
+            return [self._admit(w, now)]
+        shed = self.refusal(w.priority, w.tenant, w.deadline, now)
+        if shed is not None:
+            w.state = "shed"
+            w.shed = shed
+            return [w]
         changed: list[Waiter] = []
         if len(self) >= self.max_queue:
             victim = self._victim(w.priority)
-            if victim is None:
-                why = f"the queue is full ({self.max_queue} waiting, none of a lower class)"
-                return [self._shed(w, "queue_full", why, self.retry_after_s())]
+            assert victim is not None  # refusal() said there is one
             self._classes[victim.priority].remove(victim)
             why = f"evicted from a full queue by a {w.priority.name.lower()}-priority request"
             changed.append(self._shed(victim, "evicted", why, self.retry_after_s()))

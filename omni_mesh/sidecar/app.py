@@ -41,6 +41,7 @@ from omni_mesh.observability.children import labelled
 from omni_mesh.observability.metrics import SidecarMetrics
 from omni_mesh.sidecar import routes_api, routes_hop, routes_run
 from omni_mesh.sidecar.appkeys import POD
+from omni_mesh.sidecar.early_shed import SHEDDABLE_ROUTES, EarlyShed
 from omni_mesh.sidecar.engine_client import EngineClient
 from omni_mesh.sidecar.hop_client import HOP_TOKEN_HEADER, HopClient, HopStats
 from omni_mesh.sidecar.hop_http import HopHttpClient
@@ -282,8 +283,11 @@ def _load(pod: Pod) -> LoadReport:
 
 
 def make_app(pod: Pod) -> web.Application:
+    # A client request the admission gate would shed is answered on its headers alone.
+    shed_check = EarlyShed(pod).check if pod.serves_api else None
+    metrics = api_metrics_middleware(pod.metrics, shed_check, SHEDDABLE_ROUTES)
     app = web.Application(
-        middlewares=[api_metrics_middleware(pod.metrics), error_middleware],
+        middlewares=[metrics, error_middleware],
         client_max_size=pod.settings.max_body_bytes,
     )
     app[POD] = pod

@@ -1,5 +1,6 @@
 """The pod's aiohttp middlewares: every error answered in one JSON shape
-(:func:`error_middleware`) and the client API's request metrics (:func:`api_metrics_middleware`).
+(:func:`error_middleware`), and the client API's request metrics and header-time shedding
+(:func:`api_metrics_middleware`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from omni_mesh.sidecar.hop_client import HopUnavailable
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+#: A header-time shed check (``EarlyShed.check``): the 503 to answer, or None to go on.
+ShedCheck = Callable[[web.Request, str], web.Response | None]
 
 
 @web.middleware
@@ -77,10 +80,16 @@ API_STARTED = web.RequestKey("omni_api_started", float)  # time.monotonic() at a
 STREAM_FAILED = web.RequestKey("omni_stream_failed", bool)  # broke off after its 200
 
 
-def api_metrics_middleware(metrics: SidecarMetrics) -> Any:
+def api_metrics_middleware(
+    metrics: SidecarMetrics,
+    shed_check: ShedCheck | None = None,
+    sheddable: frozenset[str] = frozenset(),
+) -> Any:
     """Client API requests by route template and status (outermost, so it sees the status
     the error middleware chose). A streamed answer that failed after its 200 went out counts
-    as status 500: its client got an incomplete answer."""
+    as status 500: its client got an incomplete answer. On the ``sheddable`` routes
+    ``shed_check`` runs first: a request the admission gate would shed is answered on its
+    headers, its body never read (``early_shed.py``)."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -93,6 +102,11 @@ def api_metrics_middleware(metrics: SidecarMetrics) -> Any:
         request[API_STARTED] = t0
         status = 500
         try:
+            if shed_check is not None and route in sheddable:
+                shed = shed_check(request, route)
+                if shed is not None:
+                    status = 503
+                    return shed
             response = await handler(request)
             status = 500 if request.get(STREAM_FAILED) else response.status
             return response

@@ -165,6 +165,31 @@ def test_a_wait_past_max_queue_wait_is_shed_at_arrival() -> None:
     assert w.shed is not None and w.shed.reason == "wait_limit"
 
 
+def test_refusal_says_what_offer_would_do_and_changes_nothing() -> None:
+    """The header-time check: the same verdict as an arrival's, the queue untouched."""
+    q = AdmissionQueue(1, 2, 10.0)
+    assert q.idle and q.refusal(LOW, "", FAR, 0.0) is None
+    q.offer(waiter(), 0.0)  # admitted
+    q.release(0.0, 0.5)  # service time 0.5 s → 2 per second
+    q.offer(waiter(), 0.0)  # admitted
+    q.offer(waiter(), 0.0)
+    q.offer(waiter(LOW), 0.0)  # full: one normal and one low wait
+    assert len(q) == 2 and not q.idle
+    before = (len(q), q.in_use, q.queued(NORMAL), q.queued(LOW))
+    full = q.refusal(LOW, "", FAR, 0.0)
+    assert full is not None and full.reason == "queue_full"
+    assert q.refusal(NORMAL, "", FAR, 0.0) is None  # it would evict the low one
+    late = q.refusal(NORMAL, "", 0.6, 0.0)  # 1 s of queue and 0.5 s of service
+    assert late is not None and late.reason == "deadline"
+    assert (len(q), q.in_use, q.queued(NORMAL), q.queued(LOW)) == before
+    for priority, deadline in ((LOW, FAR), (NORMAL, FAR), (NORMAL, 0.6)):
+        verdict = q.refusal(priority, "", deadline, 0.0)
+        w = waiter(priority, deadline=deadline)
+        changed = q.offer(w, 0.0)
+        assert (w.shed.reason if w.shed else None) == (verdict.reason if verdict else None)
+        assert (w in changed) == (verdict is not None)
+
+
 def test_hopeless_at_and_expire() -> None:
     q = full_queue(slots=1, max_wait_s=5.0)
     q.release(0.0, 0.5)

@@ -1,0 +1,101 @@
+"""Shedding on a client request's headers alone, before its body is read.
+
+Under overload most arrivals at an API server are refused; reading and decoding each one's
+body first (and building its stage input, a span, an error object) costs the CPU the stages
+need. :class:`EarlyShed` asks the pod's admission queue — without changing it — whether an
+arrival would be shed (:meth:`~omni_mesh.sidecar.admission_queue.AdmissionQueue.refusal`),
+knowing its class from ``X-Omni-Priority``, its tenant from ``X-Omni-Tenant`` or its API key,
+and its deadline from ``X-Omni-Timeout-S`` or the deploy config. The answer is the one the
+body-time path gives (503, error type ``shed``, ``Retry-After``, ``X-Omni-Shed``), counted
+in ``omni_stage_shed_total`` by reason and class, with no log line and no span.
+
+Without the header the body's ``priority`` field may still ask for a higher class, so the
+request is shed here only when even the highest class its route accepts would be; otherwise
+(and whenever a header is malformed, so that the route answers its 400) it goes on as usual.
+"""
+
+from __future__ import annotations
+
+import time
+from json.encoder import encode_basestring
+
+from aiohttp import web
+
+from omni_mesh.sidecar.admission import PRIORITY_HEADER, SHED_HEADER, gate_of, request_tenant
+from omni_mesh.sidecar.admission_queue import SHED_TYPE, Priority, parse_priority
+from omni_mesh.sidecar.deadlines import request_timeout
+from omni_mesh.sidecar.errors import ApiError
+from omni_mesh.sidecar.pod import Pod
+
+#: The client routes whose requests are admitted as client requests (each has a body).
+SHEDDABLE_ROUTES = frozenset(
+    {
+        "/v1/generate",
+        "/v1/audio/speech",
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/images/generations",
+    }
+)
+
+# The error shape of ``errors.error_response``, its message the only part that varies.
+_BODY_HEAD = b'{"error":{"message":'
+_BODY_TAIL = f',"type":"{SHED_TYPE}","param":null,"code":503}}}}'.encode()
+_CONTENT_TYPE = "application/json; charset=utf-8"
+
+
+class EarlyShed:
+    """One pod's header-time admission check (see the module docstring)."""
+
+    def __init__(self, pod: Pod) -> None:
+        self.pod = pod
+        caps = {str(route): classes for route, classes in pod.deploy.priority_classes.items()}
+        self._accepted: dict[str, frozenset[Priority]] = {}
+        self._top: dict[str, Priority] = {}
+        for route in SHEDDABLE_ROUTES:
+            names = caps.get(route)
+            accepted = (
+                frozenset(Priority) if names is None else frozenset(map(parse_priority, names))
+            )
+            self._accepted[route] = accepted
+            self._top[route] = min(accepted, default=Priority.HIGH)
+
+    def check(self, request: web.Request, route: str) -> web.Response | None:
+        """The 503 for a request the gate would shed now; None to read it as usual."""
+        pod = self.pod
+        gate = pod.gate or gate_of(pod)
+        queue = gate.queue
+        if queue.idle or pod.draining:  # the common case: two attribute reads
+            return None
+        priority = self._priority(request, route)
+        if priority is None:
+            return None
+        try:
+            tenant = request_tenant(request)
+            timeout_s = request_timeout(pod, request)
+        except ApiError:
+            return None  # the route answers the 400 naming the header
+        now = time.monotonic()
+        shed = queue.refusal(priority, tenant, now + timeout_s, now)
+        if shed is None:
+            return None
+        gate.count_shed(shed.reason, priority)
+        body = b"".join((_BODY_HEAD, encode_basestring(shed.message()).encode(), _BODY_TAIL))
+        headers = {
+            "Content-Type": _CONTENT_TYPE,
+            "Retry-After": shed.retry_after_header,
+            SHED_HEADER: shed.reason,
+        }
+        return web.Response(body=body, status=503, headers=headers)
+
+    def _priority(self, request: web.Request, route: str) -> Priority | None:
+        """The class the check assumes: the header's, else the highest the route accepts (the
+        body may ask for it); None when the header is not a class this route accepts."""
+        raw = request.headers.get(PRIORITY_HEADER)
+        if raw is None:
+            return self._top[route]
+        try:
+            priority = parse_priority(raw)
+        except ValueError:
+            return None
+        return priority if priority in self._accepted[route] else None
