@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from omni_mesh.control_plane import cli as cp_cli
 from omni_mesh.control_plane.client import (
     ControlPlaneClient,
     InstanceUnknownError,
@@ -40,6 +41,27 @@ def run_cp(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
     return subprocess.run(
         cp_argv(*args), capture_output=True, text=True, timeout=30, env=clean_env(env)
     )
+
+
+def main_in_process(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    *args: str,
+    env: dict[str, str] | None = None,
+) -> tuple[int, str]:
+    """``omni-cp ARGS`` through its ``main`` in this process, for argument errors (they end
+    before any I/O, so a fresh interpreter per case would only add its start-up): the exit
+    code and stderr. The environment is the test's without ``OMNI_*``, plus ``env``."""
+    for key in [k for k in os.environ if k.startswith("OMNI_")]:
+        monkeypatch.delenv(key)
+    for key, value in (env or {}).items():
+        monkeypatch.setenv(key, value)
+    capsys.readouterr()
+    try:
+        code = cp_cli.main(list(args))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    return code, capsys.readouterr().err
 
 
 def start_bare_serve(
@@ -157,12 +179,23 @@ def test_stale_redis_directories_of_dead_owners_are_swept_at_start_up(
     ],
 )  # fmt: skip
 def test_bad_flags_exit_2_with_a_clear_message(
-    args: list[str], env: dict[str, str] | None, needle: str
+    args: list[str],
+    env: dict[str, str] | None,
+    needle: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    result = run_cp(*args, env=env)
+    # In process: an exception other than the parser's exit would fail the test here.
+    code, err = main_in_process(monkeypatch, capsys, *args, env=env)
+    assert code == 2, err
+    assert needle in err, err
+    assert "Traceback" not in err
+
+
+def test_a_bad_flag_exits_2_from_the_real_process_too() -> None:
+    result = run_cp("serve", "--lease-ttl-ms", "500", "--heartbeat-interval-ms", "1000")
     assert result.returncode == 2, result
-    assert needle in result.stderr, result.stderr
-    assert "Traceback" not in result.stderr
+    assert "lease_ttl_ms" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_no_command_prints_help_and_exits_2() -> None:
@@ -253,14 +286,24 @@ def test_status_exits_1_when_the_control_plane_is_unreachable() -> None:
 @pytest.mark.parametrize(
     "url", ["htp:/foo", "localhost:7700", "http://", "http://h:99999", "http://h:port", "x"]
 )
-def test_status_rejects_a_malformed_url_with_exit_2(url: str) -> None:
-    result = run_cp("status", "--cp", url, "--timeout-s", "1")
+def test_status_rejects_a_malformed_url_with_exit_2(
+    url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = main_in_process(monkeypatch, capsys, "status", "--cp", url, "--timeout-s", "1")
+    assert code == 2, err
+    assert "--cp" in err and "invalid control-plane URL" in err
+    assert repr(url) in err
+    assert "unreachable" not in err and "Traceback" not in err
+    env = {"OMNI_CP_URL": f"http://127.0.0.1:1,{url}"}
+    code, err = main_in_process(monkeypatch, capsys, "status", env=env)
+    assert code == 2 and "OMNI_CP_URL" in err, err
+
+
+def test_status_rejects_a_malformed_url_from_the_real_process_too() -> None:
+    result = run_cp("status", "--cp", "htp:/foo", "--timeout-s", "1")
     assert result.returncode == 2, result
-    assert "--cp" in result.stderr and "invalid control-plane URL" in result.stderr
-    assert repr(url) in result.stderr
-    assert "unreachable" not in result.stderr and "Traceback" not in result.stderr
-    from_env = run_cp("status", env={"OMNI_CP_URL": f"http://127.0.0.1:1,{url}"})
-    assert from_env.returncode == 2 and "OMNI_CP_URL" in from_env.stderr
+    assert "invalid control-plane URL 'htp:/foo'" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_status_with_a_wrong_token_exits_1(
