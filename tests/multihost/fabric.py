@@ -13,7 +13,9 @@ host (``--host-id``), so a hand-off between two hosts goes over HTTP and one ins
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import sys
 import threading
 import time
@@ -29,6 +31,8 @@ PIPELINE = "synthetic"
 CP_PORT = 7700
 S0_BYTES = 16 * 1024 * 1024
 S1_BYTES = 1024 * 1024
+#: How long the pods (then omni-cp) have to exit after SIGTERM when the fabric closes.
+STOP_S = 15.0
 OVERRIDES = json.dumps({"0": {"output_bytes": S0_BYTES}, "1": {"output_bytes": S1_BYTES}})
 
 
@@ -141,6 +145,15 @@ class Fabric:
         return self.pods["api"].url
 
     def close(self) -> None:
+        """Stop the pods together (each drains on its own), then omni-cp, then the hosts."""
+        for group in ([pod.proc for pod in self.pods.values()], [getattr(self, "cp", None)]):
+            live = [proc for proc in group if proc is not None and proc.alive]
+            for proc in live:
+                proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + STOP_S
+            for proc in live:
+                with contextlib.suppress(AssertionError):  # not gone in time: killed below
+                    proc.wait(max(0.1, deadline - time.monotonic()))
         self.hosts.close()
 
 
