@@ -172,13 +172,16 @@ def test_a_replica_killed_with_minus_9_is_restarted_then_ctrl_c_drains_in_pipeli
 ) -> None:
     """One deployment (its start-up is most of the cost) for two scenarios, in this order: a
     replica killed with -9 comes back on its port; then Ctrl-C under load drains everything,
-    the restarted replica included, leaving no process and no shared memory."""
+    the restarted replica included, leaving no process and no shared memory. (This is also
+    ``omni-up``'s Ctrl-C end to end; its SIGTERM twin is in tests/run_client/test_clis_e2e.py.)"""
     before = shm_segments()
     port = free_port()
     up = _omni_up(tmp_path, port, "--replicas", "1:2")
     try:
         up.wait_for_output(READY, timeout=90)
+        assert re.search(r"control plane\s+http://", up.stdout), up.stdout
         children = descendants(up.pid)
+        assert len(children) >= 5  # omni-cp (+ redis), 3 pods (+ engines), API server
         _kill_9_and_wait_for_the_restart(up, port)
         children |= descendants(up.pid)
         _ctrl_c_under_load(up, port)
