@@ -340,6 +340,23 @@ class ManagedProcess:
         wait_until(ready, timeout, interval=0.1, message=lambda: f"GET {url}\n{self.describe()}")
 
 
+def stop_together(
+    procs: Iterable[ManagedProcess], timeout: float, signum: int = signal.SIGTERM
+) -> None:
+    """Signal every running process of ``procs`` at once and give them ``timeout`` seconds in
+    all (one by one, a topology's drains add up); SIGKILL whatever is left, as
+    :meth:`ManagedProcess.terminate` does."""
+    live = [proc for proc in procs if proc.alive]
+    for proc in live:
+        proc.send_signal(signum)
+    deadline = time.monotonic() + timeout
+    for proc in live:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except AssertionError:  # did not exit in time
+            proc.kill()
+
+
 # ---- redis-server -------------------------------------------------------------------------
 
 

@@ -13,9 +13,7 @@ host (``--host-id``), so a hand-off between two hosts goes over HTTP and one ins
 
 from __future__ import annotations
 
-import contextlib
 import json
-import signal
 import sys
 import threading
 import time
@@ -24,7 +22,7 @@ import urllib.request
 from pathlib import Path
 
 from tests.multihost.hosts import Host, TestHosts
-from tests.procs import ManagedProcess, wait_until
+from tests.procs import ManagedProcess, stop_together, wait_until
 
 SECRET = "multihost-test-secret-0123456789"
 PIPELINE = "synthetic"
@@ -146,14 +144,9 @@ class Fabric:
 
     def close(self) -> None:
         """Stop the pods together (each drains on its own), then omni-cp, then the hosts."""
-        for group in ([pod.proc for pod in self.pods.values()], [getattr(self, "cp", None)]):
-            live = [proc for proc in group if proc is not None and proc.alive]
-            for proc in live:
-                proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + STOP_S
-            for proc in live:
-                with contextlib.suppress(AssertionError):  # not gone in time: killed below
-                    proc.wait(max(0.1, deadline - time.monotonic()))
+        stop_together([pod.proc for pod in self.pods.values()], STOP_S)
+        if hasattr(self, "cp"):
+            stop_together([self.cp], STOP_S)
         self.hosts.close()
 
 

@@ -21,6 +21,7 @@ from tests.procs import (
     free_port,
     orphaned_shm_segments,
     start_control_plane,
+    stop_together,
     wait_until,
 )
 
@@ -111,12 +112,11 @@ class Topology:
         self.api_url = f"http://{LOCALHOST}:{port}"
 
     def close(self) -> None:
+        """Stop the pods and the API server together (each drains on its own), then omni-cp."""
         procs = [p for ps in self.stages.values() for p in ps]
         if self.api is not None:
             procs.append(self.api)
-        for proc in procs:
-            if proc.alive:
-                proc.terminate(timeout=20)
+        stop_together(procs, timeout=20)
         if self.cp is not None:
             self.cp.proc.terminate(timeout=10)
 
