@@ -3,13 +3,16 @@ OpenAI server: the request's sampling params (checked, a 400 naming the field), 
 ``finish_reason``, ``usage`` and ``logprobs`` read from the text stage's final fields.
 
 A vLLM stage's final text output carries ``finish_reason`` (``stop``/``length``),
-``prompt_tokens`` and ``completion_tokens`` on its last chunk, and the sampled tokens'
-``logprobs`` (when asked) as an array; reference engines carry none of them (``stop``, usage 0).
+``prompt_tokens`` and ``completion_tokens`` on its last chunk, and the tokens' logprobs (when
+asked; ``text_logprobs.py`` shapes them); reference engines carry none of them (``stop``,
+usage 0, null logprobs). With ``n`` choices, ``usage`` counts the prompt once and sums the
+choices' tokens.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -60,8 +63,9 @@ def usage(text: FinalOutput | None) -> dict[str, int]:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def token_logprobs(text: FinalOutput | None) -> list[float] | None:
-    """The sampled tokens' logprobs, when the request asked for them."""
-    if text is None or text.array is None:
-        return None
-    return [float(x) for x in text.array.reshape(-1)]
+def usage_of(choices: Sequence[FinalOutput | None]) -> dict[str, int]:
+    """``usage`` of n choices of one prompt: its tokens once, the choices' tokens summed."""
+    each = [usage(c) for c in choices] or [usage(None)]
+    p = each[0]["prompt_tokens"]
+    c = sum(u["completion_tokens"] for u in each)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}

@@ -50,9 +50,9 @@ class ChatRequest(Struct):
     repetition_penalty: RepetitionPenalty | None = None  # vLLM's extension (extra_body)
     ignore_eos: bool | None = None  # vLLM's extension (extra_body)
     stop: Stop | None = None
-    logprobs: bool = False  # the sampled tokens' logprobs (no alternatives: top_logprobs 0)
-    top_logprobs: Annotated[int, Meta(ge=0, le=0)] | None = None
-    n: Annotated[int, Meta(ge=1, le=1)] = 1
+    logprobs: bool = False  # the sampled tokens' logprobs
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # alternatives per token
+    n: Annotated[int, Meta(ge=1, le=8)] = 1  # choices: n requests (seed + i)
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: PriorityClass | None = None  # admission class; X-Omni-Priority wins over it
@@ -76,9 +76,9 @@ class CompletionRequest(Struct):
     ignore_eos: bool | None = None  # vLLM's extension (extra_body)
     stop: Stop | None = None
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
-    logprobs: Annotated[int, Meta(ge=0, le=0)] | None = None  # the sampled tokens' only
-    n: Annotated[int, Meta(ge=1, le=1)] = 1
-    echo: Literal[False] = False
+    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None  # alternatives per token
+    n: Annotated[int, Meta(ge=1, le=8)] = 1  # choices: n requests (seed + i)
+    echo: bool = False  # the prompt before each choice's text (and its logprobs)
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: PriorityClass | None = None  # admission class; X-Omni-Priority wins over it

@@ -30,6 +30,7 @@ from omni_mesh.data_plane.messages import (
     StageTiming,
 )
 from omni_mesh.data_plane.tensors import array_from_tensor
+from omni_mesh.sidecar.text_logprobs import LOGPROB_FIELDS, TokenLogprobs
 
 
 @dataclass
@@ -43,6 +44,8 @@ class FinalOutput:
     mime_type: str | None = None
     fields: dict[str, Scalar] | None = None
     array: np.ndarray | None = None  # waveform or image, for routes that re-encode
+    logprobs: TokenLogprobs | None = None  # text: the tokens' logprobs, when asked (vLLM)
+    prompt_logprobs: TokenLogprobs | None = None  # text, echo: the prompt's (first chunk)
 
     def encoded(self) -> FinalOutput:
         """This output with its client bytes (WAV, PNG) encoded from its array if they were
@@ -87,9 +90,20 @@ def final_output(
     kind = pipeline.stage(stage_id).final_output or OutputKind.DATA
     arrays = {k: array_from_tensor(t) for k, t in payload.tensors.items()}
     fields = dict(payload.fields)
-    if kind is OutputKind.TEXT:  # array: the sampled tokens' logprobs, when asked (vLLM)
+    if kind is OutputKind.TEXT:  # with the tokens' logprobs, when asked (vLLM)
         text = str(fields.pop("text", ""))
-        return FinalOutput(stage_id, kind, text=text, fields=fields, array=arrays.get("logprobs"))
+        logprobs = TokenLogprobs.read(fields, arrays)
+        prompt_logprobs = TokenLogprobs.read(fields, arrays, prefix="prompt_")
+        for name in LOGPROB_FIELDS:
+            fields.pop(name, None)
+        return FinalOutput(
+            stage_id,
+            kind,
+            text=text,
+            fields=fields,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
     if kind is OutputKind.AUDIO:
         wave = arrays["waveform"]
         out = FinalOutput(stage_id, kind, fields=fields, array=wave)
@@ -140,13 +154,13 @@ def join_outputs(parts: Sequence[FinalOutput]) -> FinalOutput:
         fields.update(part.fields or {})
     kind = first.kind
     if kind is OutputKind.TEXT:
-        logprobs = [p.array.reshape(-1) for p in parts if p.array is not None]
         return FinalOutput(
             first.stage_id,
             kind,
             text="".join(p.text or "" for p in parts),
             fields=fields,
-            array=np.concatenate(logprobs) if logprobs else None,
+            logprobs=TokenLogprobs.join([p.logprobs for p in parts]),
+            prompt_logprobs=next((p.prompt_logprobs for p in parts if p.prompt_logprobs), None),
         )
     if kind is OutputKind.AUDIO:
         rates = {int((p.fields or {}).get("sample_rate") or 24000) for p in parts}

@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import json
 import time
-import uuid
 from typing import Any
 
 import msgspec
@@ -27,14 +26,15 @@ from omni_mesh.data_plane.messages import Prompt, SamplingParams
 from omni_mesh.sidecar import routes_completions
 from omni_mesh.sidecar.admission import openai_priority
 from omni_mesh.sidecar.appkeys import POD
+from omni_mesh.sidecar.chat_answer import ChatEvents, chat_completion
+from omni_mesh.sidecar.choices import choice_prompts, collect_choices, respond_choices
 from omni_mesh.sidecar.client_requests import collect, entry, request_frames
 from omni_mesh.sidecar.errors import ApiError, bad_request, decode_body
-from omni_mesh.sidecar.openai_text import finish_reason, sampling_from, usage
+from omni_mesh.sidecar.openai_text import sampling_from
 from omni_mesh.sidecar.openai_types import ChatMessage, ChatRequest, ImageRequest, SpeechRequest
 from omni_mesh.sidecar.outputs import FinalOutput, final_stage
 from omni_mesh.sidecar.pod import Pod
 from omni_mesh.sidecar.sinks import (
-    ChatEvents,
     GenerateEvents,
     Sink,
     SpeechAudio,
@@ -191,41 +191,38 @@ async def chat(request: web.Request) -> web.StreamResponse:
     priority = openai_priority(request, req.priority)
     last_user, messages = _conversation(req)
     prompt = Prompt(prompt=last_user, seed=req.seed, priority=priority, **fields)
-    if req.logprobs:
-        raise bad_request(
-            "logprobs: not served on chat (use /v1/completions logprobs 0)", "logprobs"
-        )
-    sampling = sampling_from(req, max_tokens=None, logprobs=None)
+    top_logprobs = _chat_logprobs(req)
+    sampling = sampling_from(req, max_tokens=None, logprobs=top_logprobs)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options: only allowed when stream is true", "stream_options")
-    si = entry(pod, request, prompt, sampling)
-    si.payload.fields = {**si.payload.fields, "messages": messages}
+    streams = []
+    for choice in choice_prompts(prompt, req.n):
+        si = entry(pod, request, choice, sampling)
+        si.payload.fields = {**si.payload.fields, "messages": messages}
+        streams.append(request_frames(pod, request, si))
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        sink = ChatEvents(pod.pipeline, want_audio=want_audio, include_usage=include_usage)
-        return await respond(request, pod.pipeline, request_frames(pod, request, si), sink)
-    outputs = await collect(pod.pipeline, request_frames(pod, request, si))
-    text = _pick(outputs, OutputKind.TEXT)
-    message: dict[str, Any] = {"role": "assistant", "content": text.text if text else None}
-    audio = _pick(outputs, OutputKind.AUDIO)
-    if want_audio and audio is not None and audio.data is not None:
-        message["audio"] = {
-            "id": f"audio_{uuid.uuid4().hex}",
-            "data": base64.b64encode(audio.data).decode(),
-            "expires_at": int(time.time()) + 3600,
-            "transcript": text.text if text and text.text else "",
-        }
-    completion = {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": pod.pipeline.name,
-        "choices": [
-            {"index": 0, "message": message, "finish_reason": finish_reason(text), "logprobs": None}
-        ],
-        "usage": usage(text),
-    }
-    return web.json_response(completion)
+        sink = ChatEvents(
+            pod.pipeline,
+            want_audio=want_audio,
+            include_usage=include_usage,
+            top_logprobs=top_logprobs,
+        )
+        return await respond_choices(request, pod.pipeline, streams, sink)
+    choices = await collect_choices(pod.pipeline, streams)
+    return web.json_response(
+        chat_completion(pod.pipeline, choices, want_audio=want_audio, top_logprobs=top_logprobs)
+    )
+
+
+def _chat_logprobs(req: ChatRequest) -> int | None:
+    """How many alternatives per token (None: no logprobs), as vLLM's server reads
+    ``logprobs``/``top_logprobs``."""
+    if not req.logprobs:
+        if req.top_logprobs:
+            raise bad_request("top_logprobs: needs logprobs set to true", "top_logprobs")
+        return None
+    return req.top_logprobs or 0
 
 
 def _parse_size(size: str) -> int:

@@ -1,8 +1,12 @@
 """``POST /v1/completions``: OpenAI's (legacy) text completions, as vLLM's own server answers
 them for the fields they share — a prompt string or the prompt's token ids, ``max_tokens``,
-``temperature``, ``top_p``, ``stop``, ``seed``, ``logprobs`` (0: the sampled tokens' own),
-``stream`` (``text_completion`` events, then ``[DONE]``; ``stream_options.include_usage`` adds a
-last event with ``usage``). The pipeline must give a text output (``tiny-llm``).
+``temperature``, ``top_p``, ``stop``, ``seed``, ``logprobs`` (0..5 alternatives per token:
+``tokens``, ``token_logprobs``, ``top_logprobs`` maps, ``text_offset``), ``n`` (1..8 choices,
+see ``choices.py``), ``echo`` (the prompt before each choice's text, with its logprobs when
+asked, the first token's null), ``stream`` (``text_completion`` events, then ``[DONE]``;
+``stream_options.include_usage`` adds a last event with ``usage``). The pipeline must give a
+text output (``tiny-llm``); logprobs are null where its text stage gives none (reference
+engines).
 """
 
 from __future__ import annotations
@@ -16,42 +20,50 @@ from aiohttp import web
 
 from omni_mesh.configs.pipeline import OutputKind, PipelineSpec
 from omni_mesh.data_plane import wire
-from omni_mesh.data_plane.messages import Prompt
+from omni_mesh.data_plane.messages import Prompt, Scalar
 from omni_mesh.data_plane.tensors import tensor_from_array
 from omni_mesh.sidecar.admission import openai_priority
 from omni_mesh.sidecar.appkeys import POD
+from omni_mesh.sidecar.choices import choice_prompts, collect_choices, respond_choices
 from omni_mesh.sidecar.client_requests import entry, request_frames
 from omni_mesh.sidecar.errors import ApiError, bad_request, decode_body, error_body
-from omni_mesh.sidecar.openai_text import finish_reason, sampling_from, token_logprobs, usage
+from omni_mesh.sidecar.openai_text import finish_reason, sampling_from, usage_of
 from omni_mesh.sidecar.openai_types import CompletionRequest
 from omni_mesh.sidecar.outputs import FinalOutput, OutputChunk, final_stage
-from omni_mesh.sidecar.sinks import SSE_CONTENT_TYPE, respond, sse
+from omni_mesh.sidecar.sinks import SSE_CONTENT_TYPE, sse
 
 MAX_COMPLETION_BODY = 1 << 20
 _TOKEN_PROMPT = " "  # the prompt field of a token-id prompt (the engine reads its token_ids)
 
 
-def _logprobs_body(values: list[float] | None) -> dict[str, Any] | None:
-    if values is None:
-        return None
-    return {"token_logprobs": values, "tokens": None, "top_logprobs": None, "text_offset": None}
-
-
 class CompletionAnswer:
-    """The answer of ``/v1/completions``: one ``text_completion`` object, or (``stream``) its
-    events — a ``text`` delta per output chunk, a last choice with ``finish_reason``, usage
-    when asked, ``[DONE]``."""
+    """The answer of ``/v1/completions`` for n choices: one ``text_completion`` object, or
+    (``stream``) its events — per choice a ``text`` delta per output chunk (the prompt before
+    the first with ``echo``) and a last one with ``finish_reason``; then usage when asked,
+    ``[DONE]``."""
 
-    encodes = False
+    content_type = SSE_CONTENT_TYPE
 
-    def __init__(self, pipeline: PipelineSpec, text_stage: int, *, stream: bool, usage: bool):
+    def __init__(
+        self,
+        pipeline: PipelineSpec,
+        text_stage: int,
+        *,
+        usage: bool,
+        logprobs: int | None,
+        echo: bool,
+        prompt_text: str | None,
+    ) -> None:
         self.model = pipeline.name
         self.text_stage = text_stage
-        self.always_stream = stream
-        self.content_type = SSE_CONTENT_TYPE
         self.include_usage = usage
+        self.logprobs = logprobs
+        self.echo = echo
+        self.prompt_text = prompt_text  # None: a token-id prompt (the engine detokenizes it)
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self._echoed: set[int] = set()
+        self._offsets: dict[int, int] = {}
 
     def _object(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {
@@ -64,38 +76,62 @@ class CompletionAnswer:
         }
 
     @staticmethod
-    def _choice(text: str, reason: str | None, logprobs: list[float] | None) -> dict[str, Any]:
-        return {
-            "index": 0,
-            "text": text,
-            "logprobs": _logprobs_body(logprobs),
-            "finish_reason": reason,
-        }
+    def _choice(
+        index: int, text: str, reason: str | None, logprobs: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
     def _text(self, outputs: list[FinalOutput]) -> FinalOutput | None:
         return next((o for o in outputs if o.stage_id == self.text_stage), None)
 
-    def piece(self, chunk: OutputChunk) -> bytes:
+    def _shaped(self, output: FinalOutput, echo: bool, offset: int) -> tuple[str, Any, int]:
+        """The choice's text (the prompt before it when ``echo``), its logprobs body (None:
+        not asked or none given) and the text offset after it."""
+        text = output.text or ""
+        lp = output.logprobs
+        if echo:
+            prompt = self.prompt_text
+            if prompt is None:
+                given = (output.fields or {}).get("prompt_text")
+                prompt = given if isinstance(given, str) else ""
+            text = prompt + text
+            if lp is not None and output.prompt_logprobs is not None:
+                lp = output.prompt_logprobs + lp
+        if self.logprobs is None or lp is None:
+            return text, None, offset
+        return text, lp.completion(self.logprobs, offset), lp.next_offset(offset)
+
+    def piece(self, index: int, chunk: OutputChunk) -> bytes:
         # Every chunk is an event, its text empty when its tokens are no whole character yet
         # (as vLLM's server sends them).
-        if not self.always_stream or chunk.stage_id != self.text_stage:
+        if chunk.stage_id != self.text_stage:
             return b""
-        choice = self._choice(chunk.output.text or "", None, token_logprobs(chunk.output))
-        return sse(self._object([choice]))
+        echo = self.echo and index not in self._echoed
+        self._echoed.add(index)
+        offset = self._offsets.get(index, 0)
+        text, logprobs, self._offsets[index] = self._shaped(chunk.output, echo, offset)
+        return sse(self._object([self._choice(index, text, None, logprobs)]))
 
-    def unary(self, outputs: list[FinalOutput]) -> web.StreamResponse:
-        text = self._text(outputs)
-        choice = self._choice(
-            text.text or "" if text else "", finish_reason(text), token_logprobs(text)
-        )
-        return web.json_response(self._object([choice], usage=usage(text)))
+    def end(self, index: int, outputs: list[FinalOutput]) -> bytes:
+        reason = finish_reason(self._text(outputs))
+        return sse(self._object([self._choice(index, "", reason, None)]))
 
-    def tail(self, outputs: list[FinalOutput]) -> bytes:
-        text = self._text(outputs)
-        out = sse(self._object([self._choice("", finish_reason(text), None)]))
+    def tail(self, choices: list[list[FinalOutput]]) -> bytes:
+        out = b""
         if self.include_usage:
-            out += sse(self._object([], usage=usage(text)))
+            out += sse(self._object([], usage=usage_of([self._text(c) for c in choices])))
         return out + b"data: [DONE]\n\n"
+
+    def unary(self, choices: list[list[FinalOutput]]) -> dict[str, Any]:
+        body = []
+        texts = [self._text(c) for c in choices]
+        for index, output in enumerate(texts):
+            if output is None:
+                body.append(self._choice(index, "", finish_reason(None), None))
+                continue
+            text, logprobs, _ = self._shaped(output, self.echo, 0)
+            body.append(self._choice(index, text, finish_reason(output), logprobs))
+        return self._object(body, usage=usage_of(texts))
 
     def error_event(self, err: ApiError) -> bytes:
         return sse({"error": error_body(err)})
@@ -121,13 +157,31 @@ async def completions(request: web.Request) -> web.StreamResponse:
     token_ids = None if isinstance(req.prompt, str) else req.prompt
     text = _TOKEN_PROMPT if token_ids else str(req.prompt)
     prompt = Prompt(prompt=text, seed=req.seed, priority=openai_priority(request, req.priority))
-    si = entry(pod, request, prompt, sampling, param="prompt")
-    if token_ids is not None:
-        ids = np.asarray(token_ids, dtype=np.int64)
-        si.payload.tensors = {**si.payload.tensors, "token_ids": tensor_from_array(ids)}
+    streams = []
+    for choice in choice_prompts(prompt, req.n):
+        si = entry(pod, request, choice, sampling, param="prompt")
+        if token_ids is not None:
+            ids = np.asarray(token_ids, dtype=np.int64)
+            si.payload.tensors = {**si.payload.tensors, "token_ids": tensor_from_array(ids)}
+        # The prompt as given, never chat-templated (as vLLM's server takes it); with echo the
+        # engine gives the prompt's text (token ids) and logprobs (when asked).
+        extra: dict[str, Scalar] = {"chat_template": False}
+        if req.echo:
+            extra["echo"] = True
+        si.payload.fields = {**si.payload.fields, **extra}
+        streams.append(request_frames(pod, request, si))
     include_usage = req.stream_options is not None and req.stream_options.include_usage
-    answer = CompletionAnswer(pod.pipeline, text_stage, stream=req.stream, usage=include_usage)
-    return await respond(request, pod.pipeline, request_frames(pod, request, si), answer)
+    answer = CompletionAnswer(
+        pod.pipeline,
+        text_stage,
+        usage=include_usage,
+        logprobs=req.logprobs,
+        echo=req.echo,
+        prompt_text=None if token_ids is not None else text,
+    )
+    if req.stream:
+        return await respond_choices(request, pod.pipeline, streams, answer)
+    return web.json_response(answer.unary(await collect_choices(pod.pipeline, streams)))
 
 
 def add_routes(app: web.Application) -> None:

@@ -13,14 +13,13 @@ import base64
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import AsyncGenerator
 from typing import Protocol
 
 import msgspec
 from aiohttp import web
 
-from omni_mesh.configs.pipeline import OutputKind, PipelineSpec
+from omni_mesh.configs.pipeline import PipelineSpec
 from omni_mesh.data_plane import codec, media
 from omni_mesh.data_plane.messages import HopResult
 from omni_mesh.sidecar.appkeys import POD
@@ -32,12 +31,10 @@ from omni_mesh.sidecar.errors import (
 )
 from omni_mesh.sidecar.hop_client import HopUnavailable
 from omni_mesh.sidecar.middleware import API_ROUTE, API_STARTED, STREAM_FAILED
-from omni_mesh.sidecar.openai_text import finish_reason, usage
 from omni_mesh.sidecar.outputs import (
     ChunkAssembler,
     FinalOutput,
     OutputChunk,
-    final_stage,
     joined_off_loop,
 )
 
@@ -255,76 +252,6 @@ class SpeechEvents:
 
     def error_event(self, err: ApiError) -> bytes:
         return sse({"type": "error", "error": error_body(err)})
-
-
-class ChatEvents:
-    """``/v1/chat/completions`` with ``stream: true``: ``chat.completion.chunk`` events as
-    OpenAI sends them — the role with the first delta, the text as ``content`` deltas, the audio
-    (when asked for) as ``delta.audio`` PCM16 chunks, a last chunk with ``finish_reason``, then
-    ``[DONE]``."""
-
-    always_stream = True
-    encodes = False
-    content_type = SSE_CONTENT_TYPE
-
-    def __init__(self, pipeline: PipelineSpec, *, want_audio: bool, include_usage: bool) -> None:
-        self.model = pipeline.name
-        self.text_stage = final_stage(pipeline, OutputKind.TEXT)
-        self.audio_stage = final_stage(pipeline, OutputKind.AUDIO) if want_audio else None
-        self.include_usage = include_usage
-        self.id = f"chatcmpl-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self._role_sent = False
-        self._text: list[str] = []
-        self._audio_id = ""
-
-    def _event(self, choices: list[dict[str, object]], **extra: object) -> bytes:
-        return sse(
-            {
-                "id": self.id,
-                "object": "chat.completion.chunk",
-                "created": self.created,
-                "model": self.model,
-                "choices": choices,
-                **extra,
-            }
-        )
-
-    def _delta(self, delta: dict[str, object], finish_reason: str | None = None) -> bytes:
-        if not self._role_sent:
-            delta = {"role": "assistant", **delta}
-            self._role_sent = True
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-        return self._event([choice])
-
-    def piece(self, chunk: OutputChunk) -> bytes:
-        if chunk.stage_id == self.text_stage:
-            text = chunk.output.text or ""
-            self._text.append(text)
-            return self._delta({"content": text})
-        if chunk.stage_id != self.audio_stage:
-            return b""
-        audio: dict[str, object] = {"data": base64.b64encode(_pcm(chunk)).decode()}
-        if not self._audio_id:
-            self._audio_id = f"audio_{uuid.uuid4().hex}"
-            audio["expires_at"] = int(time.time()) + 3600
-            audio["transcript"] = "".join(self._text)
-        audio["id"] = self._audio_id
-        return self._delta({"audio": audio})
-
-    def unary(self, outputs: list[FinalOutput]) -> web.StreamResponse:
-        raise AssertionError("an event stream is always streamed")
-
-    def tail(self, outputs: list[FinalOutput]) -> bytes:
-        text = next((o for o in outputs if o.stage_id == self.text_stage), None)
-        out = b"" if self._role_sent else self._delta({"content": ""})
-        out += self._delta({}, finish_reason(text))
-        if self.include_usage:
-            out += self._event([], usage=usage(text))
-        return out + b"data: [DONE]\n\n"
-
-    def error_event(self, err: ApiError) -> bytes:
-        return sse({"error": error_body(err)})
 
 
 class GenerateEvents:

@@ -1,8 +1,8 @@
 """Streaming answers over real HTTP: a real aiohttp server whose handlers answer from scripted
 answer frames through :func:`respond` and the routes' sinks, read by aiohttp and by the
-official ``openai`` SDK. Chunked WAV/PCM speech, SSE speech, chat completion chunks, generate
-events; errors before the response (a status) and after it (a cut connection, an error event);
-a client that leaves closes the frame iterator."""
+official ``openai`` SDK. Chunked WAV/PCM speech, SSE speech, generate events (chat completion
+chunks: ``test_text_choices.py``); errors before the response (a status) and after it (a cut
+connection, an error event); a client that leaves closes the frame iterator."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 
 import aiohttp
 import numpy as np
-import openai
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -26,7 +25,6 @@ from omni_mesh.launcher.supervisor import free_port
 from omni_mesh.sidecar.hop_client import HopUnavailable
 from omni_mesh.sidecar.middleware import error_middleware
 from omni_mesh.sidecar.sinks import (
-    ChatEvents,
     GenerateEvents,
     Sink,
     SpeechAudio,
@@ -38,7 +36,6 @@ from tests import media_readers
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 TTS = get_pipeline("tiny-tts")  # stage 1: audio
-OMNI = get_pipeline("tiny-omni")  # stage 0: text, stage 2: audio
 RATE = 24000
 Item = HopResult | BaseException
 
@@ -93,7 +90,7 @@ async def serve() -> AsyncIterator[Serve]:
     servers: list[TestServer] = []
 
     async def start(script: Script, sink: Callable[[], Sink]) -> str:
-        pipeline = OMNI if isinstance(sink(), ChatEvents) else TTS
+        pipeline = TTS
 
         async def handle(request: web.Request) -> web.StreamResponse:
             return await respond(request, pipeline, script.frames(), sink())
@@ -203,70 +200,6 @@ async def test_sse_speech_ends_with_an_error_event(serve: Serve) -> None:
         "type": "error",
         "error": {"message": "stage 1: boom", "type": "engine_error", "param": None, "code": 500},
     }
-
-
-# ---- chat ------------------------------------------------------------------------------------
-
-
-def chat_frames(n: int) -> list[Item]:
-    text = HopResult(request_id="r", outputs={0: Payload(fields={"text": "Hi there"})}, more=True)
-    return [text, *streamed_audio(2, n)]
-
-
-def chat_sink(audio: bool = True) -> Callable[[], Sink]:
-    return lambda: ChatEvents(OMNI, want_audio=audio, include_usage=False)
-
-
-async def test_chat_stream_parses_with_the_openai_sdk(serve: Serve) -> None:
-    url = await serve(Script(chat_frames(3)), chat_sink())
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    stream = await client.chat.completions.create(
-        model="tiny-omni",
-        messages=[{"role": "user", "content": "hi"}],
-        modalities=["text", "audio"],
-        audio={"voice": "alloy", "format": "pcm16"},
-        stream=True,
-    )
-    chunks = [c async for c in stream]
-    await client.close()
-    assert {c.object for c in chunks} == {"chat.completion.chunk"}
-    assert len({c.id for c in chunks}) == 1
-    first = chunks[0].choices[0].delta
-    assert (first.role, first.content) == ("assistant", "Hi there")
-    audio = [c.choices[0].delta.audio for c in chunks[1:-1]]
-    assert all(a is not None for a in audio) and len(audio) == 3
-    assert b"".join(base64.b64decode(a.data or "") for a in audio if a) == pcm(3)
-    assert audio[0] is not None and audio[0].transcript == "Hi there"
-    assert len({a.id for a in audio if a}) == 1
-    assert chunks[-1].choices[0].finish_reason == "stop"
-    assert [c.choices[0].finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
-
-
-async def test_chat_stream_of_text_only_and_a_unary_answer(serve: Serve) -> None:
-    whole = HopResult(
-        request_id="r",
-        outputs={0: Payload(fields={"text": "Whole"}), 2: audio_frame(2, 0).outputs[2]},
-    )
-    url = await serve(Script([whole]), chat_sink(audio=False))
-    _, pieces = await post_pieces(url + "/v1/chat/completions")
-    body = b"".join(pieces)
-    assert body.endswith(b"data: [DONE]\n\n")
-    got = events(body.removesuffix(b"data: [DONE]\n\n"))
-    deltas = [e["choices"][0]["delta"] for e in got]  # type: ignore[index]
-    assert deltas == [{"role": "assistant", "content": "Whole"}, {}]
-
-
-async def test_chat_stream_error_raises_in_the_sdk(serve: Serve) -> None:
-    boom = HopResult(request_id="r", error=StageError("engine_error", "boom", 2))
-    url = await serve(Script([*chat_frames(1)[:2], boom]), chat_sink())
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    stream = await client.chat.completions.create(
-        model="tiny-omni", messages=[{"role": "user", "content": "hi"}], stream=True
-    )
-    with pytest.raises(openai.APIError, match="stage 2: boom"):
-        async for _ in stream:
-            pass
-    await client.close()
 
 
 # ---- generate and disconnects ----------------------------------------------------------------

@@ -10,14 +10,15 @@ deadline, client gone) aborts the request inside vLLM at once, which frees its K
 Input: ``prompt`` (text) or an int array ``token_ids`` from the upstream stage. When
 ``engine_extras.chat_template`` is true, the model's chat template is applied to field
 ``messages`` (the chat route's whole conversation, JSON text) or else to ``prompt`` as one user
-message; an optional ``max_tokens``
-field (the prompt's, or set by a processor) caps the output. Output (``output``, and
-``final`` for a text stage): field ``text`` and array ``token_ids`` (int64) of the new tokens,
-``logprobs`` (float32, the sampled tokens') when the request asks for them, field
-``generated_tokens`` (count so far) and, on the last result, ``finish_reason``; other input
-fields pass through (``voice``…). ``engine_extras.context_tokens`` adds array
-``context_token_ids``: up to that many tokens generated before the chunk (for a decoder
-downstream that needs left context).
+message, unless field ``chat_template`` is false (``/v1/completions``: the prompt as given). An
+optional ``max_tokens`` field (the prompt's, or set by a processor) caps the output.
+Output (``output``, and ``final`` for a text stage): field ``text`` and array ``token_ids``
+(int64) of the new tokens, ``logprobs`` (float32, the sampled tokens') when the request asks
+for them (a text stage's ``final`` also carries the top-k alternatives and, with field ``echo``,
+the prompt: see ``stream.py``), field ``generated_tokens`` (count so far) and, on the last
+result, ``finish_reason``; other input fields pass through (``voice``…).
+``engine_extras.context_tokens`` adds array ``context_token_ids``: up to that many tokens
+generated before the chunk (for a decoder downstream that needs left context).
 
 Streaming (``async_chunk`` and a whole input): the first chunk as soon as the first token
 exists (``engine_extras.first_chunk_tokens``, default 1), then one every
@@ -237,6 +238,12 @@ class VllmEngine(StageEngine):
             self._llm.abort_request([vid])
             logger.info("vLLM request aborted stage=%d id=%s", self.ctx.stage.stage_id, vid)
 
+    def decode(self, ids: list[int]) -> str:
+        """Token ids as text ("" without a tokenizer)."""
+        if self._tokenizer is None:
+            return ""
+        return str(self._tokenizer.decode(ids))
+
     def _prompt(self, request: EngineRequest) -> Any:
         ids = request.data.arrays.get("token_ids")
         if ids is not None:
@@ -252,7 +259,8 @@ class VllmEngine(StageEngine):
                 f"stage {self.ctx.stage.stage_id}: input needs a 'prompt' string or a "
                 "'token_ids' array"
             )
-        if self.chat_template and self._tokenizer is not None:
+        raw = request.data.fields.get("chat_template") is False  # /v1/completions: as given
+        if self.chat_template and self._tokenizer is not None and not raw:
             ids_list = self._tokenizer.apply_chat_template(
                 self._messages(request, text), tokenize=True, add_generation_prompt=True
             )
@@ -315,6 +323,8 @@ class VllmEngine(StageEngine):
             values["top_k"] = None  # ours: 0 = off; vLLM: -1 or None = off
         if self._tokenizer is None:  # skip_tokenizer_init: token ids only, no text
             values["detokenize"] = False
+        if request.data.fields.get("echo") is True and values.get("logprobs") is not None:
+            values["prompt_logprobs"] = values["logprobs"]  # echo: the prompt's too
         clean = {k: v for k, v in values.items() if v is not None}
         try:
             return SamplingParams(seed=(request.seed + request.chunk) % (1 << 63), **clean)

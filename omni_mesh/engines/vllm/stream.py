@@ -4,10 +4,20 @@ The engine feeds it each vLLM step's delta (``feed``); the core pulls results wi
 ``None`` while there is nothing to emit, a chunk when streaming and enough tokens wait (the
 first as soon as one exists, then every ``chunk_tokens``), the last result when vLLM finished.
 ``close()`` before the end aborts the request inside vLLM.
+
+Logprobs (the request's ``logprobs`` k set), on a text stage's ``final`` data: per sampled token
+vLLM gives a dict of alternatives, the sampled token first, then the top k (the sampled one not
+repeated): array ``logprobs`` (float32 [T], the sampled tokens'), array ``top_logprobs``
+(float32 [T, W], each row the dict's logprobs in vLLM's order, NaN-padded) and field
+``logprob_tokens`` (JSON text, a list per token of the dict's decoded token strings). With field
+``echo`` true, the first result also carries ``prompt_text`` (the prompt, detokenized) and, when
+logprobs are asked, the prompt's as ``prompt_logprobs`` / ``prompt_top_logprobs`` /
+``prompt_logprob_tokens`` (position 0 has none: NaN, and only its own token).
 """
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -19,7 +29,7 @@ if TYPE_CHECKING:
     from omni_mesh.engines.vllm.engine import VllmEngine
 
 #: Input fields consumed by the engine itself (everything else passes through to ``output``).
-CONSUMED_FIELDS = frozenset({"prompt", "max_tokens", "messages", "echo"})
+CONSUMED_FIELDS = frozenset({"prompt", "max_tokens", "messages", "echo", "chat_template"})
 
 
 def pass_fields(data: StageData) -> dict[str, Scalar]:
@@ -53,6 +63,8 @@ class VllmStream:
         self.text_final = text_final
         self.fields = fields
         self.want_logprobs = request.sampling is not None and request.sampling.logprobs is not None
+        self.echo = request.data.fields.get("echo") is True
+        self._prompt_final: dict[str, Any] | None = None  # echo: for the first final result
         self.finished = False  # vLLM finished the request (its last tokens may still wait here)
         self.done = False  # the last result was handed out, or the stream was closed
         self.finish_reason: str | None = None
@@ -62,6 +74,8 @@ class VllmStream:
         self._ids: list[int] = []
         self._text: list[str] = []
         self._logprobs: list[float] = []
+        self._top: list[list[float]] = []
+        self._top_tokens: list[list[str]] = []
         self._history: list[int] = []  # tokens already handed out (left context)
 
     def feed(self, out: Any) -> int:
@@ -73,8 +87,12 @@ class VllmStream:
         if self.want_logprobs and completion.logprobs:
             for tid, entry in zip(ids, completion.logprobs, strict=False):
                 self._logprobs.append(float(entry[tid].logprob))
+                self._top.append([float(lp.logprob) for lp in entry.values()])
+                self._top_tokens.append([lp.decoded_token or "" for lp in entry.values()])
         if out.prompt_token_ids is not None:
             self.prompt_tokens = len(out.prompt_token_ids)
+            if self.echo and self._prompt_final is None:
+                self._prompt_final = self._prompt_part(out)
         self.generated += len(ids)
         if out.finished:
             self.finished = True
@@ -102,6 +120,37 @@ class VllmStream:
             if not self.finished:
                 self.engine.abort(self.vid)
 
+    def _prompt_part(self, out: Any) -> dict[str, Any]:
+        """Echo: the prompt's text and (when asked) logprobs, for the first final result."""
+        ids = [int(t) for t in out.prompt_token_ids]
+        decode = self.engine.decode
+        text = out.prompt if isinstance(out.prompt, str) else decode(ids)
+        part: dict[str, Any] = {"fields": {"prompt_text": text}, "arrays": {}}
+        if not self.want_logprobs or out.prompt_logprobs is None or not ids:
+            return part
+        logprobs, top, tokens = [float("nan")], [[float("nan")]], [[decode(ids[:1])]]
+        for tid, entry in zip(ids[1:], list(out.prompt_logprobs)[1:], strict=False):
+            logprobs.append(float(entry[tid].logprob))
+            top.append([float(lp.logprob) for lp in entry.values()])
+            tokens.append([lp.decoded_token or "" for lp in entry.values()])
+        part["fields"]["prompt_logprob_tokens"] = json.dumps(tokens, ensure_ascii=False)
+        part["arrays"]["prompt_logprobs"] = np.asarray(logprobs, dtype=np.float32)
+        part["arrays"]["prompt_top_logprobs"] = _padded(top)
+        return part
+
+    def _final(self, text: str, usage: dict[str, Scalar]) -> StageData:
+        """The client's part: text, usage on the last, logprobs when asked, echo on the first."""
+        fields: dict[str, Scalar] = {"text": text, **usage}
+        arrays: dict[str, np.ndarray] = {}
+        if self.want_logprobs:
+            arrays["logprobs"] = np.asarray(self._logprobs, dtype=np.float32)
+            arrays["top_logprobs"] = _padded(self._top)
+            fields["logprob_tokens"] = json.dumps(self._top_tokens, ensure_ascii=False)
+        if self.chunks == 0 and self._prompt_final is not None:
+            fields.update(self._prompt_final["fields"])
+            arrays.update(self._prompt_final["arrays"])
+        return StageData(fields=fields, arrays=arrays)
+
     def _result(self, *, last: bool) -> EngineResult:
         text = "".join(self._text)
         arrays = {"token_ids": np.asarray(self._ids, dtype=np.int64)}
@@ -122,16 +171,22 @@ class VllmStream:
                 "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.generated,
             }
+        final = self._final(text, usage) if self.text_final else None
         self._history += self._ids
-        self._ids, self._text, self._logprobs = [], [], []
+        self._ids, self._text, self._logprobs, self._top, self._top_tokens = [], [], [], [], []
         self.chunks += 1
-        final = None
-        if self.text_final:  # the client's part: text (+ the sampled tokens' logprobs)
-            lp = {"logprobs": arrays["logprobs"]} if self.want_logprobs else {}
-            final = StageData(fields={"text": text, **usage}, arrays=lp)
         return EngineResult(
             self.request_id,
             output=StageData(fields={**fields, **usage}, arrays=arrays),
             final=final,
             last=last,
         )
+
+
+def _padded(rows: list[list[float]]) -> np.ndarray:
+    """Rows of varying length as one float32 [len(rows), widest] array, NaN-padded."""
+    width = max((len(r) for r in rows), default=0)
+    out = np.full((len(rows), width), np.nan, dtype=np.float32)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out

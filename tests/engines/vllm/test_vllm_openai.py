@@ -223,6 +223,111 @@ def test_chat_templates_the_whole_conversation(server: Server, vllm_env: dict[st
     assert status == 400 and json.loads(raw)["error"]["param"] == "messages", raw[:300]
 
 
+def test_chat_logprobs_with_alternatives_streamed_and_not(server: Server) -> None:
+    ask: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 5,
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
+    out = server.client.chat.completions.create(**ask)
+    logprobs = out.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None and len(logprobs.content) == 5
+    for entry in logprobs.content:
+        top = entry.top_logprobs
+        assert len(top) == 3 and entry.logprob <= 0
+        assert entry.bytes == list(entry.token.encode())
+        # Greedy: the sampled token is the likeliest, first in vLLM's order; then descending.
+        assert (top[0].token, top[0].logprob) == (entry.token, entry.logprob)
+        assert [t.logprob for t in top] == sorted((t.logprob for t in top), reverse=True)
+    events = list(server.client.chat.completions.create(**ask, stream=True))
+    streamed = [
+        c.model_dump() for e in events if e.choices and e.choices[0].logprobs
+        for c in e.choices[0].logprobs.content or []
+    ]  # fmt: skip
+    assert streamed == [c.model_dump() for c in logprobs.content]
+    status, raw = post_json(
+        f"{server.url}/v1/chat/completions", {**ask, "logprobs": False, "top_logprobs": 2}
+    )
+    assert status == 400 and json.loads(raw)["error"]["param"] == "top_logprobs"
+
+
+def test_completion_logprobs_with_alternatives_streamed_and_not(server: Server) -> None:
+    ask: dict[str, Any] = {
+        "model": MODEL, "prompt": "once upon", "max_tokens": 6, "logprobs": 2,
+        "extra_body": {"ignore_eos": True},
+    }  # fmt: skip
+    out = server.client.completions.create(**ask)
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.top_logprobs is not None
+    assert len(lp.tokens) == 6
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs or [], lp.top_logprobs, strict=True):
+        assert top[token] == value and 1 <= len(top) <= 3  # the token and the top 2
+    events = list(server.client.completions.create(**ask, stream=True))
+    parts = [e.choices[0].logprobs for e in events if e.choices and e.choices[0].logprobs]
+    assert [t for p in parts if p for t in p.tokens or []] == lp.tokens
+    assert [o for p in parts if p for o in p.text_offset or []] == lp.text_offset
+
+
+def test_n_choices_seeded_streamed_and_not(server: Server) -> None:
+    ask: dict[str, Any] = {
+        "model": MODEL, "prompt": "a tale", "max_tokens": 6, "temperature": 1.0, "seed": 11,
+        "extra_body": {"ignore_eos": True},
+    }  # fmt: skip
+    out = server.client.completions.create(**ask, n=3)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    texts = [c.text for c in out.choices]
+    assert len(set(texts)) > 1  # each choice its own seed
+    one = server.client.completions.create(**ask)  # choice 0 is the seed's own answer
+    assert out.usage is not None and one.usage is not None
+    assert out.usage.prompt_tokens == one.usage.prompt_tokens
+    assert out.usage.completion_tokens == 18 and texts[0] == one.choices[0].text
+    again = server.client.completions.create(**ask, n=3)
+    assert [c.text for c in again.choices] == texts
+    chat: dict[str, Any] = {
+        "model": MODEL, "messages": [{"role": "user", "content": "a tale"}], "max_tokens": 5,
+        "temperature": 1.0, "seed": 11, "n": 2,
+    }  # fmt: skip
+    whole = server.client.chat.completions.create(**chat)
+    events = list(server.client.chat.completions.create(**chat, stream=True))
+    got = {0: "", 1: ""}
+    for event in events:
+        for choice in event.choices:
+            got[choice.index] += choice.delta.content or ""
+    assert got == {c.index: c.message.content for c in whole.choices}
+    ends = [
+        (e.choices[0].index, e.choices[0].finish_reason)
+        for e in events
+        if e.choices[0].finish_reason
+    ]
+    assert sorted(ends) == [(c.index, c.finish_reason) for c in whole.choices]
+
+
+def test_echo_with_prompt_logprobs(server: Server, vllm_env: dict[str, str]) -> None:
+    out = server.client.completions.create(
+        model=MODEL, prompt="once upon", max_tokens=4, echo=True, logprobs=1
+    )
+    choice, usage = out.choices[0], out.usage
+    assert choice.text.startswith("once upon") and usage is not None
+    lp = choice.logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert len(lp.token_logprobs) == usage.prompt_tokens + usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    prompt_tokens = (lp.tokens or [])[: usage.prompt_tokens]
+    assert "".join(prompt_tokens) == "once upon" and (lp.text_offset or [None])[0] == 0
+    ids = [5, 17, 300, 41]
+    by_ids = server.client.completions.create(model=MODEL, prompt=ids, max_tokens=3, echo=True)
+    from transformers import AutoTokenizer
+
+    models = Path(vllm_env["XDG_CACHE_HOME"]) / "omni-mesh" / "models"
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model("tiny-llama-text", models))
+    assert by_ids.choices[0].text.startswith(tokenizer.decode(ids))
+    assert len(by_ids.choices[0].text) > len(tokenizer.decode(ids))
+
+
 _USER = [{"role": "user", "content": "x"}]
 
 
