@@ -1,6 +1,7 @@
 """tiny-omni at 1:2:1 as real processes: the OpenAI SDK as client, the orchestrated path and the
 /v1/run loop giving identical bytes, every replica getting work, bad /v1/run input → 400, and a
-middle replica killed under load without losing a request."""
+middle replica killed under load without losing a request (and the replayed requests giving the
+bytes they gave before the kill)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import io
 import json
 import os
 import signal
+import time
 import wave
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import openai
 import pytest
@@ -133,16 +134,38 @@ def test_bad_run_inputs_are_400(omni: Topology) -> None:
     assert _run(api, {"stage_id": 1, "stage_input": good})[0] == 200
 
 
-def test_kill_middle_replica_under_load_loses_nothing(omni: Topology, tmp_path: Path) -> None:
-    victim = omni.stages[1][0]
+def _audio(topo: Topology, prompt: str, seed: int) -> bytes:
+    status, body = post_json(
+        topo.api_url + "/v1/generate", {"prompt": prompt, "seed": seed, "voice": "onyx"}
+    )
+    assert status == 200, body
+    return bytes(json.loads(body)["outputs"]["2"]["data"], "ascii")
 
-    def one(i: int) -> int:
-        return post_json(omni.api_url + "/v1/generate", {"prompt": f"r{i}", "seed": i})[0]
 
+def test_kill_middle_replica_under_load_loses_nothing_and_replays_identical_bytes(
+    omni: Topology,
+) -> None:
+    """A middle replica killed with -9 (the sidecar only: its engine cleans up) while it holds
+    a request: all 16 requests are answered, each with the bytes its seed gave before the kill
+    (the hops the victim held are replayed on the survivor), and the victim leaves discovery."""
+    victim, victim_url, survivor = omni.stages[1][0], omni.urls[1][0], omni.urls[1][1]
+    hops_before = omni.metric(survivor, "omni_stage_requests_total", route="hop")
+    sender = omni.urls[0][0]
+    retries_before = omni.metric(sender, "omni_stage_hop_retries_total", to_stage="1")
+    reference = {seed: _audio(omni, f"replay {seed}", seed) for seed in range(4)}
     with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(one, i) for i in range(16)]
-        futures[3].result(timeout=120)
-        os.kill(victim.pid, signal.SIGKILL)  # the sidecar only: its engine cleans up
-        statuses = [f.result(timeout=120) for f in futures]
-    assert statuses == [200] * 16
+        futures = {i: pool.submit(_audio, omni, f"replay {i % 4}", i % 4) for i in range(16)}
+        # Kill it while it holds work (a fixed sleep raced a loaded machine: with nothing in
+        # flight at the kill, no hop fails and nothing is replayed).
+        until = time.monotonic() + 30
+        while omni.metric(victim_url, "omni_stage_in_flight") < 1:
+            assert time.monotonic() < until, "the victim never held a request"
+            time.sleep(0.02)
+        os.kill(victim.pid, signal.SIGKILL)
+        for i, fut in futures.items():
+            assert fut.result(timeout=120) == reference[i % 4], i
+    # The survivor took the replays, and there were replays: hops to the dead replica failed
+    # and were sent again.
+    assert omni.metric(survivor, "omni_stage_requests_total", route="hop") - hops_before >= 8
+    assert omni.metric(sender, "omni_stage_hop_retries_total", to_stage="1") > retries_before
     omni.wait_discovered(1, 1, timeout=6.0)
