@@ -144,7 +144,8 @@ def test_a_bad_connector_extra_exits_2_with_one_line(tmp_path: Path) -> None:
 
 
 def test_a_hop_needs_the_deployment_token(tmp_path: Path) -> None:
-    topo = Topology("tiny-tts", [1, 1], tmp_path, api=False).start()
+    # Stage 1 alone: the forged hop claims to come from stage 0, which need not run.
+    topo = Topology("tiny-tts", [1, 1], tmp_path, api=False).start(stages=[1])
     try:
         forged = StageInput(
             pipeline="tiny-tts", request_id="forged", stage_id=1, from_stage=0,
