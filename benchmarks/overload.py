@@ -10,7 +10,12 @@ The synthetic pipeline with a slow middle stage (issue 13's set-up): stage 1 ste
   capacity.
 * **Open loop** at 0.5x, 1x, 2x and 3x the measured capacity (the best closed-loop goodput),
   arrivals at a fixed rate whatever the answers do, with ``max_queue_wait_s`` short (2 s):
-  goodput, how fast a shed request is answered (503 + Retry-After), the admitted p99.
+  goodput, how fast a shed request is answered (503 + Retry-After), the admitted p99. The
+  generator is :mod:`benchmarks.openloop` (prebuilt requests on keep-alive connections,
+  latency from the scheduled send time).
+* The pipeline (omni-up and its processes) and the load generator (this process) run on
+  separate CPUs (:func:`~benchmarks.openloop.split_cpus`), capacity measured under the same
+  pinning.
 * **Ray Serve** at 2,000 clients (its ``/synthetic`` app from :mod:`benchmarks.ray_app`, run by
   ``benchmarks/.ray-venv``) when that venv exists; its own 64-client figure is the baseline.
 
@@ -26,23 +31,23 @@ import math
 import re
 import shutil
 import tempfile
-import time
+from collections import Counter
 from collections.abc import Awaitable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 
 from benchmarks.autoscale_run import Deployment
-from benchmarks.common import ROOT, Options, Report
+from benchmarks.common import Options, Report
 from benchmarks.measure import Target, fmt_num, md_table, percentile
+from benchmarks.openloop import pinned, split_cpus
+from benchmarks.overload_load import TIMEOUT_S, Run, closed_loop, open_level
+from benchmarks.overload_plot import plot
 
 STEP_MS = 20.0
 SEQS = 8
 QUEUE_WAIT_S = 30.0  # closed loop: nothing should wait this long
 OPEN_QUEUE_WAIT_S = 2.0  # open loop: past 2 s of queue a request is shed at arrival
-TIMEOUT_S = 60
-MAX_OPEN = 6000  # open loop: outstanding requests beyond this are counted lost (never sent)
 
 DEPLOY = """\
 pipeline: synthetic
@@ -60,110 +65,6 @@ stages:
 def deploy_yaml(wait_s: float) -> str:
     # Two batches' worth of slots at stage 1: one running, one ready for the next step.
     return DEPLOY.format(timeout=TIMEOUT_S, wait=wait_s, seqs=SEQS, inflight=2 * SEQS, step=STEP_MS)
-
-
-@dataclass
-class Run:
-    """One load level: every answer's (send time, latency, status), times from the start of
-    the window; the figures count the answers that arrived inside the window."""
-
-    label: str
-    window_s: float = 0.0
-    answers: list[tuple[float, float, int]] = field(default_factory=list)
-    lost: int = 0
-    lost_samples: list[str] = field(default_factory=list)
-    offered_s: float = 0.0  # open loop: how long arrivals were sent (every answer counts)
-    reasons: dict[str, float] = field(default_factory=dict)  # the API server's sheds by reason
-
-    def _in_window(self, statuses: tuple[int, ...]) -> list[float]:
-        end = self.window_s
-        return [lat for t, lat, st in self.answers if st in statuses and 0 <= t + lat <= end]
-
-    def ok(self) -> list[float]:
-        return self._in_window((200,))
-
-    def shed(self) -> list[float]:
-        return self._in_window((429, 503))
-
-    @property
-    def goodput(self) -> float:
-        """200s per second of the window (open loop: from the first arrival to the last
-        answer, so that a backlog drained after the arrivals stopped is not counted faster)."""
-        return len(self.ok()) / self.seconds if self.seconds else math.nan
-
-    @property
-    def seconds(self) -> float:
-        if not self.offered_s:
-            return self.window_s
-        return max([self.offered_s, *(t + lat for t, lat, _ in self.answers)])
-
-    def lose(self, why: str) -> None:
-        self.lost += 1
-        if len(self.lost_samples) < 3:
-            self.lost_samples.append(why[:200])
-
-
-async def _one(sess: aiohttp.ClientSession, url: str, i: int, run: Run, t_start: float) -> None:
-    t0 = time.monotonic()
-    try:
-        async with sess.post(url, json={"prompt": "x", "seed": i}) as resp:
-            body = await resp.read()
-            status = resp.status
-    except Exception as exc:  # every failure is counted as lost
-        run.lose(f"{type(exc).__name__}: {exc}")
-        return
-    if status == 200 or (status in (429, 503) and b'"shed"' in body):
-        run.answers.append((t0 - t_start, time.monotonic() - t0, status))
-    else:
-        run.lose(f"HTTP {status}: {body[:150]!r}")
-
-
-def _session(n: int) -> aiohttp.ClientSession:
-    conn = aiohttp.TCPConnector(limit=n, limit_per_host=n)
-    return aiohttp.ClientSession(
-        connector=conn, timeout=aiohttp.ClientTimeout(total=TIMEOUT_S + 30)
-    )
-
-
-async def closed_loop(
-    url: str, clients: int, warmup_s: float, measure_s: float, path: str = "/v1/generate"
-) -> Run:
-    """``clients`` workers, each sending its next request when its last one was answered,
-    until the window closes; the figures are those of the answers inside the window."""
-    run = Run(f"{clients} clients", window_s=measure_s)
-    measure_from = time.monotonic() + warmup_s
-    stop_at = measure_from + measure_s
-    counter = iter(range(1 << 62))
-    async with _session(clients) as sess:
-
-        async def worker() -> None:
-            while time.monotonic() < stop_at:
-                await _one(sess, url + path, next(counter), run, measure_from)
-
-        await asyncio.gather(*(worker() for _ in range(clients)))
-    return run
-
-
-async def open_loop(url: str, rps: float, seconds: float) -> Run:
-    """Arrivals every 1/rps seconds for ``seconds``; every answer awaited."""
-    run = Run(f"{rps:.0f}/s", window_s=seconds + TIMEOUT_S)
-    n = int(rps * seconds)
-    t_start = time.monotonic()
-    tasks: set[asyncio.Task[None]] = set()
-    async with _session(MAX_OPEN) as sess:
-        for i in range(n):
-            delay = t_start + i / rps - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if len(tasks) >= MAX_OPEN:
-                run.lose("client: too many outstanding requests")
-                continue
-            task = asyncio.create_task(_one(sess, url + "/v1/generate", i, run, t_start))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        await asyncio.gather(*tasks)
-    run.offered_s = seconds
-    return run
 
 
 async def shed_reasons(url: str) -> dict[str, float]:
@@ -194,10 +95,16 @@ class LoggedDeployment(Deployment):
     """omni-up that keeps its processes' logs, so that the report can say how often a router
     ejected a replica under the load (a connect timeout or a liveness probe that fired)."""
 
-    def __init__(self, tmp: Path, yaml_text: str, label: str) -> None:
+    def __init__(self, tmp: Path, yaml_text: str, label: str, cpus: set[int] | None) -> None:
         super().__init__(tmp, yaml_text, "1:1:1", label)
         self.proc.argv.append("--keep-logs")
         self.ejections: list[str] = []
+        self.cpus = cpus
+
+    def __enter__(self) -> LoggedDeployment:
+        with pinned(self.cpus):  # omni-up and every process it starts run on these CPUs
+            super().__enter__()
+        return self
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
@@ -236,14 +143,16 @@ def _closed_row(r: Run) -> list[str]:
 def _open_row(r: Run, capacity: float) -> list[str]:
     ok, shed = r.ok(), r.shed()
     offered = (len(r.answers) + r.lost) / r.offered_s
+    late = r.queue_sheds
+    at_once = list((Counter(shed) - Counter(late)).elements())
     return [
         f"{offered / capacity:.1f}x ({fmt_num(offered)}/s)",
         fmt_num(r.goodput),
         _ms(percentile(ok, 50)),
         _ms(percentile(ok, 99)),
         str(len(shed)),
-        f"{percentile(shed, 99) * 1000:.1f}" if shed else "-",
-        f"{max(shed) * 1000:.1f}" if shed else "-",
+        f"{percentile(at_once, 99) * 1000:.1f} / {max(at_once) * 1000:.1f}" if at_once else "-",
+        f"{len(late)} (max {max(late) * 1000:,.0f} ms)" if late else "0",
         _reasons(r),
         str(r.lost),
     ]
@@ -252,11 +161,11 @@ def _open_row(r: Run, capacity: float) -> list[str]:
 EJECTIONS: list[str] = []
 
 
-async def _closed_levels(opts: Options, tmp: Path) -> list[Run]:
+async def _closed_levels(opts: Options, tmp: Path, cpus: set[int] | None) -> list[Run]:
     levels = [64, 1000] if opts.quick else [64, 256, 1000, 2000]
     warm, measure = (3.0, 8.0) if opts.quick else (5.0, 15.0)
     runs = []
-    dep = LoggedDeployment(tmp, deploy_yaml(QUEUE_WAIT_S), "overload-closed")
+    dep = LoggedDeployment(tmp, deploy_yaml(QUEUE_WAIT_S), "overload-closed", cpus)
     with dep:
         await closed_loop(dep.url, 16, 0.0, 2.0)  # the stages measure their service time
         for clients in levels:
@@ -269,24 +178,27 @@ async def _closed_levels(opts: Options, tmp: Path) -> list[Run]:
     return runs
 
 
-async def _open_levels(opts: Options, tmp: Path, capacity: float) -> list[Run]:
+async def _open_levels(
+    opts: Options, tmp: Path, capacity: float, cpus: set[int] | None
+) -> list[Run]:
     factors = [1.0, 3.0] if opts.quick else [0.5, 1.0, 2.0, 3.0]
     seconds = 6.0 if opts.quick else 12.0
     runs = []
-    dep = LoggedDeployment(tmp, deploy_yaml(OPEN_QUEUE_WAIT_S), "overload-open")
+    dep = LoggedDeployment(tmp, deploy_yaml(OPEN_QUEUE_WAIT_S), "overload-open", cpus)
     with dep:
         await closed_loop(dep.url, 16, 0.0, 2.0)
         for f in factors:
-            run = await _measured(dep.url, open_loop(dep.url, f * capacity, seconds))
+            run = await _measured(dep.url, open_level(dep.port, f * capacity, seconds))
             run.label = f"{f:g}x"
-            print(f"[overload] open {run.label}: {_open_row(run, capacity)}", flush=True)
+            row = _open_row(run, capacity)
+            print(f"[overload] open {run.label}: {row}; generator: {run.generator}", flush=True)
             runs.append(run)
             await asyncio.sleep(OPEN_QUEUE_WAIT_S + 1)  # the queues drain between levels
     EJECTIONS.extend(dep.ejections)
     return runs
 
 
-async def _ray(opts: Options) -> list[Run]:
+async def _ray(opts: Options, cpus: set[int] | None) -> list[Run]:
     """Ray Serve's /synthetic app at 64 and 2,000 clients, when its venv exists."""
     from benchmarks.peer import RAY_VENV, RayServe
 
@@ -295,7 +207,8 @@ async def _ray(opts: Options) -> list[Run]:
     ray = RayServe()
     runs = []
     try:
-        ray.start()
+        with pinned(cpus):
+            ray.start()
         url = ray.url("synthetic").rsplit("/synthetic", 1)[0]
         for clients in (64, 2000):
             run = await closed_loop(url, clients, 5.0 + clients / 100, 15.0, "/synthetic")
@@ -310,12 +223,15 @@ async def _ray(opts: Options) -> list[Run]:
 async def bench(opts: Options) -> Report:
     report = Report("overload", "overload: goodput, fairness and shedding past capacity")
     tmp = Path(tempfile.mkdtemp(prefix="omni-bench-overload-"))
-    closed = await _closed_levels(opts, tmp)
-    # The most the pipeline delivered in this run: one stall of a shared machine in the
-    # 64-client window must not set the open-loop rates.
-    capacity = max(r.goodput for r in closed)
-    opened = await _open_levels(opts, tmp, capacity)
-    ray = await _ray(opts)
+    split = split_cpus()
+    pipe, gen = split if split is not None else (None, None)
+    with pinned(gen):  # the load generator (this process) on its own CPU
+        closed = await _closed_levels(opts, tmp, pipe)
+        # The most the pipeline delivered in this run: one stall of a shared machine in the
+        # 64-client window must not set the open-loop rates.
+        capacity = max(r.goodput for r in closed)
+        opened = await _open_levels(opts, tmp, capacity, pipe)
+        ray = await _ray(opts, pipe)
     head = ["clients", "ok/s", "p50 ms", "p99 ms", "p99/p50", "shed", "API sheds by reason", "lost"]
     report.add(
         md_table(
@@ -332,8 +248,8 @@ async def bench(opts: Options) -> Report:
                 "p50 ms",
                 "p99 ms",
                 "shed",
-                "shed p99 ms",
-                "shed max ms",
+                "shed at arrival p99 / max ms",
+                "shed from the queue",
                 "API sheds by reason",
                 "lost",
             ],
@@ -356,14 +272,26 @@ async def bench(opts: Options) -> Report:
             "timeout or liveness probe that fired on a loaded, live pod stalls its hops for "
             f"the ejection time), e.g. {EJECTIONS[0]}"
         )
-    report.notes.append(
-        "The load generator runs on the same 2-core machine as every process of the pipeline "
-        "(and, here, beside other people's test runs): at 1,000+ clients it takes a large share "
-        "of the CPU, so absolute figures are lower than the stages alone could do."
-    )
+    report.notes.append(_pinning_note(pipe, gen))
+    for r in opened:
+        report.notes.append(f"Open-loop generator at {r.label}: {r.generator}.")
     if not opts.quick:
-        _plot(closed, opened, capacity, report)
+        plot(closed, opened, capacity, report)
     return report
+
+
+def _pinning_note(pipe: set[int] | None, gen: set[int] | None) -> str:
+    if pipe is None or gen is None:
+        return "No CPU pinning (one CPU): the load generator shares it with the pipeline."
+    return (
+        f"CPU pinning (os.sched_setaffinity): omni-up and every process it starts (and Ray) "
+        f"on CPU {','.join(map(str, sorted(pipe)))}, the load generator alone on CPU "
+        f"{','.join(map(str, sorted(gen)))}; capacity (the best closed-loop goodput) is "
+        "measured under the same pinning, so the open-loop ratios hold. The open loop sends "
+        "prebuilt requests over keep-alive connections opened beforehand "
+        "(benchmarks/openloop.py) and measures latency from each request's scheduled send "
+        "time (no coordinated omission)."
+    )
 
 
 def _targets(report: Report, closed: list[Run], opened: list[Run], capacity: float) -> None:
@@ -400,6 +328,18 @@ def _targets(report: Report, closed: list[Run], opened: list[Run], capacity: flo
             fmt=lambda v: f"{v:.1f}",
         )
     )
+    late = Counter(three.queue_sheds)
+    at_once = list((Counter(shed) - late).elements())
+    report.targets.append(
+        Target(
+            "open loop 3x: slowest shed at arrival (not after queueing)",
+            max(at_once) * 1000 if at_once else math.nan,
+            10.0,
+            False,
+            "ms",
+            fmt=lambda v: f"{v:.1f}",
+        )
+    )
     service = percentile(by_clients["64 clients"].ok(), 50)
     report.targets.append(
         Target(
@@ -417,39 +357,3 @@ def _targets(report: Report, closed: list[Run], opened: list[Run], capacity: flo
     for r in [*closed, *opened]:
         if r.lost_samples:
             report.notes.append(f"lost at {r.label}: {'; '.join(r.lost_samples)}")
-
-
-def _plot(closed: list[Run], opened: list[Run], capacity: float, report: Report) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        report.notes.append("No plot: matplotlib is not installed (`pip install -e '.[bench]'`).")
-        return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_c, ax_o) = plt.subplots(1, 2, figsize=(11, 4))
-    xs = [int(r.label.split()[0]) for r in closed]
-    for q, style in ((50, "o-"), (99, "s--")):
-        ax_c.plot(xs, [percentile(r.ok(), q) for r in closed], style, label=f"p{q}")
-    ax_c.set_xscale("log")
-    ax_c.set_xlabel("closed-loop clients")
-    ax_c.set_ylabel("latency (s)")
-    ax_c2 = ax_c.twinx()
-    ax_c2.plot(xs, [r.goodput for r in closed], "k:", label="ok/s")
-    ax_c2.set_ylabel("goodput (ok/s)")
-    ax_c2.set_ylim(0, capacity * 1.3)
-    ax_c.legend(loc="upper left")
-    factors = [float(r.label.rstrip("x")) for r in opened]
-    ax_o.plot(factors, [r.goodput for r in opened], "o-", label="ok/s")
-    ax_o.plot(factors, [len(r.shed()) / r.seconds for r in opened], "s--", label="shed/s")
-    ax_o.axhline(capacity, color="gray", linestyle=":", label="capacity")
-    ax_o.set_xlabel("offered load (x capacity)")
-    ax_o.set_ylabel("requests/s")
-    ax_o.legend(loc="upper left")
-    fig.suptitle("omni-mesh under overload: synthetic pipeline, stage 1 at 20 ms x 8")
-    fig.tight_layout()
-    out = ROOT / "docs" / "overload.png"
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
-    report.add("![latency and goodput under overload](overload.png)\n")

@@ -36,6 +36,8 @@ class Priority(IntEnum):
 
 
 PRIORITY_NAMES: tuple[str, ...] = tuple(p.name.lower() for p in Priority)
+#: The classes lowest first (iterating the enum itself is slow on the shed path).
+_LOWEST_FIRST: tuple[Priority, ...] = tuple(reversed(Priority))
 
 ShedReason = Literal["queue_full", "evicted", "deadline", "wait_limit"]
 SHED_REASONS: tuple[ShedReason, ...] = ("queue_full", "evicted", "deadline", "wait_limit")
@@ -190,7 +192,7 @@ class AdmissionQueue:
         rate = self.rate()
         if rate is None:
             return 0.0  # no measurement yet: optimistic
-        ahead = sum(self._classes[p].size for p in Priority if p < priority)
+        ahead = sum(c.size for c in self._classes[:priority])  # the classes above it
         ahead += self._classes[priority].ahead_of_newcomer(tenant)
         return (ahead + 1) / rate  # its slot frees with the completion after theirs
 
@@ -299,7 +301,7 @@ class AdmissionQueue:
     def _victim(self, priority: Priority) -> Waiter | None:
         """The waiter evicted for an arrival of ``priority``: the newest of the longest
         backlog in the lowest class below it; None when no class is below it or all are empty."""
-        for p in reversed(Priority):
+        for p in _LOWEST_FIRST:
             if p <= priority:
                 return None
             if self._classes[p].size:

@@ -15,6 +15,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
+from prometheus_client import Counter, Histogram
 
 from omni_mesh.observability.metrics import SidecarMetrics
 from omni_mesh.sidecar.engine_client import EngineBusyError, EngineDeadError
@@ -91,6 +92,10 @@ def api_metrics_middleware(
     ``shed_check`` runs first: a request the admission gate would shed is answered on its
     headers, its body never read (``early_shed.py``)."""
 
+    # Label children made once (a shed under a flood costs little more than its answer).
+    requests: dict[tuple[str, int], Counter] = {}
+    durations: dict[str, Histogram] = {}
+
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         resource = request.match_info.route.resource
@@ -117,7 +122,15 @@ def api_metrics_middleware(
             status = 499  # the client went away
             raise
         finally:
-            metrics.api_requests.labels(route, str(status)).inc()
-            metrics.api_duration.labels(route).observe(time.monotonic() - t0)
+            counter = requests.get((route, status))
+            if counter is None:
+                counter = requests[(route, status)] = metrics.api_requests.labels(
+                    route, str(status)
+                )
+            counter.inc()
+            duration = durations.get(route)
+            if duration is None:
+                duration = durations[route] = metrics.api_duration.labels(route)
+            duration.observe(time.monotonic() - t0)
 
     return middleware
