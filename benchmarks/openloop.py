@@ -104,10 +104,12 @@ class OpenLoop:
         conns: int,
         max_conns: int,
         timeout_s: float,
+        headers: dict[str, str] | None = None,
     ) -> None:
         self.port = port
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self.head = (
-            f"POST {path} HTTP/1.1\r\nHost: {LOCALHOST}:{port}\r\n"
+            f"POST {path} HTTP/1.1\r\nHost: {LOCALHOST}:{port}\r\n{extra}"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
         ).encode() + body
         self.conns = conns
@@ -226,8 +228,11 @@ async def open_loop(
     conns: int = 1000,
     max_conns: int = 4000,
     timeout_s: float = 90.0,
+    headers: dict[str, str] | None = None,
 ) -> OpenLoopResult:
-    gen = OpenLoop(port, path, body, conns=conns, max_conns=max_conns, timeout_s=timeout_s)
+    gen = OpenLoop(
+        port, path, body, conns=conns, max_conns=max_conns, timeout_s=timeout_s, headers=headers
+    )
     return await gen.run(rate, seconds)
 
 

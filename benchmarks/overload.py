@@ -290,7 +290,9 @@ def _pinning_note(pipe: set[int] | None, gen: set[int] | None) -> str:
         "measured under the same pinning, so the open-loop ratios hold. The open loop sends "
         "prebuilt requests over keep-alive connections opened beforehand "
         "(benchmarks/openloop.py) and measures latency from each request's scheduled send "
-        "time (no coordinated omission)."
+        "time (no coordinated omission); its requests carry X-Omni-Priority: normal, as a "
+        "gateway in front would set it, so that the API server can shed them on their "
+        "headers (docs/operations.md, Under overload)."
     )
 
 

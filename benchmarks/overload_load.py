@@ -16,6 +16,8 @@ from benchmarks.openloop import OpenLoopResult, open_loop
 TIMEOUT_S = 60  # the deployment's request_timeout_s
 OPEN_CONNS = 1500  # open loop: keep-alive connections opened before the first arrival
 MAX_CONNS = 4000  # past these, an arrival waits in the generator (its latency counts)
+#: The class set in a header, as a gateway in front would: the API server sheds on headers.
+OPEN_HEADERS = {"X-Omni-Priority": "normal"}
 
 
 @dataclass
@@ -106,7 +108,13 @@ async def open_level(port: int, rps: float, seconds: float) -> Run:
     """Arrivals every 1/rps seconds for ``seconds`` (:mod:`benchmarks.openloop`: latency
     from the scheduled send time); every answer awaited."""
     res = await open_loop(
-        port, rps, seconds, conns=OPEN_CONNS, max_conns=MAX_CONNS, timeout_s=TIMEOUT_S + 30
+        port,
+        rps,
+        seconds,
+        conns=OPEN_CONNS,
+        max_conns=MAX_CONNS,
+        timeout_s=TIMEOUT_S + 30,
+        headers=OPEN_HEADERS,
     )
     return _from_open(res, f"{rps:.0f}/s", seconds)
 
