@@ -1,10 +1,12 @@
 """tiny-tts and tiny-image at 1:2, stages started in any order (bounded wait, then 503),
-engine death leaving the pool, SIGTERM drain — and nothing left behind."""
+engine death leaving the pool, SIGTERM drain (on one tiny-tts, one scenario after the other) —
+and nothing left behind."""
 
 from __future__ import annotations
 
 import base64
 import json
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -46,25 +48,22 @@ def test_tiny_image_1_2(tmp_path: Path, no_shm_leak: None) -> None:
         topo.close()
 
 
-def test_tiny_tts_started_in_any_order(tmp_path: Path, no_shm_leak: None) -> None:
-    # The API server and stage 0 come up first; stage 1 does not exist yet.
-    topo = Topology("tiny-tts", [1, 2], tmp_path).start(stages=[0])
-    try:
-        req = {"model": "tiny-tts", "input": "order", "voice": "alloy"}
-        t0 = time.monotonic()
-        status, body = _post(topo.api_url + "/v1/audio/speech", req, timeout_s=1.5)
-        waited = time.monotonic() - t0
-        assert status == 503, body
-        assert "stage 1" in body.decode()
-        assert 1.0 <= waited < 30.0
-        for _ in range(2):
-            topo.add_replica(1)
-        topo.wait_discovered(1, 2)
-        status, body = _post(topo.api_url + "/v1/audio/speech", req, timeout_s=60)
-        assert status == 200, body
-        assert media_readers.read_wav(body)[1] == 24000
-    finally:
-        topo.close()
+def _started_in_any_order(topo: Topology) -> None:
+    """The API server and stage 0 are up, stage 1 does not exist yet: a bounded wait, then
+    503 naming it; once two stage-1 replicas come up, the same request is answered."""
+    req = {"model": "tiny-tts", "input": "order", "voice": "alloy"}
+    t0 = time.monotonic()
+    status, body = _post(topo.api_url + "/v1/audio/speech", req, timeout_s=1.5)
+    waited = time.monotonic() - t0
+    assert status == 503, body
+    assert "stage 1" in body.decode()
+    assert 1.0 <= waited < 30.0
+    for _ in range(2):
+        topo.add_replica(1)
+    topo.wait_discovered(1, 2)
+    status, body = _post(topo.api_url + "/v1/audio/speech", req, timeout_s=60)
+    assert status == 200, body
+    assert media_readers.read_wav(body)[1] == 24000
 
 
 def _post(url: str, body: object, *, timeout_s: float) -> tuple[int, bytes]:
@@ -83,29 +82,38 @@ def _post(url: str, body: object, *, timeout_s: float) -> tuple[int, bytes]:
         return err.code, err.read()
 
 
-def test_engine_death_leaves_pool_and_sigterm_drains(tmp_path: Path, no_shm_leak: None) -> None:
-    topo = Topology("tiny-tts", [1, 2], tmp_path).start()
-    try:
-        topo.wait_discovered(1, 2)
-        dying, draining = topo.stages[1]
-        # kill -9 of an engine: its sidecar notices within a second, leaves, exits non-zero.
-        pid = engine_pid(dying)
-        import os
+def _engine_death_and_sigterm_drain(topo: Topology) -> None:
+    """Of the two stage-1 replicas, one loses its engine (kill -9) and leaves the pool; the
+    other gets SIGTERM and drains; stage 0 still answers."""
+    topo.wait_discovered(1, 2)
+    dying, draining = topo.stages[1]
+    # kill -9 of an engine: its sidecar notices within a second, leaves, exits non-zero.
+    pid = engine_pid(dying)
+    os.kill(pid, signal.SIGKILL)
+    assert dying.wait(timeout=5) != 0
+    topo.wait_discovered(1, 1, timeout=4.0)
+    # SIGTERM: leave the pool first, then exit 0 with the engine gone.
+    engine = engine_pid(draining)
+    draining.send_signal(signal.SIGTERM)
+    assert draining.wait(timeout=30) == 0
+    wait_gone(engine, 10)
+    assert not pid_alive(engine)
+    assert topo.discovered(1) == []
+    # The rest of the pipeline is fine: stage 0 answers /v1/run.
+    status, _ = post_json(
+        topo.urls[0][0] + "/v1/run", {"stage_id": 0, "stage_input": {"prompt": "x"}}
+    )
+    assert status == 200
 
-        os.kill(pid, signal.SIGKILL)
-        assert dying.wait(timeout=5) != 0
-        topo.wait_discovered(1, 1, timeout=4.0)
-        # SIGTERM: leave the pool first, then exit 0 with the engine gone.
-        engine = engine_pid(draining)
-        draining.send_signal(signal.SIGTERM)
-        assert draining.wait(timeout=30) == 0
-        wait_gone(engine, 10)
-        assert not pid_alive(engine)
-        assert topo.discovered(1) == []
-        # The rest of the pipeline is fine: stage 0 answers /v1/run.
-        status, _ = post_json(
-            topo.urls[0][0] + "/v1/run", {"stage_id": 0, "stage_input": {"prompt": "x"}}
-        )
-        assert status == 200
+
+def test_tiny_tts_started_in_any_order_then_engine_death_and_sigterm_drain(
+    tmp_path: Path, no_shm_leak: None
+) -> None:
+    """One tiny-tts 1:2 (its start-up is most of the cost) for two scenarios in turn: stages
+    started in any order, then engine death leaving the pool and a SIGTERM drain."""
+    topo = Topology("tiny-tts", [1, 2], tmp_path).start(stages=[0])
+    try:
+        _started_in_any_order(topo)
+        _engine_death_and_sigterm_drain(topo)
     finally:
         topo.close()
