@@ -7,6 +7,14 @@ With ``async_chunk`` the answer may stream (see ``sinks.py``): ``/v1/audio/speec
 audio as it comes (chunked WAV/PCM, or OpenAI's ``stream_format: "sse"``),
 ``/v1/chat/completions`` with ``stream: true`` sends ``chat.completion.chunk`` events and
 ``/v1/generate?stream=true`` one event per output chunk. Unary answers are unchanged.
+
+``/v1/chat/completions`` (answers: ``chat_answer.py``) takes ``messages`` with roles
+``system``/``developer``/``user``/``assistant`` (others: a 400 naming ``messages``): stage 0 gets
+the last user message's text as ``prompt`` (what every engine reads) and the whole conversation
+as field ``messages`` (JSON text; a chat-templated vLLM stage templates all of it, and
+``usage.prompt_tokens`` counts the templated prompt); ``logprobs`` with ``top_logprobs``
+0..20 (null where the text stage gives none: reference engines); ``n`` 1..8 choices, n requests
+seeded ``seed + i`` (``choices.py``); the sampling fields of ``openai_text.py``.
 """
 
 from __future__ import annotations
