@@ -15,7 +15,8 @@ The synthetic pipeline with a slow middle stage (issue 13's set-up): stage 1 ste
   latency from the scheduled send time).
 * The pipeline (omni-up and its processes) and the load generator (this process) run on
   separate CPUs (:func:`~benchmarks.openloop.split_cpus`), capacity measured under the same
-  pinning.
+  pinning; ``OMNI_BENCH_PIN=0`` runs them unpinned (the generator costs a few percent of a
+  core: its CPU and how late it sent are in the notes either way).
 * **Ray Serve** at 2,000 clients (its ``/synthetic`` app from :mod:`benchmarks.ray_app`, run by
   ``benchmarks/.ray-venv``) when that venv exists; its own 64-client figure is the baseline.
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import re
 import shutil
 import tempfile
@@ -223,7 +225,8 @@ async def _ray(opts: Options, cpus: set[int] | None) -> list[Run]:
 async def bench(opts: Options) -> Report:
     report = Report("overload", "overload: goodput, fairness and shedding past capacity")
     tmp = Path(tempfile.mkdtemp(prefix="omni-bench-overload-"))
-    split = split_cpus()
+    # OMNI_BENCH_PIN=0: no pinning (the pipeline may use every CPU, the generator too).
+    split = split_cpus() if os.environ.get("OMNI_BENCH_PIN", "1") != "0" else None
     pipe, gen = split if split is not None else (None, None)
     with pinned(gen):  # the load generator (this process) on its own CPU
         closed = await _closed_levels(opts, tmp, pipe)
@@ -282,7 +285,10 @@ async def bench(opts: Options) -> Report:
 
 def _pinning_note(pipe: set[int] | None, gen: set[int] | None) -> str:
     if pipe is None or gen is None:
-        return "No CPU pinning (one CPU): the load generator shares it with the pipeline."
+        return (
+            "No CPU pinning (OMNI_BENCH_PIN=0, or one CPU): the load generator shares the CPUs "
+            "with the pipeline; its own cost and lateness are in the notes below."
+        )
     return (
         f"CPU pinning (os.sched_setaffinity): omni-up and every process it starts (and Ray) "
         f"on CPU {','.join(map(str, sorted(pipe)))}, the load generator alone on CPU "
