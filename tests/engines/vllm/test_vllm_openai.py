@@ -4,8 +4,11 @@ they share (ids, object, model, ``finish_reason`` length/stop, ``usage``, ``[DON
 ``stream_options.include_usage``); a prompt of token ids; the same seed gives the same text;
 the stage's ``sampling`` defaults apply to what a request leaves unset; bad sampling values are a
 400 naming the field on every route; a client that leaves mid-stream aborts the request inside
-vLLM (the pod's running-requests gauge falls back to 0). One ``omni-up`` for the module, streaming
-(``async_chunk``, a chunk per token), its stage's default temperature 0 (greedy)."""
+vLLM (the pod's running-requests gauge falls back to 0). Chat templates the whole conversation
+(``usage`` and the answer those of ``apply_chat_template``); logprobs with alternatives in vLLM's
+shapes, streamed and not; ``n`` seeded choices; ``echo`` with the prompt's logprobs. One
+``omni-up`` for the module, streaming (``async_chunk``, a chunk per token), its stage's default
+temperature 0 (greedy) and ``chat_template`` on."""
 
 from __future__ import annotations
 
