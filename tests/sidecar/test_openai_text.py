@@ -13,11 +13,13 @@ import pytest
 from omni_mesh.configs.pipeline import OutputKind, get_pipeline
 from omni_mesh.data_plane.messages import Prompt, SamplingParams, Scalar
 from omni_mesh.data_plane.tensors import payload_from_arrays
+from omni_mesh.sidecar.chat_answer import chat_completion
 from omni_mesh.sidecar.choices import choice_prompts
 from omni_mesh.sidecar.errors import ApiError
 from omni_mesh.sidecar.openai_text import finish_reason, sampling_from, usage, usage_of
 from omni_mesh.sidecar.openai_types import ChatRequest, CompletionRequest
 from omni_mesh.sidecar.outputs import FinalOutput, final_output, join_outputs
+from omni_mesh.sidecar.routes_completions import CompletionAnswer
 from omni_mesh.sidecar.text_logprobs import TokenLogprobs
 
 PIPELINE = get_pipeline("tiny-llm")
@@ -137,3 +139,13 @@ def test_text_output_chunks_join_their_logprobs() -> None:
     assert joined.text == "HelloHello" and joined.logprobs is not None
     assert joined.logprobs.tokens == ["He", "llo", "He", "llo"]
     assert TokenLogprobs.read({}, {}) is None  # a reference engine: none
+
+
+def test_logprobs_are_null_where_the_text_stage_gives_none() -> None:
+    bare = FinalOutput(0, OutputKind.TEXT, text="hi")  # a reference engine's text
+    body = chat_completion(PIPELINE, [[bare], [bare]], want_audio=False, top_logprobs=3)
+    assert [c["logprobs"] for c in body["choices"]] == [None, None]
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    answer = CompletionAnswer(PIPELINE, 0, usage=False, logprobs=2, echo=True, prompt_text="p ")
+    (choice,) = answer.unary([[bare]])["choices"]
+    assert (choice["text"], choice["logprobs"]) == ("p hi", None)
