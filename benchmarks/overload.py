@@ -228,13 +228,16 @@ async def bench(opts: Options) -> Report:
     # OMNI_BENCH_PIN=0: no pinning (the pipeline may use every CPU, the generator too).
     split = split_cpus() if os.environ.get("OMNI_BENCH_PIN", "1") != "0" else None
     pipe, gen = split if split is not None else (None, None)
-    with pinned(gen):  # the load generator (this process) on its own CPU
-        closed = await _closed_levels(opts, tmp, pipe)
-        # The most the pipeline delivered in this run: one stall of a shared machine in the
-        # 64-client window must not set the open-loop rates.
-        capacity = max(r.goodput for r in closed)
-        opened = await _open_levels(opts, tmp, capacity, pipe)
-        ray = await _ray(opts, pipe)
+    try:
+        with pinned(gen):  # the load generator (this process) on its own CPU
+            closed = await _closed_levels(opts, tmp, pipe)
+            # The most the pipeline delivered in this run: one stall of a shared machine in
+            # the 64-client window must not set the open-loop rates.
+            capacity = max(r.goodput for r in closed)
+            opened = await _open_levels(opts, tmp, capacity, pipe)
+            ray = await _ray(opts, pipe)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # the deploy YAMLs and omni-up's output
     head = ["clients", "ok/s", "p50 ms", "p99 ms", "p99/p50", "shed", "API sheds by reason", "lost"]
     report.add(
         md_table(
