@@ -25,6 +25,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import cast
 
 LOCALHOST = "127.0.0.1"
@@ -260,3 +261,16 @@ def pinned(cpus: set[int] | None) -> Iterator[None]:
         yield
     finally:
         os.sched_setaffinity(0, before)
+
+
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Every thread of process ``pid`` on ``cpus`` (a process's own affinity call moves
+    only its calling thread; threads started later inherit it)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(task.name), cpus)
+
+
+def child_pids(pid: int) -> list[int]:
+    """The process ids of the direct children of ``pid``."""
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]

@@ -1,7 +1,10 @@
 """overload — goodput, fairness and shedding past capacity, through ``omni-up``.
 
-The synthetic pipeline with a slow middle stage (issue 13's set-up): stage 1 steps every
-20 ms with batches of 8 (capacity about 400 requests/s), stages 0 and 2 fast. Clients call
+The synthetic pipeline with a slow middle stage: stage 1 steps every 60 ms with batches of 8
+(capacity about 133 requests/s), stages 0 and 2 fast. Issue 13 measured a 20 ms step; on this
+2-core machine the sidecars' CPU then sets the capacity (~250/s), not the step, and the figure
+would measure CPU contention rather than the queues; a 60 ms step is the bottleneck it models
+(a model step on an accelerator). Clients call
 ``POST /v1/generate`` on omni-up's API server.
 
 * **Closed loop** at 64, 256, 1,000 and 2,000 clients (each sends, waits for the answer, sends
@@ -13,10 +16,11 @@ The synthetic pipeline with a slow middle stage (issue 13's set-up): stage 1 ste
   goodput, how fast a shed request is answered (503 + Retry-After), the admitted p99. The
   generator is :mod:`benchmarks.openloop` (prebuilt requests on keep-alive connections,
   latency from the scheduled send time).
-* The pipeline (omni-up and its processes) and the load generator (this process) run on
-  separate CPUs (:func:`~benchmarks.openloop.split_cpus`), capacity measured under the same
-  pinning; ``OMNI_BENCH_PIN=0`` runs them unpinned (the generator costs a few percent of a
-  core: its CPU and how late it sent are in the notes either way).
+* The API server runs alone on the last CPU (an API server deployment has CPU of its own);
+  the stage pods, the control plane and the load generator (this process) on the others
+  (:func:`~benchmarks.openloop.split_cpus`), capacity measured under the same pinning;
+  ``OMNI_BENCH_PIN=0`` runs everything unpinned (the generator costs a few percent of a
+  core: its CPU and how late it sent are in the notes either way). Ray Serve runs unpinned.
 * **Ray Serve** at 2,000 clients (its ``/synthetic`` app from :mod:`benchmarks.ray_app`, run by
   ``benchmarks/.ray-venv``) when that venv exists; its own 64-client figure is the baseline.
 
@@ -42,13 +46,17 @@ import aiohttp
 from benchmarks.autoscale_run import Deployment
 from benchmarks.common import Options, Report
 from benchmarks.measure import Target, fmt_num, md_table, percentile
-from benchmarks.openloop import pinned, split_cpus
+from benchmarks.openloop import child_pids, pin_process, pinned, split_cpus
 from benchmarks.overload_load import TIMEOUT_S, Run, closed_loop, open_level
 from benchmarks.overload_plot import plot
 
-STEP_MS = 20.0
+# The slow stage's step: long enough that the step, not this machine's 2 CPUs, sets the
+# capacity (at 20 ms the sidecars' CPU did: ~250/s of the 400/s the step allows), as a model
+# step on an accelerator does in a deployment.
+STEP_MS = 60.0
 SEQS = 8
 QUEUE_WAIT_S = 30.0  # closed loop: nothing should wait this long
+API_SLOTS = 2 * 2 * SEQS  # twice stage 1's max_inflight
 OPEN_QUEUE_WAIT_S = 2.0  # open loop: past 2 s of queue a request is shed at arrival
 
 DEPLOY = """\
@@ -93,19 +101,37 @@ def _reasons(r: Run) -> str:
     return ", ".join(f"{k} {v:.0f}" for k, v in sorted(r.reasons.items())) or "-"
 
 
+#: (the stages' CPUs, the front's CPU: the API server and the load generator); None: unpinned.
+Layout = tuple[set[int], set[int]] | None
+
+
 class LoggedDeployment(Deployment):
     """omni-up that keeps its processes' logs, so that the report can say how often a router
     ejected a replica under the load (a connect timeout or a liveness probe that fired)."""
 
-    def __init__(self, tmp: Path, yaml_text: str, label: str, cpus: set[int] | None) -> None:
+    def __init__(
+        self, tmp: Path, yaml_text: str, label: str, layout: tuple[set[int], set[int]] | None
+    ) -> None:
         super().__init__(tmp, yaml_text, "1:1:1", label)
         self.proc.argv.append("--keep-logs")
+        # The API server runs as many requests at once as the slow stage's pool and as many
+        # again in transit (docs/operations.md): more would only queue at stage 1, past the
+        # API server's max_queue_wait_s.
+        self.proc.env["OMNI_STAGE_API_MAX_INFLIGHT"] = str(API_SLOTS)
         self.ejections: list[str] = []
-        self.cpus = cpus
+        self.layout = layout
 
     def __enter__(self) -> LoggedDeployment:
-        with pinned(self.cpus):  # omni-up and every process it starts run on these CPUs
+        # omni-up and every process it starts on the stages' CPUs, then the API server moved
+        # to the front's CPU (the load generator's): a front door with a core of its own, as
+        # an API server deployment has its own CPU request beside the stage pods.
+        with pinned(None if self.layout is None else self.layout[0]):
             super().__enter__()
+        if self.layout is not None:
+            for pid in child_pids(self.proc.pid):
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                if b"--api-only" in argv:
+                    pin_process(pid, self.layout[1])
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -163,11 +189,11 @@ def _open_row(r: Run, capacity: float) -> list[str]:
 EJECTIONS: list[str] = []
 
 
-async def _closed_levels(opts: Options, tmp: Path, cpus: set[int] | None) -> list[Run]:
+async def _closed_levels(opts: Options, tmp: Path, layout: Layout) -> list[Run]:
     levels = [64, 1000] if opts.quick else [64, 256, 1000, 2000]
     warm, measure = (3.0, 8.0) if opts.quick else (5.0, 15.0)
     runs = []
-    dep = LoggedDeployment(tmp, deploy_yaml(QUEUE_WAIT_S), "overload-closed", cpus)
+    dep = LoggedDeployment(tmp, deploy_yaml(QUEUE_WAIT_S), "overload-closed", layout)
     with dep:
         await closed_loop(dep.url, 16, 0.0, 2.0)  # the stages measure their service time
         for clients in levels:
@@ -180,13 +206,11 @@ async def _closed_levels(opts: Options, tmp: Path, cpus: set[int] | None) -> lis
     return runs
 
 
-async def _open_levels(
-    opts: Options, tmp: Path, capacity: float, cpus: set[int] | None
-) -> list[Run]:
+async def _open_levels(opts: Options, tmp: Path, capacity: float, layout: Layout) -> list[Run]:
     factors = [1.0, 3.0] if opts.quick else [0.5, 1.0, 2.0, 3.0]
     seconds = 6.0 if opts.quick else 12.0
     runs = []
-    dep = LoggedDeployment(tmp, deploy_yaml(OPEN_QUEUE_WAIT_S), "overload-open", cpus)
+    dep = LoggedDeployment(tmp, deploy_yaml(OPEN_QUEUE_WAIT_S), "overload-open", layout)
     with dep:
         await closed_loop(dep.url, 16, 0.0, 2.0)
         for f in factors:
@@ -229,13 +253,13 @@ async def bench(opts: Options) -> Report:
     split = split_cpus() if os.environ.get("OMNI_BENCH_PIN", "1") != "0" else None
     pipe, gen = split if split is not None else (None, None)
     try:
-        with pinned(gen):  # the load generator (this process) on its own CPU
-            closed = await _closed_levels(opts, tmp, pipe)
+        with pinned(pipe):  # the load generator (this process) beside the stage pods
+            closed = await _closed_levels(opts, tmp, split)
             # The most the pipeline delivered in this run: one stall of a shared machine in
             # the 64-client window must not set the open-loop rates.
             capacity = max(r.goodput for r in closed)
-            opened = await _open_levels(opts, tmp, capacity, pipe)
-            ray = await _ray(opts, pipe)
+            opened = await _open_levels(opts, tmp, capacity, split)
+            ray = await _ray(opts, None)  # every CPU: Ray's proxy is its front door
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # the deploy YAMLs and omni-up's output
     head = ["clients", "ok/s", "p50 ms", "p99 ms", "p99/p50", "shed", "API sheds by reason", "lost"]
@@ -293,9 +317,11 @@ def _pinning_note(pipe: set[int] | None, gen: set[int] | None) -> str:
             "with the pipeline; its own cost and lateness are in the notes below."
         )
     return (
-        f"CPU pinning (os.sched_setaffinity): omni-up and every process it starts (and Ray) "
-        f"on CPU {','.join(map(str, sorted(pipe)))}, the load generator alone on CPU "
-        f"{','.join(map(str, sorted(gen)))}; capacity (the best closed-loop goodput) is "
+        f"CPU pinning (os.sched_setaffinity): the API server alone on CPU "
+        f"{','.join(map(str, sorted(gen)))} (a deployment gives its API servers a CPU request "
+        "of their own beside the stage pods); the stage pods, omni-up, the control plane, Ray "
+        f"and the load generator (this process) on CPU {','.join(map(str, sorted(pipe)))}; "
+        "capacity (the best closed-loop goodput) is "
         "measured under the same pinning, so the open-loop ratios hold. The open loop sends "
         "prebuilt requests over keep-alive connections opened beforehand "
         "(benchmarks/openloop.py) and measures latency from each request's scheduled send "

@@ -102,6 +102,12 @@ class Waiter:
         return max(0.0, self.admitted_at - self.arrived)
 
 
+#: A request is queued only when its estimated wait is within this share of
+#: ``max_queue_wait_s``: the rest is headroom for the estimate's error, so that a queued request
+#: is served rather than shed after waiting the whole limit (a late shed is the costly kind).
+ADMIT_HEADROOM = 0.9
+
+
 @dataclass
 class ServiceTime:
     """EWMA of how long admitted work holds a slot; None until the first completion."""
@@ -228,9 +234,10 @@ class AdmissionQueue:
                 f"plus {service_s:.3f} s of service"
             )
             return Shed("deadline", wait_s, why)
-        if wait_s > self.max_wait_s:
+        if wait_s > self.max_wait_s * ADMIT_HEADROOM:
             why = (
-                f"about {wait_s:.3f} s in the queue exceeds max_queue_wait_s ({self.max_wait_s:g})"
+                f"about {wait_s:.3f} s in the queue: past {ADMIT_HEADROOM:.0%} of "
+                f"max_queue_wait_s ({self.max_wait_s:g})"
             )
             return Shed("wait_limit", wait_s, why)
         if len(self) >= self.max_queue and self._victim(priority) is None:

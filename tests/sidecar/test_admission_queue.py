@@ -153,16 +153,29 @@ def test_a_deadline_that_cannot_be_met_is_shed_at_arrival() -> None:
 
 
 def test_a_wait_past_max_queue_wait_is_shed_at_arrival() -> None:
-    q = full_queue(slots=1, max_wait_s=1.0)
+    q = full_queue(slots=1, max_wait_s=1.2)
     q.release(0.0, 0.5)
     q.offer(waiter(), 0.0)  # admitted
     q.offer(waiter(), 0.0)
     within = waiter()
-    q.offer(within, 0.0)  # 1 ahead: 2 completions = 1.0 s, within the limit
+    q.offer(within, 0.0)  # 1 ahead: 2 completions = 1.0 s, within 90% of the limit
     assert within.state == "queued"
     w = waiter()
     q.offer(w, 0.0)  # 2 ahead: 1.5 s
     assert w.shed is not None and w.shed.reason == "wait_limit"
+
+
+def test_a_wait_in_the_last_tenth_of_max_queue_wait_is_shed_at_arrival() -> None:
+    """The estimate keeps 10% headroom: a request it would queue for 1.0 s of a 1.05 s limit
+    is refused at once rather than shed after waiting the whole limit."""
+    q = full_queue(slots=1, max_wait_s=1.05)
+    q.release(0.0, 0.5)
+    q.offer(waiter(), 0.0)  # admitted
+    q.offer(waiter(), 0.0)  # 0.5 s: queued
+    w = waiter()
+    q.offer(w, 0.0)  # 1 ahead: 1.0 s, under the limit but past 90% of it
+    assert w.shed is not None and w.shed.reason == "wait_limit"
+    assert "90% of max_queue_wait_s" in w.shed.message()
 
 
 def test_refusal_says_what_offer_would_do_and_changes_nothing() -> None:
