@@ -322,7 +322,7 @@ async def bench(opts: Options) -> Report:
     for r in opened:
         report.notes.append(f"Open-loop generator at {r.label}: {r.generator}.")
     if not opts.quick:
-        plot(closed, opened, capacity, report)
+        plot(closed, opened, capacity, report, stage1=f"{STEP_MS:g} ms x {SEQS}")
     return report
 
 

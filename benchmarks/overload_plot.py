@@ -12,7 +12,9 @@ if TYPE_CHECKING:
     from benchmarks.overload_load import Run
 
 
-def plot(closed: list[Run], opened: list[Run], capacity: float, report: Report) -> None:
+def plot(
+    closed: list[Run], opened: list[Run], capacity: float, report: Report, *, stage1: str
+) -> None:
     """Latency and goodput against load into ``docs/overload.png``; a line in ``report``."""
     try:
         import matplotlib
@@ -41,7 +43,7 @@ def plot(closed: list[Run], opened: list[Run], capacity: float, report: Report) 
     ax_o.set_xlabel("offered load (x capacity)")
     ax_o.set_ylabel("requests/s")
     ax_o.legend(loc="upper left")
-    fig.suptitle("omni-mesh under overload: synthetic pipeline, stage 1 at 20 ms x 8")
+    fig.suptitle(f"omni-mesh under overload: synthetic pipeline, stage 1 at {stage1}")
     fig.tight_layout()
     out = ROOT / "docs" / "overload.png"
     fig.savefig(out, dpi=90)
