@@ -28,9 +28,8 @@ from omni_mesh.configs.pipeline import PipelineSpec
 from omni_mesh.data_plane.messages import HopResult, Prompt
 from omni_mesh.sidecar.client_requests import collect
 from omni_mesh.sidecar.errors import ApiError, from_stage_error
-from omni_mesh.sidecar.hop_client import HopUnavailable
 from omni_mesh.sidecar.outputs import ChunkAssembler, FinalOutput, OutputChunk, joined_off_loop
-from omni_mesh.sidecar.sinks import _api_error, _LazyResponse
+from omni_mesh.sidecar.sinks import _LazyResponse, stream_failed
 
 logger = logging.getLogger(__name__)
 
@@ -135,21 +134,7 @@ async def respond_choices(
                 await out.write(b"".join(sink.piece(index, c) for c in ready))
         await out.write(sink.tail(finals))
         return await out.finish()
-    except ConnectionResetError:
-        if out.response is None:
-            raise
-        logger.info("client went away: %s %s", request.method, request.path)
-        out.cut()
-        return out.response
     except Exception as exc:
         if out.response is None:
             raise
-        err = _api_error(exc)
-        logger.warning(
-            "stream of %s %s failed after the response started: %s",
-            request.method,
-            request.path,
-            err.message,
-            exc_info=not isinstance(exc, ApiError | HopUnavailable),
-        )
-        return await out.fail(err)
+        return await stream_failed(request, out, exc)

@@ -143,24 +143,32 @@ async def respond(
             return sink.unary(outputs)
         await out.write(sink.tail(outputs))
         return await out.finish()
-    except ConnectionResetError:
-        if out.response is None:
-            raise
-        logger.info("client went away: %s %s", request.method, request.path)
-        out.cut()
-        return out.response
     except Exception as exc:
         if out.response is None:
             raise
-        err = _api_error(exc)
-        logger.warning(
-            "stream of %s %s failed after the response started: %s",
-            request.method,
-            request.path,
-            err.message,
-            exc_info=not isinstance(exc, ApiError | HopUnavailable),
-        )
-        return await out.fail(err)
+        return await stream_failed(request, out, exc)
+
+
+async def stream_failed(
+    request: web.Request, out: _LazyResponse, exc: Exception
+) -> web.StreamResponse:
+    """The end of a streamed answer whose response has started when ``exc`` happened: a
+    client that went away is logged and the connection cut; any other failure ends the stream
+    with an error event (the status line was sent already)."""
+    assert out.response is not None  # the caller re-raises when nothing was sent
+    if isinstance(exc, ConnectionResetError):
+        logger.info("client went away: %s %s", request.method, request.path)
+        out.cut()
+        return out.response
+    err = _api_error(exc)
+    logger.warning(
+        "stream of %s %s failed after the response started: %s",
+        request.method,
+        request.path,
+        err.message,
+        exc_info=not isinstance(exc, ApiError | HopUnavailable),
+    )
+    return await out.fail(err)
 
 
 async def _pieces(sink: Sink, chunks: list[OutputChunk]) -> bytes:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import numpy as np
@@ -32,12 +32,12 @@ from omni_mesh.sidecar.sinks import (
     respond,
 )
 from tests import media_readers
+from tests.sidecar.scripted import Item, Script
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 TTS = get_pipeline("tiny-tts")  # stage 1: audio
 RATE = 24000
-Item = HopResult | BaseException
 
 
 def wave(chunk: int, n: int = 960) -> np.ndarray:
@@ -56,29 +56,6 @@ def streamed_audio(stage: int, n: int) -> list[Item]:
 
 def pcm(n: int) -> bytes:
     return b"".join(media.pcm_bytes(wave(c)) for c in range(n))
-
-
-class Script:
-    """Scripted answer frames, one item per ``delay_s``; an exception item is raised; records
-    whether the consumer closed the iterator."""
-
-    def __init__(self, items: Sequence[Item], delay_s: float = 0.03, hang: bool = False) -> None:
-        self.items = list(items)
-        self.delay_s = delay_s
-        self.hang = hang
-        self.closed = asyncio.Event()
-
-    async def frames(self) -> AsyncGenerator[HopResult, None]:
-        try:
-            for item in self.items:
-                await asyncio.sleep(self.delay_s)
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-            if self.hang:
-                await asyncio.Event().wait()
-        finally:
-            self.closed.set()
 
 
 Serve = Callable[[Script, Callable[[], Sink]], Awaitable[str]]

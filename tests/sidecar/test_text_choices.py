@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -28,12 +28,12 @@ from omni_mesh.sidecar.chat_answer import ChatEvents
 from omni_mesh.sidecar.choices import ChoiceSink, respond_choices
 from omni_mesh.sidecar.middleware import error_middleware
 from omni_mesh.sidecar.routes_completions import CompletionAnswer
+from tests.sidecar.scripted import Script
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 OMNI = get_pipeline("tiny-omni")  # stage 0: text, stage 2: audio
 RATE = 24000
-Item = HopResult | BaseException
 
 
 def wave(chunk: int, n: int = 960) -> np.ndarray:
@@ -52,29 +52,6 @@ def text_frame(text: str, chunk: int, *, more: bool = True, **fields: int | str)
 
 
 END = HopResult(request_id="r")
-
-
-class Script:
-    """Scripted answer frames, one item per ``delay_s``; an exception item is raised; records
-    whether the consumer closed the iterator."""
-
-    def __init__(self, items: Sequence[Item], delay_s: float = 0.02, hang: bool = False) -> None:
-        self.items = list(items)
-        self.delay_s = delay_s
-        self.hang = hang
-        self.closed = asyncio.Event()
-
-    async def frames(self) -> AsyncGenerator[HopResult, None]:
-        try:
-            for item in self.items:
-                await asyncio.sleep(self.delay_s)
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-            if self.hang:
-                await asyncio.Event().wait()
-        finally:
-            self.closed.set()
 
 
 Serve = Callable[[list[Script], Callable[[], ChoiceSink]], Awaitable[str]]
