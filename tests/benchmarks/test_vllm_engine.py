@@ -32,7 +32,8 @@ def test_timeline_figures_count_only_steps_with_tokens() -> None:
 
 
 def test_phases_from_the_child_json_line() -> None:
-    line = '{"phases": [{"concurrency": 16, "wall_s": 2.0, "streams": [[0.1, null, 1], [0.2, 0.01, 63]]}]}'
+    streams = "[[0.1, null, 1], [0.2, 0.01, 63]]"
+    line = '{"phases": [{"concurrency": 16, "wall_s": 2.0, "streams": ' + streams + "}]}"
     (phase,) = phases_from_json(line)
     assert phase.server == ENGINE and phase.concurrency == 16
     assert phase.tokens_per_s == pytest.approx(32.0)
