@@ -157,3 +157,38 @@ TINY_OMNI_VLLM = register_pipeline(
         ),
     )
 )
+
+# ---- real architectures on transformers: one Hugging Face folder, each stage loads its part ----
+
+_HF = "omni_mesh.engines.hf"
+QWEN3_OMNI = register_pipeline(
+    PipelineSpec(
+        name="qwen3-omni",
+        description="Qwen3-Omni-MoE: thinker (text + audio in) -> talker (+ code predictor) -> "
+        "code2wav (tiny-qwen3-omni by default; engine_extras.model).",
+        prompt_fields=("seed", "voice", "max_tokens"),
+        stages=(
+            StageSpec(
+                stage_id=0,
+                name="thinker",
+                engine=f"{_HF}.qwen3_omni_thinker:Qwen3OmniThinkerEngine",
+                final_output=OutputKind.TEXT,
+            ),
+            StageSpec(
+                stage_id=1,
+                name="talker",
+                engine=f"{_HF}.qwen3_omni_talker:Qwen3OmniTalkerEngine",
+                sources=(0,),
+                processor=f"{_HF}.qwen3_omni_processors:thinker_to_talker",
+            ),
+            StageSpec(
+                stage_id=2,
+                name="code2wav",
+                engine=f"{_HF}.qwen3_omni_code2wav:Qwen3OmniCode2WavEngine",
+                sources=(1,),
+                processor=f"{_HF}.qwen3_omni_processors:talker_to_code2wav",
+                final_output=OutputKind.AUDIO,
+            ),
+        ),
+    )
+)

@@ -48,7 +48,7 @@ _CORPUS = (
 )
 
 
-def _corpus() -> list[str]:
+def training_corpus() -> list[str]:
     """The fixed text plus seeded pseudo-words: enough distinct pairs for every BPE merge."""
     rng = random.Random(SEED)
     letters = "etaoinshrdlucmfwypvbgkjqxz"
@@ -168,7 +168,7 @@ def _write_tokenizer(vocab_size: int, folder: Path) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(training_corpus(), trainer=trainer)
     if tok.get_vocab_size() != vocab_size:  # every id the model can sample must decode
         raise RuntimeError(f"tiny tokenizer has {tok.get_vocab_size()} ids, not {vocab_size}")
     fast = PreTrainedTokenizerFast(

@@ -1,0 +1,87 @@
+"""What the transformers engines share: the model folder, loading one part of it, seeded RNG.
+
+A stage of a real-architecture pipeline loads only its own submodule of one Hugging Face folder
+(``engine_extras.model``: a tiny registered name or a folder path, see ``folders.py``): the
+thinker stage reads the ``thinker.*`` tensors of the checkpoint, the talker ``talker.*``, and so
+on, through transformers' own loader (``from_pretrained`` with a ``key_mapping`` that strips the
+prefix; the tensors of the other parts are skipped unread).
+
+transformers samples with the process-wide torch RNG. :func:`seeded_rng` gives one request its
+own RNG stream, ``torch.manual_seed(seed)`` as a user of the monolithic model would call before
+``generate``, and puts the process's state back afterwards, so a request's samples depend on its
+seed alone, whatever else runs in the process.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from omni_mesh.engines.base import EngineConfigError, EngineContext
+from omni_mesh.engines.hf.folders import ModelFolderError, resolve_folder
+
+logger = logging.getLogger(__name__)
+
+ModelT = TypeVar("ModelT")
+
+#: Talker configs whose checkpoints store MoE experts one by one, like their thinker's: transformers
+#: registers the fusing conversion for ``qwen3_omni_moe`` and its thinker only.
+_MOE_CONVERSIONS = {"qwen3_omni_moe_talker": "qwen2_moe", "qwen3_omni_moe_talker_text": "qwen2_moe"}
+
+
+def model_folder(ctx: EngineContext, default: str) -> Path:
+    """The folder named by ``engine_extras.model`` (``default`` when unset), built if tiny."""
+    model = ctx.config.engine_extras.get("model", default)
+    if not isinstance(model, str) or not model:
+        raise EngineConfigError(
+            f"stage {ctx.stage.name!r} ({ctx.pipeline.name}): engine_extras.model must be a "
+            f"model name or folder, got {model!r}"
+        )
+    try:
+        return resolve_folder(model)
+    except ModelFolderError as exc:
+        raise EngineConfigError(f"stage {ctx.stage.name!r} ({ctx.pipeline.name}): {exc}") from None
+
+
+def load_part(cls: type[ModelT], folder: Path, config: Any, prefix: str) -> ModelT:
+    """Submodule ``prefix`` of the checkpoint in ``folder``, as ``cls`` with ``config``."""
+    from transformers.utils import logging as hf_logging
+
+    _register_moe_conversions()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # not the table of the other parts' tensors, left unread
+    try:
+        model = cls.from_pretrained(  # type: ignore[attr-defined]
+            str(folder), config=config, key_mapping={rf"^{prefix}\.": ""}
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    model.eval()
+    return model  # type: ignore[no-any-return]
+
+
+def _register_moe_conversions() -> None:
+    from transformers import conversion_mapping as cm
+
+    for model_type, base in _MOE_CONVERSIONS.items():
+        if cm.get_checkpoint_conversion_mapping(model_type) is None:
+            cm.register_checkpoint_conversion_mapping(
+                model_type, cm.get_checkpoint_conversion_mapping(base)
+            )
+
+
+@contextmanager
+def seeded_rng(seed: int) -> Iterator[None]:
+    """The torch RNG seeded with ``seed`` inside, the caller's state restored after."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+        yield
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

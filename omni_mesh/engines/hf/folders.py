@@ -1,0 +1,83 @@
+"""Model folders of the real-architecture stages: a tiny registered name or a real folder.
+
+A tiny name (``tiny-qwen3-omni``, ``tiny-csm``) is built the first time it is needed, by code in
+this repository (random weights from a fixed seed, the real config classes with shrunk sizes,
+``save_pretrained``), into ``<cache>/<name>-v<version>``; several processes may race, the first
+atomic rename wins. Anything else must be an existing folder with a ``config.json``: a real
+checkpoint takes the same path as a tiny one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from omni_mesh.engines.vllm.tiny_models import default_cache_dir
+
+logger = logging.getLogger(__name__)
+
+
+class ModelFolderError(ValueError):
+    """A ``model`` that is neither a tiny model name nor an existing model folder."""
+
+
+@dataclass(frozen=True)
+class TinyBuilder:
+    """Where a tiny model's builder lives (imported only when the folder must be built)."""
+
+    builder: str  # "module:function", function(folder: Path) -> None writes the whole folder
+    version: int
+
+
+#: Registered tiny models of the real-architecture pipelines.
+TINY_FOLDERS: dict[str, TinyBuilder] = {
+    "tiny-qwen3-omni": TinyBuilder("omni_mesh.engines.hf.qwen3_omni_tiny:write_tiny_model", 1),
+    "tiny-csm": TinyBuilder("omni_mesh.engines.hf.csm_tiny:write_tiny_model", 1),
+}
+
+
+def resolve_folder(model: str, cache_dir: Path | None = None) -> Path:
+    """The folder a stage loads for ``model`` (module docstring)."""
+    if model in TINY_FOLDERS:
+        return ensure_tiny_folder(model, cache_dir or default_cache_dir())
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        names = ", ".join(sorted(TINY_FOLDERS))
+        raise ModelFolderError(
+            f"model {model!r} is neither a tiny model ({names}) nor an existing model folder"
+        )
+    if not (path / "config.json").is_file():
+        raise ModelFolderError(f"model folder {str(path)!r} has no config.json")
+    return path.resolve()
+
+
+def ensure_tiny_folder(name: str, cache_dir: Path) -> Path:
+    """Build tiny model ``name`` into ``cache_dir`` unless it is there already; its folder."""
+    spec = TINY_FOLDERS[name]
+    target = cache_dir / f"{name}-v{spec.version}"
+    if (target / "config.json").is_file():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
+    try:
+        _builder(spec.builder)(staging)
+        try:
+            staging.rename(target)
+            logger.info("built tiny model %s into %s", name, target)
+        except OSError:  # another process finished first: keep its copy
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _builder(path: str) -> Callable[[Path], None]:
+    module, _, attr = path.partition(":")
+    fn: Callable[[Path], None] = getattr(importlib.import_module(module), attr)
+    return fn

@@ -1,0 +1,118 @@
+"""qwen3-omni stage 2, code2wav: Qwen3-Omni-MoE's causal Code2Wav decoder on transformers.
+
+A whole utterance is decoded as the monolithic model decodes it:
+``code2wav.chunked_decode(codes, chunk_size=300, left_context_size=25)``.
+
+A chunk of a stream (``codes`` with the ``context_codes`` before it) is decoded after its
+context, and the context's samples are dropped, but not all of them: the decoder's transposed
+convolutions leave the last ``tail`` samples of any decode unfinished (they need the next frame),
+so a decode of n frames yields ``n * upsample - tail`` samples. A chunk with context therefore
+keeps its samples from ``context * upsample - tail``: the previous chunk's unfinished tail, now
+finished, then its own. The chunks' samples concatenated are the whole decode's (up to float
+rounding, when the context covers the decoder's receptive field), as long as the utterance fits
+one of ``chunked_decode``'s 300-frame chunks (beyond that the monolithic decode itself drops a
+tail at each 300-frame boundary).
+
+Several requests in one batch are decoded one by one (their lengths differ; Code2Wav's sliding
+window attention takes no padding mask).
+
+Input: array ``codes`` int64 [F, G] (F may be 0 on a stream's last chunk), optionally
+``context_codes`` int64 [M, G]. Final: field ``sample_rate`` (24000), array ``waveform``
+float32 [S].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from omni_mesh.engines.base import EngineInputError, EngineRequest, EngineResult, StageData
+from omni_mesh.engines.hf.common import load_part, model_folder, parameter_count
+from omni_mesh.engines.hf.qwen3_omni_thinker import DEFAULT_MODEL
+from omni_mesh.engines.reference.common import FieldReader, ReferenceEngine
+
+SAMPLE_RATE = 24000
+CHUNK_SIZE = 300
+LEFT_CONTEXT = 25
+MAX_FRAMES = 1 << 16
+
+
+@dataclass
+class Code2WavInput:
+    codes: np.ndarray  # [F, G]
+    context: np.ndarray | None  # [M, G]
+
+
+class Qwen3OmniCode2WavEngine(ReferenceEngine[Code2WavInput]):
+    """Qwen3-Omni's Code2Wav (module docstring)."""
+
+    model: Any
+
+    def build(self, seed: int) -> int:
+        from transformers import Qwen3OmniMoeConfig
+        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+            Qwen3OmniMoeCode2Wav,
+        )
+
+        folder = model_folder(self.ctx, DEFAULT_MODEL)
+        config = Qwen3OmniMoeConfig.from_pretrained(str(folder)).code2wav_config
+        self.groups = int(config.num_quantizers)
+        self.codebook = int(config.codebook_size)
+        self.model = load_part(Qwen3OmniMoeCode2Wav, folder, config, "code2wav")
+        self.upsample = int(self.model.total_upsample)
+        with torch.inference_mode():
+            probe = self.model(torch.zeros((1, self.groups, 2), dtype=torch.long))
+        self.tail = 2 * self.upsample - int(probe.shape[-1])
+        return parameter_count(self.model)
+
+    def parse(self, request: EngineRequest) -> Code2WavInput:
+        fields = self.reader(request)
+        codes = self._codes(fields, "codes", required=True)
+        assert codes is not None
+        return Code2WavInput(codes, self._codes(fields, "context_codes", required=False))
+
+    def _codes(self, fields: FieldReader, name: str, *, required: bool) -> np.ndarray | None:
+        arr = fields.data.arrays.get(name)
+        if arr is None:
+            if required:
+                raise fields.error("array", name, "is required")
+            return None
+        if not isinstance(arr, np.ndarray) or arr.dtype != np.int64 or arr.ndim != 2:
+            raise fields.error("array", name, f"must be int64 [F, {self.groups}]")
+        if arr.shape[1] != self.groups or arr.shape[0] > MAX_FRAMES:
+            raise fields.error(
+                "array", name, f"must have shape (F, {self.groups}), got {arr.shape}"
+            )
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= self.codebook):
+            raise fields.error("array", name, f"must hold codes in [0, {self.codebook})")
+        return arr
+
+    def run(
+        self, request: EngineRequest, inputs: Code2WavInput, generator: torch.Generator
+    ) -> EngineResult:
+        wave = self.decode(inputs.codes, inputs.context)
+        final = StageData(fields={"sample_rate": SAMPLE_RATE}, arrays={"waveform": wave})
+        return EngineResult(request.request_id, final=final)
+
+    def decode(self, codes: np.ndarray, context: np.ndarray | None) -> np.ndarray:
+        """The samples of ``codes`` (module docstring), float32."""
+        if len(codes) == 0:
+            return np.zeros(0, np.float32)
+        if context is None or len(context) == 0:
+            frames = torch.from_numpy(np.array(codes.T))[None]
+            wave = self.model.chunked_decode(
+                frames, chunk_size=CHUNK_SIZE, left_context_size=LEFT_CONTEXT
+            )
+            return _f32(wave)
+        if len(context) * self.upsample < self.tail:
+            raise EngineInputError(f"{self.where}: context_codes too short for the decoder")
+        frames = torch.from_numpy(np.concatenate([context, codes]).T.copy())[None]
+        wave = self.model(frames)
+        return _f32(wave[..., len(context) * self.upsample - self.tail :])
+
+
+def _f32(wave: torch.Tensor) -> np.ndarray:
+    return wave.reshape(-1).to(torch.float32).contiguous().numpy()

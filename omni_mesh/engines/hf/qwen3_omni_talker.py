@@ -1,0 +1,226 @@
+"""qwen3-omni stage 1, the talker: Qwen3-Omni-MoE's talker with its code predictor, on
+transformers.
+
+Each step the MoE talker picks codebook 0 of a frame and its code predictor the other
+``num_code_groups - 1`` codebooks, all inside ``Qwen3OmniMoeTalkerForConditionalGeneration
+.generate``, called as the monolithic model calls it (suppressed codec specials, ``codec_eos``
+as EOS, repetition penalty) on the prompt ``qwen3_omni_talker_prompt`` builds from the thinker's
+output. Sampling (``engine_extras``): ``do_sample`` (true), ``temperature`` (0.9), ``top_k``
+(50), ``top_p`` (1.0), ``repetition_penalty`` (1.05), the monolithic defaults; each request
+samples from its own RNG stream seeded by its seed (``common.seeded_rng``). ``max_frames``
+(default 256) caps a request's frames (the monolithic ``talker_max_new_tokens``).
+
+Streaming (``async_chunk``, whole input): the generation runs in a :class:`SteppedCall` and
+yields every ``engine_extras.chunk_frames`` frames (default 10) the new frames' ``codes`` with
+the ``context_codes`` (up to ``context_frames``, default 25: Code2Wav's left context) before
+them. Streams of several requests take turns step by step, each with its own KV cache; the
+process-wide state a generation uses (RNG, the talker's ``rope_deltas``) is swapped per request
+around each turn, so a request's codes do not depend on what else runs.
+
+Output: array ``codes`` int64 [F, G] (frame-major), fields ``num_frames``, ``frame_offset``;
+``context_codes`` int64 [M, G] on every chunk but the first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from omni_mesh.data_plane.messages import Scalar
+from omni_mesh.engines.base import EngineRequest, EngineResult, StageData
+from omni_mesh.engines.hf.common import load_part, model_folder, parameter_count, seeded_rng
+from omni_mesh.engines.hf.qwen3_omni_talker_prompt import TalkerPrompt, talker_prompt
+from omni_mesh.engines.hf.qwen3_omni_thinker import DEFAULT_MODEL
+from omni_mesh.engines.hf.speakers import speaker_name
+from omni_mesh.engines.hf.stepped import CheckpointStreamer, SteppedCall
+from omni_mesh.engines.reference.common import ReferenceEngine, extra_float, extra_int
+
+MAX_POSITIONS = 1 << 16
+
+
+@dataclass
+class TalkerInput:
+    sequences: np.ndarray
+    prompt_tokens: int
+    embed: np.ndarray
+    hidden: np.ndarray
+    special: np.ndarray
+    speaker_id: int
+    audio_lengths: np.ndarray | None
+
+
+@dataclass
+class _Turns:
+    """What one request's generation keeps between turns (module docstring)."""
+
+    rng: torch.Tensor
+    rope_deltas: Any = None
+    frames: list[np.ndarray] = field(default_factory=list)
+
+
+class Qwen3OmniTalkerEngine(ReferenceEngine[TalkerInput]):
+    """Qwen3-Omni's talker + code predictor (module docstring)."""
+
+    model: Any
+
+    def build(self, seed: int) -> int:
+        from transformers import Qwen3OmniMoeConfig
+        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+            Qwen3OmniMoeTalkerForConditionalGeneration,
+        )
+
+        ctx = self.ctx
+        self.max_frames = extra_int(ctx, "max_frames", 256, 1, 1 << 15)
+        self.chunk_frames = extra_int(ctx, "chunk_frames", 10, 1, 4096)
+        self.context_frames = extra_int(ctx, "context_frames", 25, 0, 4096)
+        do_sample = ctx.config.engine_extras.get("do_sample", True)
+        self.sampling: dict[str, Any] = {"do_sample": bool(do_sample)}
+        if do_sample:
+            self.sampling.update(
+                temperature=extra_float(ctx, "temperature", 0.9, 0.01, 10.0),
+                top_k=extra_int(ctx, "top_k", 50, 0, 1 << 20),
+                top_p=extra_float(ctx, "top_p", 1.0, 0.01, 1.0),
+            )
+        self.repetition_penalty = extra_float(ctx, "repetition_penalty", 1.05, 0.01, 10.0)
+        folder = model_folder(ctx, DEFAULT_MODEL)
+        self.config = Qwen3OmniMoeConfig.from_pretrained(str(folder))
+        self.model = load_part(
+            Qwen3OmniMoeTalkerForConditionalGeneration, folder, self.config.talker_config, "talker"
+        )
+        tc = self.config.talker_config
+        vocab = tc.text_config.vocab_size
+        self.suppressed = [i for i in range(vocab - 1024, vocab) if i != tc.codec_eos_token_id]
+        self._capture: list[np.ndarray] | None = None
+        self.model.register_forward_hook(self._on_forward)
+        return parameter_count(self.model)
+
+    def _on_forward(self, module: Any, args: Any, output: Any) -> None:
+        codes = output.hidden_states[1]  # the frame the code predictor completed this step
+        if codes is not None and self._capture is not None:
+            self._capture.append(codes[0].numpy().astype(np.int64))
+
+    def parse(self, request: EngineRequest) -> TalkerInput:
+        fields = self.reader(request)
+        d = self.config.thinker_config.text_config.hidden_size
+        sequences = fields.array("sequences", np.int64, (None,))
+        prompt = fields.optional_int("prompt_tokens", None, 2, MAX_POSITIONS)
+        if prompt is None or prompt >= len(sequences):
+            raise fields.error("field", "prompt_tokens", "must be set, below len(sequences)")
+        embed = fields.array("thinker_embed", np.float32, (len(sequences) - 1, d))
+        hidden = fields.array("thinker_hidden", np.float32, (len(sequences) - 1, d))
+        special = fields.array("tts_special", np.float32, (3, d))
+        lengths = None
+        if "audio_feature_lengths" in fields.data.arrays:
+            lengths = fields.array("audio_feature_lengths", np.int64, (None,))
+        speakers = self.config.talker_config.speaker_id
+        voice = speaker_name(fields, speakers)
+        return TalkerInput(sequences, prompt, embed, hidden, special, speakers[voice], lengths)
+
+    def _prompt(self, inputs: TalkerInput) -> TalkerPrompt:
+        lengths = inputs.audio_lengths
+        return talker_prompt(
+            self.model,
+            self.config,
+            torch.from_numpy(np.array(inputs.sequences)),
+            inputs.prompt_tokens,
+            torch.from_numpy(np.array(inputs.embed)),
+            torch.from_numpy(np.array(inputs.hidden)),
+            torch.from_numpy(np.array(inputs.special)),
+            inputs.speaker_id,
+            None if lengths is None else torch.from_numpy(np.array(lengths)),
+        )
+
+    def _generate(self, prompt: TalkerPrompt, **extra: Any) -> Any:
+        kwargs: dict[str, Any] = {}
+        if prompt.audio_feature_lengths is not None:
+            kwargs["audio_feature_lengths"] = prompt.audio_feature_lengths
+        return self.model.generate(
+            inputs_embeds=prompt.inputs_embeds,
+            trailing_text_hidden=prompt.trailing_text_hidden,
+            tts_pad_embed=prompt.tts_pad_embed,
+            talker_input_ids=prompt.talker_input_ids,
+            attention_mask=torch.ones(prompt.talker_input_ids.shape, dtype=torch.long),
+            max_new_tokens=self.max_frames,
+            eos_token_id=self.config.talker_config.codec_eos_token_id,
+            repetition_penalty=self.repetition_penalty,
+            suppress_tokens=self.suppressed,
+            output_hidden_states=True,
+            return_dict_in_generate=True,
+            **self.sampling,
+            **kwargs,
+            **extra,
+        )
+
+    def run(
+        self, request: EngineRequest, inputs: TalkerInput, generator: torch.Generator
+    ) -> EngineResult:
+        with seeded_rng(request.seed):
+            result = self._generate(self._prompt(inputs))
+        frames = [h[-1] for h in result.hidden_states if h[-1] is not None]
+        g = self.config.talker_config.num_code_groups
+        codes = torch.cat(frames).numpy().astype(np.int64) if frames else np.zeros((0, g))
+        fields: dict[str, Scalar] = {"num_frames": len(codes), "frame_offset": 0}
+        return EngineResult(
+            request.request_id, StageData(fields=fields, arrays={"codes": codes.astype(np.int64)})
+        )
+
+    def run_chunks(
+        self, request: EngineRequest, inputs: TalkerInput, generator: torch.Generator
+    ) -> Iterator[EngineResult]:
+        with seeded_rng(request.seed):
+            turns = _Turns(rng=torch.get_rng_state())
+        prompt = self._prompt(inputs)
+        call = SteppedCall(
+            lambda checkpoint: self._generate(prompt, streamer=CheckpointStreamer(checkpoint)),
+            name=f"talker-{request.request_id}",
+        )
+        sent = 0
+        try:
+            done = False
+            while not done:
+                target = sent + self.chunk_frames
+                done = self._turn(call, turns, lambda: len(turns.frames) >= target)
+                new = turns.frames[sent:]
+                if not new and not done:
+                    continue
+                yield self._chunk(request, turns.frames, sent, new, done)
+                sent += len(new)
+        finally:
+            call.close()
+
+    def _turn(self, call: SteppedCall, turns: _Turns, until: Any) -> bool:
+        """One turn of a request's generation with its own RNG and rope_deltas swapped in."""
+        saved = torch.get_rng_state()
+        torch.set_rng_state(turns.rng)
+        self.model.rope_deltas = turns.rope_deltas
+        self._capture = turns.frames
+        try:
+            return call.advance(until)
+        finally:
+            self._capture = None
+            turns.rope_deltas = self.model.rope_deltas
+            turns.rng = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+    def _chunk(
+        self,
+        request: EngineRequest,
+        frames: list[np.ndarray],
+        sent: int,
+        new: list[np.ndarray],
+        last: bool,
+    ) -> EngineResult:
+        g = self.config.talker_config.num_code_groups
+        codes = np.stack(new) if new else np.zeros((0, g), np.int64)
+        arrays = {"codes": codes}
+        context = min(self.context_frames, sent)
+        if context:
+            arrays["context_codes"] = np.stack(frames[sent - context : sent])
+        fields: dict[str, Scalar] = {"num_frames": len(new), "frame_offset": sent}
+        return EngineResult(
+            request.request_id, output=StageData(fields=fields, arrays=arrays), last=last
+        )

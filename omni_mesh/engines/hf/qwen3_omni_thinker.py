@@ -1,0 +1,168 @@
+"""qwen3-omni stage 0, the thinker: Qwen3-Omni-MoE's thinker (audio encoder + MoE LM) on
+transformers.
+
+Runs ``Qwen3OmniMoeThinkerForConditionalGeneration.generate`` exactly as the monolithic model's
+``generate`` calls it (``output_hidden_states``, ``eos_token_id`` = ``<|im_end|>``), one request
+at a time, with the request's own RNG stream (``common.seeded_rng``). Sampling: the request's
+``temperature`` (0 or unset: greedy, as the folder's generation config has it for the tiny
+model), ``top_p``, ``top_k``; ``max_tokens`` (default ``engine_extras.max_tokens``, 64; at most
+``engine_extras.max_tokens_limit``, 1024).
+
+Input fields: ``messages`` (the chat route's conversation, JSON) or ``prompt``; ``voice`` (a
+speaker of the folder's talker config, checked here so a bad one costs no compute). Output
+(what the talker needs, see ``qwen3_omni_processors``): arrays ``sequences`` int64 [P+N],
+``thinker_embed`` and ``thinker_hidden`` float32 [P+N-1, D] (the input embeddings and the hidden
+states of ``talker_config.accept_hidden_layer`` of every position the thinker ran),
+``tts_special`` float32 [3, D] (the input embeddings of tts_bos, tts_eos, tts_pad) and, with
+audio, ``audio_feature_lengths`` int64 [A]; fields ``prompt_tokens`` (P), ``generated_tokens``
+(N), ``voice``, ``text``. Final: ``text`` (special tokens dropped).
+
+Why not vLLM: vLLM's ``qwen3_omni_moe_thinker`` returns tokens, not the per-layer hidden
+states and input embeddings the talker conditions on; handing those out needs a model class
+registered through vLLM's plugin mechanism that returns them (a follow-up).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from omni_mesh.engines.base import EngineRequest, EngineResult, StageData
+from omni_mesh.engines.hf.common import load_part, model_folder, parameter_count, seeded_rng
+from omni_mesh.engines.hf.qwen3_omni_inputs import ThinkerPrompt, conversation, thinker_prompt
+from omni_mesh.engines.hf.speakers import speaker_name
+from omni_mesh.engines.reference.common import ReferenceEngine, extra_int
+
+DEFAULT_MODEL = "tiny-qwen3-omni"
+
+
+@dataclass
+class ThinkerInput:
+    prompt: ThinkerPrompt
+    voice: str
+    max_tokens: int
+    sampling: dict[str, Any]
+
+
+class Qwen3OmniThinkerEngine(ReferenceEngine[ThinkerInput]):
+    """Qwen3-Omni's thinker (module docstring)."""
+
+    model: Any
+
+    def build(self, seed: int) -> int:
+        from transformers import AutoFeatureExtractor, AutoTokenizer, Qwen3OmniMoeConfig
+        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+            Qwen3OmniMoeThinkerForConditionalGeneration,
+        )
+
+        self.max_tokens = extra_int(self.ctx, "max_tokens", 64, 1, 8192)
+        self.max_tokens_limit = extra_int(self.ctx, "max_tokens_limit", 1024, 1, 32768)
+        folder = model_folder(self.ctx, DEFAULT_MODEL)
+        self.config = Qwen3OmniMoeConfig.from_pretrained(str(folder))
+        self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        self.features = AutoFeatureExtractor.from_pretrained(str(folder))
+        self.model = load_part(
+            Qwen3OmniMoeThinkerForConditionalGeneration,
+            folder,
+            self.config.thinker_config,
+            "thinker",
+        )
+        return parameter_count(self.model)
+
+    def parse(self, request: EngineRequest) -> ThinkerInput:
+        fields = self.reader(request)
+        voice = speaker_name(fields, self.config.talker_config.speaker_id)
+        messages = fields.data.fields.get("messages")
+        prompt = fields.data.fields.get("prompt")
+        conv = conversation(
+            fields.where,
+            messages if isinstance(messages, str) else None,
+            prompt if isinstance(prompt, str) else None,
+            int(self.features.sampling_rate),
+        )
+        sampling = request.sampling
+        requested = fields.optional_int("max_tokens", None, 1, 1 << 20)
+        if sampling is not None and sampling.max_tokens is not None:
+            requested = min(requested or sampling.max_tokens, sampling.max_tokens)
+        max_tokens = requested or self.max_tokens
+        if max_tokens > self.max_tokens_limit:
+            raise fields.error(
+                "field",
+                "max_tokens",
+                f"is {max_tokens}; this stage generates at most {self.max_tokens_limit} "
+                "(engine_extras.max_tokens_limit)",
+            )
+        return ThinkerInput(
+            thinker_prompt(self.tokenizer, self.features, conv), voice, max_tokens, _sampling(request)
+        )
+
+    def run(
+        self, request: EngineRequest, inputs: ThinkerInput, generator: torch.Generator
+    ) -> EngineResult:
+        prompt = inputs.prompt
+        kwargs: dict[str, Any] = {}
+        if prompt.input_features is not None:
+            kwargs["input_features"] = prompt.input_features
+            kwargs["feature_attention_mask"] = prompt.feature_attention_mask
+        with seeded_rng(request.seed):
+            result = self.model.generate(
+                input_ids=prompt.input_ids,
+                attention_mask=prompt.attention_mask,
+                max_new_tokens=inputs.max_tokens,
+                eos_token_id=self.config.im_end_token_id,
+                use_audio_in_video=False,
+                output_hidden_states=True,
+                return_dict_in_generate=True,
+                **inputs.sampling,
+                **kwargs,
+            )
+        layer = self.config.talker_config.accept_hidden_layer
+        embed = torch.cat([h[0] for h in result.hidden_states], dim=1)[0]
+        hidden = torch.cat([h[layer] for h in result.hidden_states], dim=1)[0]
+        special = torch.tensor(
+            [
+                self.config.tts_bos_token_id,
+                self.config.tts_eos_token_id,
+                self.config.tts_pad_token_id,
+            ]
+        )
+        sequences = result.sequences[0]
+        prompt_tokens = int(prompt.input_ids.shape[1])
+        text = self.tokenizer.decode(sequences[prompt_tokens:], skip_special_tokens=True)
+        arrays = {
+            "sequences": sequences.numpy().astype(np.int64),
+            "thinker_embed": _f32(embed),
+            "thinker_hidden": _f32(hidden),
+            "tts_special": _f32(self.model.get_input_embeddings()(special)),
+        }
+        if prompt.feature_attention_mask is not None:
+            lengths = prompt.feature_attention_mask.sum(-1)
+            arrays["audio_feature_lengths"] = lengths.numpy().astype(np.int64)
+        output = StageData(
+            fields={
+                "text": text,
+                "voice": inputs.voice,
+                "prompt_tokens": prompt_tokens,
+                "generated_tokens": int(len(sequences) - prompt_tokens),
+            },
+            arrays=arrays,
+        )
+        return EngineResult(request.request_id, output=output, final=StageData({"text": text}))
+
+
+def _sampling(request: EngineRequest) -> dict[str, Any]:
+    """generate() sampling kwargs: greedy unless the request asks for a temperature > 0."""
+    sampling = request.sampling
+    if sampling is None or not sampling.temperature:
+        return {"do_sample": False}
+    kwargs: dict[str, Any] = {"do_sample": True, "temperature": sampling.temperature}
+    kwargs["top_p"] = sampling.top_p if sampling.top_p is not None else 1.0
+    kwargs["top_k"] = sampling.top_k if sampling.top_k else 0
+    return kwargs
+
+
+def _f32(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(torch.float32).contiguous().numpy()
