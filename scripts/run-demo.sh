@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The README's run command: a real 1:2:1 tiny-omni topology on this machine (embedded Redis,
+# The README's run command: a real 1:2:1 qwen3-omni topology (the real Qwen3-Omni-MoE
+# architecture from transformers on the tiny random-weight folder tiny-qwen3-omni) on this machine (embedded Redis,
 # omni-cp, four stage pods and an API server), one speech request written to output.wav, the
 # control plane's view of the pools, then a clean stop. Nothing is left running.
 set -euo pipefail
@@ -7,9 +8,10 @@ cd "$(dirname "$0")/.."
 BIN=.venv/bin
 PORT=${PORT:-8000}
 REPLICAS=${REPLICAS:-1:2:1}
+PIPELINE=${PIPELINE:-qwen3-omni}
 LOG=$(mktemp -t omni-up.XXXXXX.log)
 
-"$BIN/omni-up" --pipeline tiny-omni --replicas "$REPLICAS" --port "$PORT" >"$LOG" 2>&1 &
+"$BIN/omni-up" --pipeline "$PIPELINE" --replicas "$REPLICAS" --port "$PORT" >"$LOG" 2>&1 &
 UP=$!
 cleanup() {
   kill -TERM "$UP" 2>/dev/null || true
@@ -28,16 +30,17 @@ cat "$LOG"
 
 CP=$(grep -Eo 'control plane +http://[0-9.:]+' "$LOG" | head -n1 | awk '{print $3}' || true)
 echo
-echo "== POST /v1/audio/speech (tiny-omni, replicas $REPLICAS)"
+echo "== POST /v1/audio/speech ($PIPELINE, replicas $REPLICAS)"
 time curl -sS --fail-with-body -o output.wav \
   -H 'Content-Type: application/json' \
-  -d '{"model": "tiny-omni", "input": "Hello from omni-mesh, a fabric for multi-stage pipelines.", "voice": "alloy", "seed": 7}' \
+  -d '{"model": "'"$PIPELINE"'", "input": "Hello from omni-mesh, a fabric for multi-stage pipelines.", "seed": 7}' \
   "http://127.0.0.1:$PORT/v1/audio/speech"
 "$BIN/python" - <<'PY'
-import wave
-with wave.open("output.wav") as w:
-    print(f"output.wav: {w.getnchannels()} channel(s), {w.getframerate()} Hz, "
-          f"{w.getnframes() / w.getframerate():.2f} s")
+import os, wave
+with wave.open("output.wav") as w:  # a streamed WAV's header cannot know its length: count
+    channels, rate, width = w.getnchannels(), w.getframerate(), w.getsampwidth()
+seconds = (os.path.getsize("output.wav") - 44) / (channels * width * rate)
+print(f"output.wav: {channels} channel(s), {rate} Hz, {seconds:.2f} s")
 PY
 echo
 if [ -n "$CP" ]; then "$BIN/omni-cp" status --cp "$CP"; fi

@@ -91,6 +91,10 @@ class PipelineSpec(BaseModel):
         default=("seed",),
         description="Optional prompt fields the entry stage accepts besides 'prompt'.",
     )
+    input_audio: bool = Field(
+        default=False,
+        description="The entry stage reads audio parts (input_audio) of chat messages.",
+    )
 
     @model_validator(mode="after")
     def _check_dag(self) -> PipelineSpec:

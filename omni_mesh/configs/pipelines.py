@@ -167,6 +167,7 @@ QWEN3_OMNI = register_pipeline(
         description="Qwen3-Omni-MoE: thinker (text + audio in) -> talker (+ code predictor) -> "
         "code2wav (tiny-qwen3-omni by default; engine_extras.model).",
         prompt_fields=("seed", "voice", "max_tokens"),
+        input_audio=True,
         stages=(
             StageSpec(
                 stage_id=0,

@@ -10,14 +10,22 @@ from msgspec import Meta, Struct
 from omni_mesh.data_plane.messages import PriorityClass
 
 
-class TextPart(Struct):
+class InputAudio(Struct):
+    data: Annotated[str, Meta(min_length=1)]  # base64
+    format: str = "wav"
+
+
+class ContentPart(Struct):
+    """A part of a chat message: ``text``, or ``input_audio`` (pipelines that take audio in)."""
+
     type: str
     text: str | None = None
+    input_audio: InputAudio | None = None
 
 
 class ChatMessage(Struct):
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
 
 
 class AudioParams(Struct):

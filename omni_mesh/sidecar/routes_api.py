@@ -164,11 +164,40 @@ def _content_text(message: ChatMessage, sep: str) -> str:
     return sep.join(p.text for p in message.content if p.type == "text" and p.text)
 
 
-def _conversation(req: ChatRequest) -> tuple[str, str]:
+#: What the ``prompt`` field says for a user turn that is audio only (the engine reads the audio
+#: from ``messages``).
+AUDIO_ONLY_PROMPT = "(audio)"
+
+
+def _content_parts(i: int, message: ChatMessage, audio_in: bool) -> list[dict[str, Any]] | None:
+    """The message's parts when it holds audio (text and input_audio, in order), else None: its
+    text alone is what the engines read."""
+    if not isinstance(message.content, list):
+        return None
+    parts: list[dict[str, Any]] = []
+    has_audio = False
+    for j, part in enumerate(message.content):
+        if part.type == "input_audio":
+            where = f"messages[{i}].content[{j}]"
+            if not audio_in:
+                raise bad_request(f"{where}: this pipeline takes no audio input", "messages")
+            if part.input_audio is None:
+                raise bad_request(f"{where}: input_audio part lacks its input_audio", "messages")
+            has_audio = True
+            audio = {"data": part.input_audio.data, "format": part.input_audio.format}
+            parts.append({"type": "input_audio", "input_audio": audio})
+        elif part.type == "text" and part.text:
+            parts.append({"type": "text", "text": part.text})
+    return parts if has_audio else None
+
+
+def _conversation(req: ChatRequest, audio_in: bool) -> tuple[str, str]:
     """The last user message's text (the ``prompt`` every engine reads) and the whole
-    conversation as JSON text (the ``messages`` a chat-templated vLLM stage reads: each
-    message's text parts joined by newlines, as vLLM's server joins them)."""
-    messages: list[dict[str, str]] = []
+    conversation as JSON text (the ``messages`` a chat-templated stage reads: each message's
+    text parts joined by newlines, as vLLM's server joins them, or, for a message with audio
+    parts, the parts themselves)."""
+    messages: list[dict[str, Any]] = []
+    audio_turns: set[int] = set()
     for i, message in enumerate(req.messages):
         if message.role not in CHAT_ROLES:
             raise bad_request(
@@ -176,13 +205,18 @@ def _conversation(req: ChatRequest) -> tuple[str, str]:
                 f"(one of {', '.join(sorted(CHAT_ROLES))})",
                 "messages",
             )
-        messages.append({"role": message.role, "content": _content_text(message, "\n")})
-    for message in reversed(req.messages):
+        parts = _content_parts(i, message, audio_in)
+        if parts is not None:
+            audio_turns.add(i)
+        content: Any = parts if parts is not None else _content_text(message, "\n")
+        messages.append({"role": message.role, "content": content})
+    for i in range(len(req.messages) - 1, -1, -1):
+        message = req.messages[i]
         if message.role == "user":
-            text = _content_text(message, " ")
+            text = _content_text(message, " ") or (AUDIO_ONLY_PROMPT if i in audio_turns else "")
             if text:
                 return text, json.dumps(messages, ensure_ascii=False)
-    raise bad_request("messages: no user message with text content", "messages")
+    raise bad_request("messages: no user message with text or audio content", "messages")
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
@@ -197,7 +231,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     if max_tokens is not None and "max_tokens" in pod.pipeline.prompt_fields:
         fields["max_tokens"] = max_tokens
     priority = openai_priority(request, req.priority)
-    last_user, messages = _conversation(req)
+    last_user, messages = _conversation(req, pod.pipeline.input_audio)
     prompt = Prompt(prompt=last_user, seed=req.seed, priority=priority, **fields)
     top_logprobs = _chat_logprobs(req)
     sampling = sampling_from(req, max_tokens=None, logprobs=top_logprobs)

@@ -15,7 +15,14 @@ from omni_mesh.configs.pipeline import PipelineSpec, get_pipeline, list_pipeline
 
 pytestmark = pytest.mark.unit
 
-BUNDLED = ("tiny-omni", "tiny-tts", "tiny-image", "synthetic", "synthetic-diamond")
+BUNDLED = (
+    "tiny-omni",
+    "tiny-tts",
+    "tiny-image",
+    "synthetic",
+    "synthetic-diamond",
+    "qwen3-omni",
+)
 VLLM_BUNDLED = ("tiny-llm", "tiny-omni-vllm")  # tests/configs/test_vllm_stage_fields.py
 
 
@@ -38,7 +45,10 @@ def test_bundled_yaml_loads(name: str) -> None:
     for s in cfg.stages:
         assert s.devices is None  # CPU reference engines
         assert "max_num_seqs" in _raw_stage(name, s.stage_id)
-        assert s.engine_extras == {}
+        if name == "qwen3-omni":  # every stage loads its part of the same folder
+            assert s.engine_extras["model"] == "tiny-qwen3-omni"
+        else:
+            assert s.engine_extras == {}
 
 
 @pytest.mark.parametrize("name", BUNDLED)

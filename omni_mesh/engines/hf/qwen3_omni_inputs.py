@@ -35,7 +35,9 @@ class Conversation:
     audios: list[np.ndarray]  # float32 mono at the feature extractor's rate
 
 
-def conversation(where: str, messages_json: str | None, prompt: str | None, rate: int) -> Conversation:
+def conversation(
+    where: str, messages_json: str | None, prompt: str | None, rate: int
+) -> Conversation:
     """The request's conversation: ``messages`` when given, else ``prompt`` as one user turn."""
     if messages_json is None:
         if not prompt:
@@ -115,7 +117,8 @@ def resample(pcm: np.ndarray, source_rate: int, rate: int) -> np.ndarray:
         return pcm.astype(np.float32)
     n = max(1, round(len(pcm) * rate / source_rate))
     positions = np.arange(n, dtype=np.float64) * (source_rate / rate)
-    return np.interp(positions, np.arange(len(pcm)), pcm).astype(np.float32)
+    out: np.ndarray = np.interp(positions, np.arange(len(pcm)), pcm).astype(np.float32)
+    return out
 
 
 @dataclass

@@ -23,6 +23,7 @@ Output: array ``codes`` int64 [F, G] (frame-major), fields ``num_frames``, ``fra
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,9 @@ from omni_mesh.engines.hf.stepped import CheckpointStreamer, SteppedCall
 from omni_mesh.engines.reference.common import ReferenceEngine, extra_float, extra_int
 
 MAX_POSITIONS = 1 << 16
+#: transformers warns that the repetition penalty sees only generated codes (the prompt is
+#: embeddings): that is how the monolithic model runs its talker too.
+REPETITION_WARNING = "Passing `repetition_penalty` with `inputs_embeds`"
 
 
 @dataclass
@@ -138,6 +142,13 @@ class Qwen3OmniTalkerEngine(ReferenceEngine[TalkerInput]):
         kwargs: dict[str, Any] = {}
         if prompt.audio_feature_lengths is not None:
             kwargs["audio_feature_lengths"] = prompt.audio_feature_lengths
+        with warnings.catch_warnings():  # as the monolithic generate: the prompt is embeddings
+            warnings.filterwarnings("ignore", message=REPETITION_WARNING, category=UserWarning)
+            return self._call_generate(prompt, kwargs, extra)
+
+    def _call_generate(
+        self, prompt: TalkerPrompt, kwargs: dict[str, Any], extra: dict[str, Any]
+    ) -> Any:
         return self.model.generate(
             inputs_embeds=prompt.inputs_embeds,
             trailing_text_hidden=prompt.trailing_text_hidden,
@@ -182,8 +193,7 @@ class Qwen3OmniTalkerEngine(ReferenceEngine[TalkerInput]):
         try:
             done = False
             while not done:
-                target = sent + self.chunk_frames
-                done = self._turn(call, turns, lambda: len(turns.frames) >= target)
+                done = self._turn(call, turns, sent + self.chunk_frames)
                 new = turns.frames[sent:]
                 if not new and not done:
                     continue
@@ -192,14 +202,15 @@ class Qwen3OmniTalkerEngine(ReferenceEngine[TalkerInput]):
         finally:
             call.close()
 
-    def _turn(self, call: SteppedCall, turns: _Turns, until: Any) -> bool:
-        """One turn of a request's generation with its own RNG and rope_deltas swapped in."""
+    def _turn(self, call: SteppedCall, turns: _Turns, frames: int) -> bool:
+        """Run a request's generation until it has ``frames`` frames (or ends), with its own RNG
+        and rope_deltas swapped in; True when it ended."""
         saved = torch.get_rng_state()
         torch.set_rng_state(turns.rng)
         self.model.rope_deltas = turns.rope_deltas
         self._capture = turns.frames
         try:
-            return call.advance(until)
+            return call.advance(lambda: len(turns.frames) >= frames)
         finally:
             self._capture = None
             turns.rope_deltas = self.model.rope_deltas

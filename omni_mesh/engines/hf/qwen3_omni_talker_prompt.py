@@ -70,9 +70,7 @@ def talker_prompt(
     start = int(torch.nonzero(starts).flatten()[-1])
     bos, eos, pad = talker.text_projection(tts_special[None].to(dtype)).chunk(3, dim=1)
     assistant = talker.text_projection(embed[:, start : seq.shape[1]])
-    text_part = torch.cat(
-        (assistant[:, :3], pad.expand(1, 4, -1), bos, assistant[:, 3:4]), dim=1
-    )
+    text_part = torch.cat((assistant[:, :3], pad.expand(1, 4, -1), bos, assistant[:, 3:4]), dim=1)
     codec_ids = torch.tensor(
         [
             [

@@ -96,7 +96,10 @@ class Qwen3OmniThinkerEngine(ReferenceEngine[ThinkerInput]):
                 "(engine_extras.max_tokens_limit)",
             )
         return ThinkerInput(
-            thinker_prompt(self.tokenizer, self.features, conv), voice, max_tokens, _sampling(request)
+            thinker_prompt(self.tokenizer, self.features, conv),
+            voice,
+            max_tokens,
+            _sampling(request),
         )
 
     def run(

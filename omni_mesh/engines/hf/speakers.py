@@ -12,7 +12,6 @@ from collections.abc import Mapping
 
 from omni_mesh.engines.reference.common import FieldReader
 
-
 DEFAULT_SPEAKER = "ethan"
 
 

@@ -1,0 +1,94 @@
+"""The monolithic Qwen3-Omni answer a served request must equal, and reading the served one."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import wave
+from functools import cache
+from typing import Any
+
+import numpy as np
+import torch
+
+from omni_mesh.data_plane import media
+from omni_mesh.engines.hf.folders import resolve_folder
+from omni_mesh.engines.hf.qwen3_omni_inputs import conversation, thinker_prompt
+
+TALKER_FRAMES = 64  # the bundled deploy config's talker max_frames
+
+
+@cache
+def monolithic() -> Any:
+    from transformers import AutoFeatureExtractor, AutoTokenizer
+    from transformers import Qwen3OmniMoeForConditionalGeneration as Full
+
+    folder = str(resolve_folder("tiny-qwen3-omni"))
+    model = Full.from_pretrained(folder).eval()
+    model.tokenizer = AutoTokenizer.from_pretrained(folder)
+    model.features = AutoFeatureExtractor.from_pretrained(folder)
+    return model
+
+
+def expected(messages: list[dict[str, Any]], seed: int, max_tokens: int) -> tuple[str, np.ndarray]:
+    """(text, PCM16 samples) of transformers' own generate: thinker greedy, talker sampled
+    after ``torch.manual_seed(seed)`` (the deploy config's talker defaults)."""
+    model = monolithic()
+    prompt = thinker_prompt(
+        model.tokenizer, model.features, conversation("ref", json.dumps(messages), None, 16000)
+    )
+    extra: dict[str, Any] = {}
+    if prompt.input_features is not None:
+        extra = {
+            "input_features": prompt.input_features,
+            "feature_attention_mask": prompt.feature_attention_mask,
+        }
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        sequences, wav = model.generate(
+            input_ids=prompt.input_ids,
+            attention_mask=prompt.attention_mask,
+            thinker_max_new_tokens=max_tokens,
+            thinker_eos_token_id=model.config.im_end_token_id,
+            talker_max_new_tokens=TALKER_FRAMES,
+            talker_do_sample=True,
+            speaker="ethan",
+            **extra,
+        )
+    n = prompt.input_ids.shape[1]
+    text = model.tokenizer.decode(sequences[0, n:], skip_special_tokens=True)
+    pcm = np.frombuffer(media.pcm_bytes(wav.reshape(-1).numpy()), np.int16)
+    return text, pcm
+
+
+def wav_samples(data: bytes) -> np.ndarray:
+    with wave.open(io.BytesIO(data)) as w:
+        assert w.getframerate() == 24000 and w.getnchannels() == 1
+        return np.frombuffer(w.readframes(w.getnframes()), np.int16)
+
+
+def wav_b64(samples: np.ndarray, rate: int) -> str:
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes((samples * 32767).astype(np.int16).tobytes())
+    return base64.b64encode(out.getvalue()).decode()
+
+
+TONE = (np.sin(np.arange(22050) / 22050 * 2 * np.pi * 300) * 0.4).astype(np.float32)
+
+
+def audio_messages() -> list[dict[str, Any]]:
+    audio = {"data": wav_b64(TONE, 22050), "format": "wav"}
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_audio", "input_audio": audio},
+                {"type": "text", "text": "what is this sound?"},
+            ],
+        }
+    ]

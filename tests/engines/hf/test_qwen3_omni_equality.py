@@ -1,0 +1,327 @@
+"""qwen3-omni's three engines, run stage by stage in-process, against transformers' monolithic
+``Qwen3OmniMoeForConditionalGeneration.generate`` on the same tiny folder and prompt: the
+thinker's tokens, every codec code and the waveform's samples are equal (greedy; and with the
+talker sampled from the same seed), whole and streamed (chunk by chunk with context: codes
+equal, samples within float rounding), with audio input, with two streams interleaved step by
+step; bad inputs fail their request alone with a message naming what is wrong."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+import json
+import wave
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from omni_mesh.engines.base import EngineRequest, EngineResult, StageData, StageEngine
+from omni_mesh.engines.hf.folders import resolve_folder
+from omni_mesh.engines.hf.qwen3_omni_inputs import conversation, thinker_prompt
+from omni_mesh.engines.hf.qwen3_omni_processors import talker_to_code2wav, thinker_to_talker
+from tests.engines.helpers import make_engine
+
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.timeout(300),
+    # the monolithic talker's prompt is embeddings (its repetition penalty sees generated codes)
+    pytest.mark.filterwarnings("ignore:Passing `repetition_penalty`:UserWarning"),
+]
+
+FRAMES = 40  # talker max_frames: 39 frames of codes (the last sampled token has none)
+TOKENS = 12
+
+
+def wav_b64(samples: np.ndarray, rate: int) -> str:
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes((samples * 32767).astype(np.int16).tobytes())
+    return base64.b64encode(out.getvalue()).decode()
+
+
+TONE = (np.sin(np.arange(22050) / 22050 * 2 * np.pi * 300) * 0.4).astype(np.float32)
+AUDIO_MESSAGES = [
+    {
+        "role": "user",
+        "content": [
+            {"type": "input_audio", "input_audio": {"data": wav_b64(TONE, 22050), "format": "wav"}},
+            {"type": "text", "text": "what is this sound?"},
+        ],
+    }
+]
+TEXT_MESSAGES = [
+    {"role": "system", "content": "you are a helpful robot"},
+    {"role": "user", "content": "tell me a story about the quick brown fox"},
+]
+
+
+class Stages:
+    def __init__(self) -> None:
+        self.thinker = make_engine("qwen3-omni", 0)
+        self.greedy = make_engine("qwen3-omni", 1, do_sample=False, max_frames=FRAMES)
+        self.sampled = make_engine("qwen3-omni", 1, max_frames=FRAMES, chunk_frames=7)
+        self.code2wav = make_engine("qwen3-omni", 2)
+
+    def streaming(self, engine: StageEngine) -> StageEngine:
+        engine.ctx = dataclasses.replace(engine.ctx, async_chunk=True)
+        return engine
+
+
+@pytest.fixture(scope="module")
+def stages() -> Stages:
+    return Stages()
+
+
+@pytest.fixture(scope="module")
+def monolithic() -> Any:
+    from transformers import AutoFeatureExtractor, AutoTokenizer
+    from transformers import Qwen3OmniMoeForConditionalGeneration as Full
+
+    folder = str(resolve_folder("tiny-qwen3-omni"))
+    model = Full.from_pretrained(folder).eval()
+    model.tokenizer = AutoTokenizer.from_pretrained(folder)
+    model.features = AutoFeatureExtractor.from_pretrained(folder)
+    return model
+
+
+def one(engine: StageEngine, data: StageData, seed: int = 5) -> EngineResult:
+    (result,) = engine.execute([EngineRequest("r1", seed, data)])
+    assert result.error is None, result.error
+    return result
+
+
+def reference(
+    model: Any, messages: list[dict[str, Any]], *, sample_talker: bool, seed: int = 5
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Monolithic generate: (sequences, codes [F, G], waveform), the codes read off the talker's
+    forward outputs as generate itself collects them."""
+    prompt = thinker_prompt(
+        model.tokenizer, model.features, conversation("ref", json.dumps(messages), None, 16000)
+    )
+    codes: list[np.ndarray] = []
+
+    def grab(module: Any, args: Any, output: Any) -> None:
+        if output.hidden_states[1] is not None:
+            codes.append(output.hidden_states[1][0].numpy())
+
+    extra: dict[str, Any] = {}
+    if prompt.input_features is not None:
+        extra = {
+            "input_features": prompt.input_features,
+            "feature_attention_mask": prompt.feature_attention_mask,
+        }
+    hook = model.talker.register_forward_hook(grab)
+    try:
+        torch.manual_seed(seed)
+        with torch.inference_mode():
+            sequences, wav = model.generate(
+                input_ids=prompt.input_ids,
+                attention_mask=prompt.attention_mask,
+                thinker_max_new_tokens=TOKENS,
+                thinker_eos_token_id=model.config.im_end_token_id,
+                talker_max_new_tokens=FRAMES,
+                talker_do_sample=sample_talker,
+                speaker="ethan",
+                **extra,
+            )
+    finally:
+        hook.remove()
+    return sequences[0].numpy(), np.stack(codes), wav.reshape(-1).numpy()
+
+
+def chat(messages: list[dict[str, Any]], **fields: Any) -> StageData:
+    return StageData(fields={"messages": json.dumps(messages), "max_tokens": TOKENS, **fields})
+
+
+@pytest.mark.parametrize("messages", [TEXT_MESSAGES, AUDIO_MESSAGES], ids=["text", "audio"])
+def test_greedy_stages_equal_the_monolithic_model(
+    stages: Stages, monolithic: Any, messages: list[dict[str, Any]]
+) -> None:
+    sequences, codes, wav = reference(monolithic, messages, sample_talker=False)
+    thought = one(stages.thinker, chat(messages))
+    assert np.array_equal(thought.output.arrays["sequences"], sequences)
+    prompt_tokens = thought.output.fields["prompt_tokens"]
+    assert isinstance(prompt_tokens, int)
+    text = monolithic.tokenizer.decode(sequences[prompt_tokens:], skip_special_tokens=True)
+    assert thought.final is not None and thought.final.fields["text"] == text
+    spoken = one(stages.greedy, thinker_to_talker(thought.output))
+    assert spoken.output.arrays["codes"].shape == (FRAMES - 1, 4)
+    assert np.array_equal(spoken.output.arrays["codes"], codes)
+    audio = one(stages.code2wav, talker_to_code2wav(spoken.output))
+    assert audio.final is not None
+    assert np.array_equal(audio.final.arrays["waveform"], wav)  # bit for bit
+    assert len(wav) > 1920 * (FRAMES - 2)  # 80 ms of 24 kHz audio per frame
+
+
+def test_sampled_talker_equals_the_monolithic_model_with_the_same_seed(
+    stages: Stages, monolithic: Any
+) -> None:
+    sequences, codes, wav = reference(monolithic, TEXT_MESSAGES, sample_talker=True, seed=11)
+    thought = one(stages.thinker, chat(TEXT_MESSAGES), seed=11)
+    assert np.array_equal(thought.output.arrays["sequences"], sequences)
+    spoken = one(stages.sampled, thinker_to_talker(thought.output), seed=11)
+    assert np.array_equal(spoken.output.arrays["codes"], codes)
+    greedy = one(stages.greedy, thinker_to_talker(thought.output))
+    assert not np.array_equal(greedy.output.arrays["codes"], codes)  # sampling did something
+    other = one(stages.sampled, thinker_to_talker(thought.output), seed=12)
+    assert not np.array_equal(other.output.arrays["codes"], codes)
+    audio = one(stages.code2wav, talker_to_code2wav(spoken.output))
+    assert audio.final is not None and np.array_equal(audio.final.arrays["waveform"], wav)
+
+
+def test_sampled_thinker_equals_its_generate_with_the_same_seed(
+    stages: Stages, monolithic: Any
+) -> None:
+    from omni_mesh.data_plane.messages import SamplingParams
+
+    prompt = thinker_prompt(
+        monolithic.tokenizer,
+        monolithic.features,
+        conversation("ref", json.dumps(TEXT_MESSAGES), None, 16000),
+    )
+    torch.manual_seed(21)
+    with torch.inference_mode():
+        expected = monolithic.thinker.generate(
+            input_ids=prompt.input_ids,
+            attention_mask=prompt.attention_mask,
+            max_new_tokens=TOKENS,
+            eos_token_id=monolithic.config.im_end_token_id,
+            do_sample=True,
+            temperature=1.3,
+            top_p=1.0,
+            top_k=0,
+        )
+    sampling = SamplingParams(temperature=1.3)
+    (result,) = stages.thinker.execute([EngineRequest("r", 21, chat(TEXT_MESSAGES), sampling)])
+    assert result.error is None
+    assert np.array_equal(result.output.arrays["sequences"], expected[0].numpy())
+    (again,) = stages.thinker.execute([EngineRequest("r", 22, chat(TEXT_MESSAGES), sampling)])
+    assert not np.array_equal(again.output.arrays["sequences"], expected[0].numpy())
+
+
+def chunks_of(engine: StageEngine, data: StageData, seed: int) -> Iterator[EngineResult]:
+    (stream,) = engine.open([EngineRequest("r1", seed, data)])
+    for result in stream:
+        assert result is not None and result.error is None
+        yield result
+
+
+def test_streamed_codes_and_audio_equal_the_whole(stages: Stages, monolithic: Any) -> None:
+    _, codes, wav = reference(monolithic, AUDIO_MESSAGES, sample_talker=True, seed=11)
+    thought = one(stages.thinker, chat(AUDIO_MESSAGES), seed=11)
+    talker = stages.streaming(stages.sampled)
+    chunks = list(chunks_of(talker, thinker_to_talker(thought.output), 11))
+    assert [c.last for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert len(chunks) == -(-(FRAMES - 1) // 7)  # 7 frames a chunk
+    assert np.array_equal(np.concatenate([c.output.arrays["codes"] for c in chunks]), codes)
+    assert "context_codes" not in chunks[0].output.arrays
+    assert chunks[-1].output.arrays["context_codes"].shape == (25, 4)  # code2wav's left context
+    pieces = [
+        one(stages.code2wav, talker_to_code2wav(c.output)).final.arrays["waveform"]  # type: ignore[union-attr]
+        for c in chunks
+    ]
+    streamed = np.concatenate(pieces)
+    assert streamed.shape == wav.shape
+    assert float(np.abs(streamed - wav).max()) < 1e-6
+
+
+def test_interleaved_streams_give_what_each_gives_alone(stages: Stages) -> None:
+    thought = one(stages.thinker, chat(TEXT_MESSAGES))
+    data = thinker_to_talker(thought.output)
+    talker = stages.streaming(stages.sampled)
+    alone = {seed: one(talker, data, seed).output.arrays["codes"] for seed in (1, 2)}
+    streams = talker.open([EngineRequest("a", 1, data), EngineRequest("b", 2, data)])
+    got: dict[int, list[np.ndarray]] = {1: [], 2: []}
+    open_streams = dict(zip((1, 2), streams, strict=True))
+    while open_streams:  # one chunk of each in turn, as the core advances its streams
+        for seed, stream in list(open_streams.items()):
+            result = next(stream)
+            assert result is not None and result.error is None
+            got[seed].append(result.output.arrays["codes"])
+            if result.last:
+                del open_streams[seed]
+    for seed in (1, 2):
+        assert np.array_equal(np.concatenate(got[seed]), alone[seed])
+    assert not np.array_equal(alone[1], alone[2])
+
+
+def test_a_closed_stream_stops_its_generation(stages: Stages) -> None:
+    thought = one(stages.thinker, chat(TEXT_MESSAGES))
+    talker = stages.streaming(stages.sampled)
+    (stream,) = talker.open([EngineRequest("r", 3, thinker_to_talker(thought.output))])
+    first = next(stream)
+    assert first is not None and not first.last
+    stream.close()  # type: ignore[attr-defined]  # the core closes aborted streams
+    again = one(talker, thinker_to_talker(thought.output), 3)  # the engine serves on
+    assert np.array_equal(again.output.arrays["codes"][:7], first.output.arrays["codes"])
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"prompt": "hi", "voice": "alloy"}, "unknown voice 'alloy'; allowed: default, aiden"),
+        ({"messages": "not json"}, "field 'messages' is not JSON"),
+        (
+            {"messages": json.dumps([{"role": "robot", "content": "x"}])},
+            "messages[0]: needs a role",
+        ),
+        (
+            {
+                "messages": json.dumps(
+                    [{"role": "user", "content": [{"type": "input_audio",
+                                                   "input_audio": {"data": "@@"}}]}]
+                )
+            },
+            "messages[0].content[0]: input_audio data is not base64",
+        ),
+        (
+            {
+                "messages": json.dumps(
+                    [{"role": "user", "content": [{"type": "input_audio",
+                                                   "input_audio": {"data": "aGVsbG8="}}]}]
+                )
+            },
+            "input_audio is not a PCM WAV file",
+        ),
+        ({"prompt": "hi", "max_tokens": 5000}, "this stage generates at most 1024"),
+    ],
+)  # fmt: skip
+def test_bad_thinker_input_fails_alone(
+    stages: Stages, fields: dict[str, Any], message: str
+) -> None:
+    good = EngineRequest("good", 1, StageData(fields={"prompt": "hello", "max_tokens": 3}))
+    bad = EngineRequest("bad", 1, StageData(fields=fields))
+    results = {r.request_id: r for r in stages.thinker.execute([bad, good])}
+    assert results["good"].error is None
+    error = results["bad"].error
+    assert error is not None and message in error and "thinker" in error
+
+
+def test_bad_codes_fail_alone(stages: Stages) -> None:
+    codes = np.zeros((5, 4), np.int64)
+    bad = [
+        (StageData(arrays={"codes": np.zeros((5, 3), np.int64)}), "must have shape (F, 4)"),
+        (StageData(arrays={"codes": codes + 64}), "must hold codes in [0, 64)"),
+        (StageData(arrays={"codes": codes.astype(np.int32)}), "must be int64"),
+        (StageData(), "array 'codes' is required"),
+    ]
+    for data, message in bad:
+        (result,) = stages.code2wav.execute([EngineRequest("r", 1, data)])
+        assert result.error is not None and message in result.error
+    ok = one(stages.code2wav, StageData(arrays={"codes": codes}))
+    assert ok.final is not None and ok.final.arrays["waveform"].dtype == np.float32
+
+
+def test_bad_talker_input_names_the_array(stages: Stages) -> None:
+    thought = one(stages.thinker, chat(TEXT_MESSAGES))
+    data = thinker_to_talker(thought.output)
+    del data.arrays["thinker_hidden"]
+    (result,) = stages.greedy.execute([EngineRequest("r", 1, data)])
+    assert result.error is not None and "array 'thinker_hidden' is required" in result.error

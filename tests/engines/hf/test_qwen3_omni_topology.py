@@ -1,0 +1,136 @@
+"""qwen3-omni served 1:2:1 (stage pods over shared memory, ``async_chunk`` on: the talker streams
+codes to code2wav) through the official ``openai`` SDK: chat with text and audio out (and audio
+in) equals transformers' monolithic ``generate`` for the same seed (the text exactly, every PCM16
+sample within one step of rounding: the streamed decode differs from the whole one by ~1e-14);
+speech streams its first audio before the answer ends; a kill -9 of a talker engine mid-request
+is replayed on the other talker with the same bytes."""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+
+from omni_mesh.configs.loader import bundled_deploy_path
+from tests.engines.hf.omni_reference import audio_messages, expected, wav_samples
+from tests.procs import wait_until
+from tests.sidecar.topology import Topology, engine_pid
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.timeout(300),
+    pytest.mark.filterwarnings("ignore:Passing `repetition_penalty`:UserWarning"),
+]
+
+PIPELINE = "qwen3-omni"
+TEXT = [{"role": "user", "content": "tell me a story about a small robot"}]
+
+
+@pytest.fixture(scope="module")
+def topo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
+    log_dir = tmp_path_factory.mktemp("qwen3-omni")
+    config = ["--deploy-config", str(bundled_deploy_path(PIPELINE))]
+    top = Topology(PIPELINE, [1, 2, 1], log_dir, extra_stage_args=config)
+    try:
+        top.start()
+        for stage_id, count in enumerate(top.replicas):
+            top.wait_discovered(stage_id, count, timeout=120)
+        yield top
+    finally:
+        top.close()
+
+
+def client(topo: Topology) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{topo.api_url}/v1", api_key="none", max_retries=0)
+
+
+def chat(topo: Topology, messages: list[dict[str, Any]], seed: int, max_tokens: int = 8) -> Any:
+    out = client(topo).chat.completions.create(
+        model=PIPELINE,
+        messages=messages,  # type: ignore[arg-type]
+        modalities=["text", "audio"],
+        audio={"voice": "ethan", "format": "wav"},
+        seed=seed,
+        max_tokens=max_tokens,
+    )
+    message = out.choices[0].message
+    assert message.audio is not None
+    return message.content, wav_samples(base64.b64decode(message.audio.data))
+
+
+def assert_same_audio(got: np.ndarray, want: np.ndarray) -> None:
+    assert got.shape == want.shape
+    assert int(np.abs(got.astype(np.int32) - want.astype(np.int32)).max()) <= 1
+
+
+@pytest.mark.parametrize("audio_in", [False, True], ids=["text-in", "audio-in"])
+def test_chat_equals_the_monolithic_model(topo: Topology, audio_in: bool) -> None:
+    messages = audio_messages() if audio_in else TEXT
+    text, samples = chat(topo, messages, seed=7)
+    want_text, want_samples = expected(messages, seed=7, max_tokens=8)
+    assert text == want_text
+    assert_same_audio(samples, want_samples)
+    assert len(samples) > 1920 * 60  # 63 frames of 80 ms
+
+
+def test_speech_streams_before_the_answer_ends(topo: Topology) -> None:
+    started = time.perf_counter()
+    firsts: list[float] = []
+    data = b""
+    with client(topo).audio.speech.with_streaming_response.create(
+        model=PIPELINE, input="say something", voice="ethan", response_format="pcm"
+    ) as resp:
+        for piece in resp.iter_bytes():
+            firsts.append(time.perf_counter() - started)
+            data += piece
+    total = time.perf_counter() - started
+    assert len(data) > 1920 * 2 * 60
+    assert firsts[0] < total * 0.8, (firsts[0], total)  # audio before the whole answer
+    with pytest.raises(openai.BadRequestError, match="unknown voice 'alloy'"):
+        client(topo).audio.speech.create(model=PIPELINE, input="hi", voice="alloy")
+
+
+def test_kill_9_of_a_talker_engine_mid_request_is_replayed(topo: Topology) -> None:
+    seeds = [31, 32, 33, 34]
+    want = {seed: expected(TEXT, seed, max_tokens=8) for seed in seeds}
+    results: dict[int, Any] = {}
+    (thinker_url,) = topo.urls[0]
+    retries_before = topo.metric(thinker_url, "omni_stage_hop_retries_total")
+
+    def run(seed: int) -> None:
+        try:
+            results[seed] = chat(topo, TEXT, seed)
+        except Exception as exc:  # reported below
+            results[seed] = exc
+
+    threads = [threading.Thread(target=run, args=(seed,)) for seed in seeds]
+    for t in threads:
+        t.start()
+    talkers = list(zip(topo.stages[1], topo.urls[1], strict=True))
+    victim: list[int] = []
+
+    def busy_talker() -> bool:
+        for proc, url in talkers:
+            if topo.metric(url, "omni_stage_in_flight") >= 1:
+                victim.append(engine_pid(proc))
+                return True
+        return False
+
+    wait_until(busy_talker, 60, interval=0.01)
+    os.kill(victim[0], signal.SIGKILL)
+    for t in threads:
+        t.join(180)
+    for seed in seeds:
+        got = results[seed]
+        assert not isinstance(got, Exception), got
+        assert got[0] == want[seed][0]
+        assert_same_audio(got[1], want[seed][1])
+    assert topo.metric(thinker_url, "omni_stage_hop_retries_total") > retries_before
