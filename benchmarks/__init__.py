@@ -16,6 +16,7 @@ the same run. Every process a benchmark starts is stopped at its end, also on er
 | autoscale | :mod:`benchmarks.autoscale` | omni-up autoscaling: step + square wave, cold start |
 | overload | :mod:`benchmarks.overload` | past capacity: closed/open loop, fairness, shedding |
 | vllm | :mod:`benchmarks.vllm` | a tiny-llm vLLM stage vs vllm serve; tiny-omni-vllm first audio |
+| omni | :mod:`benchmarks.omni` | qwen3-omni streamed speech vs transformers' whole model |
 """
 
 NAMES = (
@@ -28,4 +29,5 @@ NAMES = (
     "autoscale",
     "overload",
     "vllm",
+    "omni",
 )
