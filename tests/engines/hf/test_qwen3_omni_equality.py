@@ -7,11 +7,8 @@ step; bad inputs fail their request alone with a message naming what is wrong.""
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import io
 import json
-import wave
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,10 +17,11 @@ import pytest
 import torch
 
 from omni_mesh.engines.base import EngineRequest, EngineResult, StageData, StageEngine
-from omni_mesh.engines.hf.folders import resolve_folder
 from omni_mesh.engines.hf.qwen3_omni_inputs import conversation, thinker_prompt
 from omni_mesh.engines.hf.qwen3_omni_processors import talker_to_code2wav, thinker_to_talker
 from tests.engines.helpers import make_engine
+from tests.engines.hf import omni_reference
+from tests.engines.hf.omni_reference import audio_messages
 
 pytestmark = [
     pytest.mark.unit,
@@ -36,26 +34,7 @@ FRAMES = 40  # talker max_frames: 39 frames of codes (the last sampled token has
 TOKENS = 12
 
 
-def wav_b64(samples: np.ndarray, rate: int) -> str:
-    out = io.BytesIO()
-    with wave.open(out, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes((samples * 32767).astype(np.int16).tobytes())
-    return base64.b64encode(out.getvalue()).decode()
-
-
-TONE = (np.sin(np.arange(22050) / 22050 * 2 * np.pi * 300) * 0.4).astype(np.float32)
-AUDIO_MESSAGES = [
-    {
-        "role": "user",
-        "content": [
-            {"type": "input_audio", "input_audio": {"data": wav_b64(TONE, 22050), "format": "wav"}},
-            {"type": "text", "text": "what is this sound?"},
-        ],
-    }
-]
+AUDIO_MESSAGES = audio_messages()
 TEXT_MESSAGES = [
     {"role": "system", "content": "you are a helpful robot"},
     {"role": "user", "content": "tell me a story about the quick brown fox"},
@@ -81,14 +60,7 @@ def stages() -> Stages:
 
 @pytest.fixture(scope="module")
 def monolithic() -> Any:
-    from transformers import AutoFeatureExtractor, AutoTokenizer
-    from transformers import Qwen3OmniMoeForConditionalGeneration as Full
-
-    folder = str(resolve_folder("tiny-qwen3-omni"))
-    model = Full.from_pretrained(folder).eval()
-    model.tokenizer = AutoTokenizer.from_pretrained(folder)
-    model.features = AutoFeatureExtractor.from_pretrained(folder)
-    return model
+    return omni_reference.monolithic()
 
 
 def one(engine: StageEngine, data: StageData, seed: int = 5) -> EngineResult:
