@@ -40,8 +40,8 @@ from openai import AsyncOpenAI
 from benchmarks.common import Options, Report
 from benchmarks.fabric import http_json
 from benchmarks.measure import (
+    CLK_TCK,
     Target,
-    cpu_seconds,
     descendants,
     machine_busy_seconds,
     md_table,
@@ -90,6 +90,7 @@ class Phase:
     concurrency: int
     wall_s: float = 0.0
     answers: list[Answer] = field(default_factory=list)
+    server_cores: float = float("nan")  # CPU used by the server's process tree
     foreign_cores: float = float("nan")  # CPU used by processes not of this benchmark
 
     def first(self, q: float) -> float:
@@ -123,21 +124,44 @@ def foreign_cores(busy_s: float, own_s: float, wall_s: float) -> float:
     return max(0.0, busy_s - own_s) / wall_s if wall_s > 0 else float("nan")
 
 
+def stat_cpu_seconds(stat: str, clock_ticks: int = CLK_TCK) -> float:
+    """utime + stime of a ``/proc/PID/stat`` line: the whole process, its exited threads
+    included (an engine's per-step threads are gone before a per-thread reading sees them)."""
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / clock_ticks
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """CPU time of process ``pid`` so far (0 when it is gone)."""
+    try:
+        return stat_cpu_seconds(Path(f"/proc/{pid}/stat").read_text())
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 class CpuWatch:
     """This process's and a server tree's CPU time, and the whole machine's busy time."""
 
     def __init__(self, root_pid: int) -> None:
         self.root_pid = root_pid
         self.busy0 = machine_busy_seconds()
-        self.own0 = self.own()
+        self.client0 = self.client()
+        self.server0 = self.server()
 
-    def own(self) -> float:
+    def client(self) -> float:
         t = os.times()
-        tree = [self.root_pid, *descendants(self.root_pid)]
-        return t.user + t.system + sum(cpu_seconds(p) for p in tree)
+        return t.user + t.system
 
-    def foreign(self, wall_s: float) -> float:
-        return foreign_cores(machine_busy_seconds() - self.busy0, self.own() - self.own0, wall_s)
+    def server(self) -> float:
+        tree = [self.root_pid, *descendants(self.root_pid)]
+        return sum(process_cpu_seconds(p) for p in tree)
+
+    def stop(self, wall_s: float) -> tuple[float, float]:
+        """(cores the server tree used, cores other processes used) over ``wall_s``."""
+        server = self.server() - self.server0
+        own = server + self.client() - self.client0
+        busy = machine_busy_seconds() - self.busy0
+        return ratio(server, wall_s), foreign_cores(busy, own, wall_s)
 
 
 def prompt(i: int) -> str:
@@ -187,7 +211,7 @@ async def load(url: str, system: str, concurrency: int, requests: int, server_pi
         t0 = time.monotonic()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         phase.wall_s = time.monotonic() - t0
-        phase.foreign_cores = watch.foreign(phase.wall_s)
+        phase.server_cores, phase.foreign_cores = watch.stop(phase.wall_s)
     finally:
         await client.close()
     logger.info(
@@ -298,12 +322,13 @@ def tables(report: Report, phases: list[Phase], threads: int) -> None:
     rows = [
         [p.system, str(p.concurrency), str(len(p.answers)), _ms(p.first(50)), _ms(p.first(99)),
          _ms(p.total(50)), _ms(p.total(99)), f"{p.audio_per_s:.2f}", f"{p.rtf:.3f}",
-         f"{p.audio_s:.2f}", f"{p.foreign_cores:.2f}"]
+         f"{p.audio_s:.2f}", f"{p.server_cores:.2f}", f"{p.foreign_cores:.2f}"]
         for p in phases
     ]  # fmt: skip
     head = ["system", "concurrency", "requests", "first audio byte p50 ms",
             "first audio byte p99 ms", "whole answer p50 ms", "whole answer p99 ms",
-            "audio s / wall s", "RTF p50", "audio s per answer", "other load, cores"]  # fmt: skip
+            "audio s / wall s", "RTF p50", "audio s per answer", "server CPU, cores",
+            "other load, cores"]  # fmt: skip
     report.add(
         md_table(head, rows, title="qwen3-omni (tiny-qwen3-omni), streamed /v1/audio/speech, PCM")
     )
@@ -362,8 +387,11 @@ def _notes(report: Report, threads: int) -> None:
         "for being identical to one-at-a-time answers (sampling is on)."
     )
     report.notes.append(
-        "'other load, cores': CPU the machine spent on processes that are neither the client "
-        "nor the server under test while the phase was measured (/proc/stat busy time minus "
+        "'server CPU, cores': CPU time of the server's whole process tree (omni-up and every "
+        "process under it; the monolithic server process) per wall second of the phase, from "
+        "/proc/PID/stat (exited threads included). 'other load, cores': CPU the machine spent "
+        "on processes that are neither the client nor the server under test while the phase "
+        "was measured (/proc/stat busy time minus "
         "the client's and the server process tree's CPU time, per wall second). The phases run "
         "one after the other, so a phase with more of it had fewer of the 2 cores; the ratios "
         "of the targets are only as fair as those figures are alike."

@@ -18,6 +18,7 @@ from benchmarks.omni import (
     best_mono,
     foreign_cores,
     pcm_seconds,
+    stat_cpu_seconds,
 )
 from benchmarks.omni_mono import Job, left_pad, take_batch, waveforms
 
@@ -48,6 +49,12 @@ def test_foreign_cores_is_the_rest_of_the_busy_time_per_second() -> None:
     assert foreign_cores(busy_s=3.0, own_s=1.0, wall_s=2.0) == pytest.approx(1.0)
     assert foreign_cores(busy_s=1.0, own_s=1.5, wall_s=2.0) == 0.0  # never negative
     assert math.isnan(foreign_cores(1.0, 0.0, 0.0))
+
+
+def test_stat_cpu_seconds_reads_utime_and_stime() -> None:
+    # pid (comm with a ") " inside) state ppid ... utime (field 14) stime (field 15)
+    line = "42 (python3 (x) y) S 1 42 42 0 -1 4194304 100 0 0 0 250 50 0 0 20 0 9 0 7"
+    assert stat_cpu_seconds(line, clock_ticks=100) == pytest.approx(3.0)
 
 
 def _phase(system: str, concurrency: int, total: float, wall: float) -> Phase:
