@@ -13,8 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import shutil
 import signal
 import sys
+import tempfile
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
@@ -134,6 +137,10 @@ class EngineClient:
         self.stats = Stats(queued=0, running=0, batch_size=0, step_ms=0.0, steps=0)
         self.engine_pid: int | None = None
         self.engine_prefix: str | None = None
+        # The engine's own temp folder ($TMPDIR of its process): whatever it (or a library in
+        # it: vLLM's vllm_dist_* files, torch's compile caches) leaves in it goes when it ends,
+        # however it ends.
+        self.engine_tmp: str | None = None
         self._proc: asyncio.subprocess.Process | None = None
         self._chan: AsyncChannel | None = None
         self._pending: dict[str, _Work] = {}  # by transfer key
@@ -170,9 +177,18 @@ class EngineClient:
             self.log_level,
             *(["--async-chunk"] if self.async_chunk else []),
         ]
-        self._proc = await asyncio.create_subprocess_exec(
-            *argv, pass_fds=(child_sock.fileno(),), preexec_fn=die_with_parent(signal.SIGTERM)
-        )
+        self.engine_tmp = tempfile.mkdtemp(prefix=f"omni-engine-s{self.stage_id}-")
+        tmp = {"TMPDIR": self.engine_tmp, "TMP": self.engine_tmp, "TEMP": self.engine_tmp}
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *argv,
+                pass_fds=(child_sock.fileno(),),
+                preexec_fn=die_with_parent(signal.SIGTERM),
+                env={**os.environ, **tmp},
+            )
+        except BaseException:
+            self._remove_tmp()
+            raise
         child_sock.close()
         self.engine_pid = self._proc.pid
         self._chan = await AsyncChannel.open(parent_sock)
@@ -241,6 +257,8 @@ class EngineClient:
                 await task
         self._fail_all("engine stopped")
         self._release_shm()
+        if self._proc is not None and self._proc.returncode is not None:
+            self._remove_tmp()
         if self._chan is not None:
             await self._chan.close()
 
@@ -249,6 +267,13 @@ class EngineClient:
             self._proc.kill()
             await self._proc.wait()
         self._release_shm()
+        self._remove_tmp()
+
+    def _remove_tmp(self) -> None:
+        """Remove the engine's temp folder (once its process has ended)."""
+        if self.engine_tmp is not None:
+            shutil.rmtree(self.engine_tmp, ignore_errors=True)
+            self.engine_tmp = None
 
     def _release_shm(self) -> None:
         self.arena.close()
@@ -261,6 +286,7 @@ class EngineClient:
     async def _watch_process(self) -> None:
         assert self._proc is not None
         code = await self._proc.wait()
+        self._remove_tmp()
         if not self._stopping:
             self._died(f"engine process exited with code {code}")
 

@@ -82,22 +82,40 @@ def _post(url: str, body: object, *, timeout_s: float) -> tuple[int, bytes]:
         return err.code, err.read()
 
 
+def _engine_tmp(pid: int) -> Path:
+    """The temp folder the sidecar gave engine ``pid`` ($TMPDIR in its environment)."""
+    env = dict(
+        item.split("=", 1)
+        for item in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+        if "=" in item
+    )
+    tmp = Path(env["TMPDIR"])
+    assert tmp.is_dir() and tmp.name.startswith("omni-engine-s1-"), tmp
+    return tmp
+
+
 def _engine_death_and_sigterm_drain(topo: Topology) -> None:
     """Of the two stage-1 replicas, one loses its engine (kill -9) and leaves the pool; the
     other gets SIGTERM and drains; stage 0 still answers."""
     topo.wait_discovered(1, 2)
     dying, draining = topo.stages[1]
-    # kill -9 of an engine: its sidecar notices within a second, leaves, exits non-zero.
+    # kill -9 of an engine: its sidecar notices within a second, leaves, exits non-zero, and
+    # removes the engine's own temp folder with what the engine left in it.
     pid = engine_pid(dying)
+    dying_tmp = _engine_tmp(pid)
+    (dying_tmp / "vllm_dist_leftover").write_text("x")
     os.kill(pid, signal.SIGKILL)
     assert dying.wait(timeout=5) != 0
+    assert not dying_tmp.exists()
     topo.wait_discovered(1, 1, timeout=4.0)
-    # SIGTERM: leave the pool first, then exit 0 with the engine gone.
+    # SIGTERM: leave the pool first, then exit 0 with the engine gone (and its temp folder).
     engine = engine_pid(draining)
+    draining_tmp = _engine_tmp(engine)
     draining.send_signal(signal.SIGTERM)
     assert draining.wait(timeout=30) == 0
     wait_gone(engine, 10)
     assert not pid_alive(engine)
+    assert not draining_tmp.exists()
     assert topo.discovered(1) == []
     # The rest of the pipeline is fine: stage 0 answers /v1/run.
     status, _ = post_json(
