@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from omni_mesh.data_plane.messages import Scalar
-from omni_mesh.engines.base import EngineRequest, EngineResult, StageData
+from omni_mesh.engines.base import EngineConfigError, EngineRequest, EngineResult, StageData
 from omni_mesh.engines.hf.common import load_part, model_folder, parameter_count, seeded_rng
 from omni_mesh.engines.hf.qwen3_omni_talker_prompt import TalkerPrompt, talker_prompt
 from omni_mesh.engines.hf.qwen3_omni_thinker import DEFAULT_MODEL
@@ -82,7 +82,12 @@ class Qwen3OmniTalkerEngine(ReferenceEngine[TalkerInput]):
         self.chunk_frames = extra_int(ctx, "chunk_frames", 10, 1, 4096)
         self.context_frames = extra_int(ctx, "context_frames", 25, 0, 4096)
         do_sample = ctx.config.engine_extras.get("do_sample", True)
-        self.sampling: dict[str, Any] = {"do_sample": bool(do_sample)}
+        if not isinstance(do_sample, bool):
+            raise EngineConfigError(
+                f"stage {ctx.stage.name!r} ({ctx.pipeline.name}): engine_extras.do_sample must "
+                f"be true or false, got {do_sample!r}"
+            )
+        self.sampling: dict[str, Any] = {"do_sample": do_sample}
         if do_sample:
             self.sampling.update(
                 temperature=extra_float(ctx, "temperature", 0.9, 0.01, 10.0),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-from omni_mesh.engines.base import EngineRequest, EngineResult, StageData, StageEngine
+from omni_mesh.engines.base import (
+    EngineConfigError,
+    EngineRequest,
+    EngineResult,
+    StageData,
+    StageEngine,
+)
 from omni_mesh.engines.hf.qwen3_omni_inputs import conversation, thinker_prompt
 from omni_mesh.engines.hf.qwen3_omni_processors import talker_to_code2wav, thinker_to_talker
 from tests.engines.helpers import make_engine
@@ -297,3 +304,19 @@ def test_bad_talker_input_names_the_array(stages: Stages) -> None:
     del data.arrays["thinker_hidden"]
     (result,) = stages.greedy.execute([EngineRequest("r", 1, data)])
     assert result.error is not None and "array 'thinker_hidden' is required" in result.error
+
+
+@pytest.mark.parametrize(
+    ("stage", "extras", "message"),
+    [
+        (0, {"model": "/no/such/folder"}, "neither a tiny model"),
+        (1, {"do_sample": "yes"}, "engine_extras.do_sample must be true or false"),
+        (1, {"chunk_frames": 0}, "engine_extras.chunk_frames must be an integer in [1, 4096]"),
+        (2, {"model": 7}, "engine_extras.model must be a model name or folder"),
+    ],
+)
+def test_bad_engine_settings_are_config_errors(
+    stage: int, extras: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(EngineConfigError, match=re.escape(message)):
+        make_engine("qwen3-omni", stage, **extras)
