@@ -96,13 +96,16 @@ class EngineResult:
     ``output`` feeds the downstream stages (through their processors); ``final`` is this
     stage's contribution to the client's answer (only for stages with a ``final_output``);
     ``error`` makes it a failed request (as data: the engine keeps serving). In a stream,
-    ``last=False`` says more chunks follow for this request."""
+    ``last=False`` says more chunks follow for this request; ``forward=False`` keeps a chunk
+    for the client alone (no next-stage input: ``engines/core.py``), and a last result is
+    always forwarded."""
 
     request_id: str
     output: StageData = field(default_factory=StageData)
     final: StageData | None = None
     error: str | None = None
     last: bool = True
+    forward: bool = True
 
 
 @dataclass(frozen=True)

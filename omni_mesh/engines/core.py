@@ -15,7 +15,10 @@ every running stream by one chunk. Chunk numbering rule:
 * a *chunk* of an upstream stream gets exactly one output, with the input's ``chunk`` and
   ``last`` (an engine result with ``last=False`` for it is an ``engine_error``);
 * every next-stage input built from output chunk c carries ``chunk=c`` and the output's
-  ``last``.
+  ``last``; except that a result with ``forward=False`` (a chunk for the client alone: a
+  thinker's text as it is generated, its whole output on the last result) builds no next-stage
+  input, and the next stages number the forwarded chunks among themselves (0, 1, …): a stream
+  that forwards only its last result hands the next stage one whole input.
 
 A stream that stops without a ``last`` result, or raises in ``next()``, fails its request alone
 (``engine_error``); an error output always ends the stream. Running streams whose deadline
@@ -75,6 +78,7 @@ class _Stream:
     results: Iterator[EngineResult | None]  # None: nothing this step (the engine batches itself)
     queue_ms: float  # the input's wait before admission, reported on its first output
     emitted: int = 0  # results turned into outputs so far
+    forwarded: int = 0  # of which built next-stage inputs (``EngineResult.forward``)
 
     @property
     def whole(self) -> bool:
@@ -291,8 +295,13 @@ class EngineCore:
         chunk, last = (stream.emitted, result.last) if stream.whole else (si.chunk, si.last)
         queue_ms = stream.queue_ms if stream.emitted == 0 else 0.0
         stream.emitted += 1
+        forward = result.forward or last or result.error is not None
+        next_chunk = stream.forwarded if stream.whole else si.chunk
+        stream.forwarded += forward
         try:
-            return self._to_output(si, result, write, engine_ms, queue_ms, chunk, last)
+            return self._to_output(
+                si, result, write, engine_ms, queue_ms, chunk, last, next_chunk if forward else None
+            )
         except OutputCapacityError as exc:
             return self._error(si, "unavailable", str(exc), chunk)
 
@@ -326,7 +335,10 @@ class EngineCore:
         queue_ms: float,
         chunk: int,
         last: bool,
+        next_chunk: int | None,
     ) -> StageOutput:
+        """``result`` as the output numbered ``chunk``; its next-stage inputs carry
+        ``next_chunk`` (None: the result builds none)."""
         if result.error is not None:
             return self._error(si, "bad_input", result.error, chunk)
         owner = transfer_key(si)  # the sidecar releases the slots by the work's key
@@ -345,7 +357,8 @@ class EngineCore:
 
         final = payload(result.final) if result.final is not None else None
         nexts = []
-        for spec in self.downstream:
+        for spec in self.downstream if next_chunk is not None else ():
+            assert next_chunk is not None
             processor = self._processors[spec.stage_id]
             try:
                 data = processor(result.output) if processor is not None else result.output
@@ -365,7 +378,7 @@ class EngineCore:
                     request_id=si.request_id,
                     stage_id=spec.stage_id,
                     from_stage=self.stage.stage_id,
-                    chunk=chunk,
+                    chunk=next_chunk,
                     last=last,
                     attempt=0,
                     deadline_ms=si.deadline_ms,

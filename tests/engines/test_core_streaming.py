@@ -37,8 +37,9 @@ FAR_FUTURE_MS = int((time.time() + 3600) * 1000)
 class ChunkyEngine(StageEngine):
     """Streams ``fields["chunks"]`` results for a whole input (``fields["per_chunk"]``, default
     1, for a chunk of an upstream stream), one per ``next()``. ``raise_at`` / ``stop_at`` make
-    the stream raise, or stop without a last result, at that result index. Records the closed
-    streams and the size of every step."""
+    the stream raise, or stop without a last result, at that result index; ``hold`` is a bit
+    mask of the result indexes given ``forward=False`` (for the client alone). Records the
+    closed streams and the size of every step."""
 
     def __init__(self, ctx: EngineContext) -> None:
         super().__init__(ctx)
@@ -69,7 +70,12 @@ class ChunkyEngine(StageEngine):
                     return
                 data = np.full(8, 10 * request.chunk + i, dtype=np.uint8)
                 output = StageData(fields={"i": i}, arrays={"data": data})
-                yield EngineResult(request.request_id, output=output, last=i == n - 1)
+                hold_mask = fields.get("hold", 0)
+                assert isinstance(hold_mask, int)
+                hold = bool(hold_mask >> i & 1)
+                yield EngineResult(
+                    request.request_id, output=output, last=i == n - 1, forward=not hold
+                )
         finally:
             self.closed.append(request.request_id)
 
@@ -145,6 +151,20 @@ def test_a_whole_input_streams_one_chunk_per_step() -> None:
         assert nxt.payload.fields == {"i": c}
         assert array_from_tensor(nxt.payload.tensors["data"]).tolist() == [c] * 8
     assert engine.closed == ["a"] and engine.steps == [1, 1, 1]
+
+
+def test_held_chunks_build_no_next_input_and_the_next_stage_numbers_its_own() -> None:
+    # Results 0 and 2 are for the client alone (a thinker's text); 1 and 3 go on, numbered
+    # 0 and 1 for the next stage; the output chunks keep their own numbers.
+    core, _ = chunky_core()
+    outs = [step(core, si("a", chunks=4, hold=0b0101))] + [step(core) for _ in range(3)]
+    assert [shape(o) for o in outs] == [[("a", c, c == 3)] for c in range(4)]
+    nexts = [[(n.chunk, n.last, n.payload.fields["i"]) for n in out.next] for (out,) in outs]
+    assert nexts == [[], [(0, False, 1)], [], [(1, True, 3)]]
+    # Holding every result but the last hands the next stage one whole input.
+    core, _ = chunky_core()
+    outs = [step(core, si("b", chunks=3, hold=0b111))] + [step(core) for _ in range(2)]
+    assert [[(n.chunk, n.last) for n in out.next] for (out,) in outs] == [[], [], [(0, True)]]
 
 
 def test_new_requests_join_the_running_streams() -> None:

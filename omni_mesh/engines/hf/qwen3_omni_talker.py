@@ -24,8 +24,8 @@ Output: array ``codes`` int64 [F, G] (frame-major), fields ``num_frames``, ``fra
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,7 +37,7 @@ from omni_mesh.engines.hf.common import load_part, model_folder, parameter_count
 from omni_mesh.engines.hf.qwen3_omni_talker_prompt import TalkerPrompt, talker_prompt
 from omni_mesh.engines.hf.qwen3_omni_thinker import DEFAULT_MODEL
 from omni_mesh.engines.hf.speakers import speaker_name
-from omni_mesh.engines.hf.stepped import CheckpointStreamer, SteppedCall
+from omni_mesh.engines.hf.stepped import CheckpointStreamer, SteppedCall, TurnState, take_turn
 from omni_mesh.engines.reference.common import ReferenceEngine, extra_float, extra_int
 
 MAX_POSITIONS = 1 << 16
@@ -55,15 +55,6 @@ class TalkerInput:
     special: np.ndarray
     speaker_id: int
     audio_lengths: np.ndarray | None
-
-
-@dataclass
-class _Turns:
-    """What one request's generation keeps between turns (module docstring)."""
-
-    rng: torch.Tensor
-    rope_deltas: Any = None
-    frames: list[np.ndarray] = field(default_factory=list)
 
 
 class Qwen3OmniTalkerEngine(ReferenceEngine[TalkerInput]):
@@ -187,8 +178,8 @@ class Qwen3OmniTalkerEngine(ReferenceEngine[TalkerInput]):
     def run_chunks(
         self, request: EngineRequest, inputs: TalkerInput, generator: torch.Generator
     ) -> Iterator[EngineResult]:
-        with seeded_rng(request.seed):
-            turns = _Turns(rng=torch.get_rng_state())
+        state = TurnState.start(request.seed, ("rope_deltas",))
+        frames: list[np.ndarray] = []
         prompt = self._prompt(inputs)
         call = SteppedCall(
             lambda checkpoint: self._generate(prompt, streamer=CheckpointStreamer(checkpoint)),
@@ -198,29 +189,19 @@ class Qwen3OmniTalkerEngine(ReferenceEngine[TalkerInput]):
         try:
             done = False
             while not done:
-                done = self._turn(call, turns, sent + self.chunk_frames)
-                new = turns.frames[sent:]
+                goal = sent + self.chunk_frames
+                self._capture = frames
+                try:
+                    done = take_turn(call, state, self.model, _reached(frames, goal))
+                finally:
+                    self._capture = None
+                new = frames[sent:]
                 if not new and not done:
                     continue
-                yield self._chunk(request, turns.frames, sent, new, done)
+                yield self._chunk(request, frames, sent, new, done)
                 sent += len(new)
         finally:
             call.close()
-
-    def _turn(self, call: SteppedCall, turns: _Turns, frames: int) -> bool:
-        """Run a request's generation until it has ``frames`` frames (or ends), with its own RNG
-        and rope_deltas swapped in; True when it ended."""
-        saved = torch.get_rng_state()
-        torch.set_rng_state(turns.rng)
-        self.model.rope_deltas = turns.rope_deltas
-        self._capture = turns.frames
-        try:
-            return call.advance(lambda: len(turns.frames) >= frames)
-        finally:
-            self._capture = None
-            turns.rope_deltas = self.model.rope_deltas
-            turns.rng = torch.get_rng_state()
-            torch.set_rng_state(saved)
 
     def _chunk(
         self,
@@ -240,3 +221,7 @@ class Qwen3OmniTalkerEngine(ReferenceEngine[TalkerInput]):
         return EngineResult(
             request.request_id, output=StageData(fields=fields, arrays=arrays), last=last
         )
+
+
+def _reached(frames: list[np.ndarray], goal: int) -> Callable[[], bool]:
+    return lambda: len(frames) >= goal

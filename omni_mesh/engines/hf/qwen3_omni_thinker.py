@@ -15,7 +15,13 @@ speaker of the folder's talker config, checked here so a bad one costs no comput
 states of ``talker_config.accept_hidden_layer`` of every position the thinker ran),
 ``tts_special`` float32 [3, D] (the input embeddings of tts_bos, tts_eos, tts_pad) and, with
 audio, ``audio_feature_lengths`` int64 [A]; fields ``prompt_tokens`` (P), ``generated_tokens``
-(N), ``voice``, ``text``. Final: ``text`` (special tokens dropped).
+(N), ``voice``, ``text``. Final: ``text`` (special tokens dropped), ``finish_reason`` (stop:
+``<|im_end|>``, else length), ``prompt_tokens``, ``completion_tokens``.
+
+Streaming (``async_chunk``): the text goes to the client as it is generated, every
+``engine_extras.chunk_tokens`` tokens (default 1), in results with ``forward=False`` (for the
+client alone: the talker needs the whole answer's hidden states, it gets them with the last
+result as one whole input). The chunks' texts concatenated are the whole text.
 
 Why not vLLM: vLLM's ``qwen3_omni_moe_thinker`` returns tokens, not the per-layer hidden
 states and input embeddings the talker conditions on; handing those out needs a model class
@@ -24,6 +30,8 @@ registered through vLLM's plugin mechanism that returns them (a follow-up).
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,9 +42,12 @@ from omni_mesh.engines.base import EngineRequest, EngineResult, StageData
 from omni_mesh.engines.hf.common import load_part, model_folder, parameter_count, seeded_rng
 from omni_mesh.engines.hf.qwen3_omni_inputs import ThinkerPrompt, conversation, thinker_prompt
 from omni_mesh.engines.hf.speakers import speaker_name
+from omni_mesh.engines.hf.stepped import CheckpointStreamer, SteppedCall, TurnState, take_turn
 from omni_mesh.engines.reference.common import ReferenceEngine, extra_int
 
 DEFAULT_MODEL = "tiny-qwen3-omni"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -60,6 +71,7 @@ class Qwen3OmniThinkerEngine(ReferenceEngine[ThinkerInput]):
 
         self.max_tokens = extra_int(self.ctx, "max_tokens", 64, 1, 8192)
         self.max_tokens_limit = extra_int(self.ctx, "max_tokens_limit", 1024, 1, 32768)
+        self.chunk_tokens = extra_int(self.ctx, "chunk_tokens", 1, 1, 4096)
         folder = model_folder(self.ctx, DEFAULT_MODEL)
         self.config = Qwen3OmniMoeConfig.from_pretrained(str(folder))
         self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -105,23 +117,66 @@ class Qwen3OmniThinkerEngine(ReferenceEngine[ThinkerInput]):
     def run(
         self, request: EngineRequest, inputs: ThinkerInput, generator: torch.Generator
     ) -> EngineResult:
+        with seeded_rng(request.seed):
+            return self._result(request, inputs, self._generate(inputs))
+
+    def run_chunks(
+        self, request: EngineRequest, inputs: ThinkerInput, generator: torch.Generator
+    ) -> Iterator[EngineResult]:
+        """The answer's text every ``chunk_tokens`` tokens, for the client alone (no next-stage
+        input), then the whole output: the talker gets one whole input (module docstring)."""
+        state = TurnState.start(request.seed, ("rope_deltas",))
+        tokens: list[int] = []
+        call = SteppedCall(
+            lambda checkpoint: self._generate(
+                inputs, streamer=CheckpointStreamer(checkpoint, tokens.append)
+            ),
+            name=f"thinker-{request.request_id}",
+        )
+        sent = ""
+        try:
+            while not take_turn(call, state, self.model, _reached(tokens, self.chunk_tokens)):
+                text = self._stable_text(tokens)
+                if len(text) > len(sent):
+                    delta = StageData(fields={"text": text[len(sent) :]})
+                    yield EngineResult(request.request_id, final=delta, last=False, forward=False)
+                    sent = text
+            result = self._result(request, inputs, call.result)
+        finally:
+            call.close()
+        assert result.final is not None
+        text = str(result.final.fields["text"])
+        if not text.startswith(sent):  # a decode that changed its past: should not happen
+            logger.warning("streamed text is not a prefix request_id=%s", request.request_id)
+        result.final.fields["text"] = text[len(sent) :]
+        yield result
+
+    def _stable_text(self, tokens: list[int]) -> str:
+        """The text of ``tokens`` that later tokens cannot change (no trailing partial
+        UTF-8 character)."""
+        return str(self.tokenizer.decode(tokens, skip_special_tokens=True)).rstrip("\ufffd")
+
+    def _generate(self, inputs: ThinkerInput, **extra: Any) -> Any:
         prompt = inputs.prompt
         kwargs: dict[str, Any] = {}
         if prompt.input_features is not None:
             kwargs["input_features"] = prompt.input_features
             kwargs["feature_attention_mask"] = prompt.feature_attention_mask
-        with seeded_rng(request.seed):
-            result = self.model.generate(
-                input_ids=prompt.input_ids,
-                attention_mask=prompt.attention_mask,
-                max_new_tokens=inputs.max_tokens,
-                eos_token_id=self.config.im_end_token_id,
-                use_audio_in_video=False,
-                output_hidden_states=True,
-                return_dict_in_generate=True,
-                **inputs.sampling,
-                **kwargs,
-            )
+        return self.model.generate(
+            input_ids=prompt.input_ids,
+            attention_mask=prompt.attention_mask,
+            max_new_tokens=inputs.max_tokens,
+            eos_token_id=self.config.im_end_token_id,
+            use_audio_in_video=False,
+            output_hidden_states=True,
+            return_dict_in_generate=True,
+            **inputs.sampling,
+            **kwargs,
+            **extra,
+        )
+
+    def _result(self, request: EngineRequest, inputs: ThinkerInput, result: Any) -> EngineResult:
+        prompt = inputs.prompt
         layer = self.config.talker_config.accept_hidden_layer
         embed = torch.cat([h[0] for h in result.hidden_states], dim=1)[0]
         hidden = torch.cat([h[layer] for h in result.hidden_states], dim=1)[0]
@@ -134,7 +189,9 @@ class Qwen3OmniThinkerEngine(ReferenceEngine[ThinkerInput]):
         )
         sequences = result.sequences[0]
         prompt_tokens = int(prompt.input_ids.shape[1])
-        text = self.tokenizer.decode(sequences[prompt_tokens:], skip_special_tokens=True)
+        generated = sequences[prompt_tokens:]
+        text = self.tokenizer.decode(generated, skip_special_tokens=True)
+        stopped = len(generated) and int(generated[-1]) == self.config.im_end_token_id
         arrays = {
             "sequences": sequences.numpy().astype(np.int64),
             "thinker_embed": _f32(embed),
@@ -149,11 +206,19 @@ class Qwen3OmniThinkerEngine(ReferenceEngine[ThinkerInput]):
                 "text": text,
                 "voice": inputs.voice,
                 "prompt_tokens": prompt_tokens,
-                "generated_tokens": int(len(sequences) - prompt_tokens),
+                "generated_tokens": len(generated),
             },
             arrays=arrays,
         )
-        return EngineResult(request.request_id, output=output, final=StageData({"text": text}))
+        final = StageData(
+            {
+                "text": text,
+                "finish_reason": "stop" if stopped else "length",
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": len(generated),
+            }
+        )
+        return EngineResult(request.request_id, output=output, final=final)
 
 
 def _sampling(request: EngineRequest) -> dict[str, Any]:
@@ -165,6 +230,12 @@ def _sampling(request: EngineRequest) -> dict[str, Any]:
     kwargs["top_p"] = sampling.top_p if sampling.top_p is not None else 1.0
     kwargs["top_k"] = sampling.top_k if sampling.top_k else 0
     return kwargs
+
+
+def _reached(tokens: list[int], step: int) -> Callable[[], bool]:
+    """True once ``step`` more tokens than now have been generated."""
+    goal = len(tokens) + step
+    return lambda: len(tokens) >= goal
 
 
 def _f32(t: torch.Tensor) -> np.ndarray:

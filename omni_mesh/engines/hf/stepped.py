@@ -15,10 +15,13 @@ unwinds ``generate``, and the thread is joined.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from omni_mesh.engines.hf.common import seeded_rng
 
 
 class Cancelled(Exception):
@@ -90,17 +93,55 @@ class SteppedCall:
 
 
 class CheckpointStreamer:
-    """A generate() streamer that calls ``checkpoint`` after each new token (not the prompt)."""
+    """A generate() streamer that calls ``checkpoint`` after each new token (not the prompt),
+    after handing the token to ``on_token`` when given."""
 
-    def __init__(self, checkpoint: Callable[[], None]) -> None:
+    def __init__(
+        self, checkpoint: Callable[[], None], on_token: Callable[[int], None] | None = None
+    ) -> None:
         self._checkpoint = checkpoint
+        self._on_token = on_token
         self._seen_prompt = False
 
     def put(self, value: Any) -> None:
         if not self._seen_prompt:
             self._seen_prompt = True
             return
+        if self._on_token is not None:
+            self._on_token(int(value.reshape(-1)[0]))
         self._checkpoint()
 
     def end(self) -> None:
         pass
+
+
+@dataclass
+class TurnState:
+    """What one request's generation keeps between its turns: its torch RNG state and the model
+    attributes ``generate()`` leaves on the module for the next step (``rope_deltas``)."""
+
+    rng: torch.Tensor
+    attrs: dict[str, Any]
+
+    @classmethod
+    def start(cls, seed: int, names: Sequence[str]) -> TurnState:
+        """A fresh state: the RNG as ``torch.manual_seed(seed)`` leaves it, attributes None."""
+        with seeded_rng(seed):
+            rng = torch.get_rng_state()
+        return cls(rng, dict.fromkeys(names))
+
+
+def take_turn(call: SteppedCall, state: TurnState, model: Any, until: Callable[[], bool]) -> bool:
+    """``call.advance(until)`` with the request's RNG and model attributes swapped in (and the
+    caller's put back after); True when the call has returned."""
+    saved = torch.get_rng_state()
+    torch.set_rng_state(state.rng)
+    for name, value in state.attrs.items():
+        setattr(model, name, value)
+    try:
+        return call.advance(until)
+    finally:
+        for name in state.attrs:
+            state.attrs[name] = getattr(model, name)
+        state.rng = torch.get_rng_state()
+        torch.set_rng_state(saved)

@@ -211,6 +211,25 @@ def test_streamed_codes_and_audio_equal_the_whole(stages: Stages, monolithic: An
     assert float(np.abs(streamed - wav).max()) < 1e-6
 
 
+def test_streamed_text_comes_token_by_token_and_the_talker_gets_the_whole(
+    stages: Stages,
+) -> None:
+    whole = one(stages.thinker, chat(AUDIO_MESSAGES))
+    thinker = make_engine("qwen3-omni", 0)
+    thinker.ctx = dataclasses.replace(thinker.ctx, async_chunk=True)
+    chunks = list(chunks_of(thinker, chat(AUDIO_MESSAGES), 5))
+    assert len(chunks) > 3
+    assert all(not c.forward and not c.last and not c.output.arrays for c in chunks[:-1])
+    assert chunks[-1].last and chunks[-1].forward
+    texts = [str(c.final.fields["text"]) for c in chunks if c.final is not None]
+    assert whole.final is not None and "".join(texts) == whole.final.fields["text"]
+    for name, arr in whole.output.arrays.items():
+        assert np.array_equal(chunks[-1].output.arrays[name], arr), name
+    assert chunks[-1].final is not None
+    assert chunks[-1].final.fields["completion_tokens"] == TOKENS
+    assert chunks[-1].final.fields["finish_reason"] in ("stop", "length")
+
+
 def test_interleaved_streams_give_what_each_gives_alone(stages: Stages) -> None:
     thought = one(stages.thinker, chat(TEXT_MESSAGES))
     data = thinker_to_talker(thought.output)

@@ -81,6 +81,40 @@ def test_chat_equals_the_monolithic_model(topo: Topology, audio_in: bool) -> Non
     assert len(samples) > 1920 * 60  # 63 frames of 80 ms
 
 
+def test_streamed_chat_sends_text_token_by_token_then_audio(topo: Topology) -> None:
+    text, samples = chat(topo, TEXT, seed=9)
+    events = list(
+        client(topo).chat.completions.create(
+            model=PIPELINE,
+            messages=TEXT,  # type: ignore[arg-type]
+            modalities=["text", "audio"],
+            audio={"voice": "ethan", "format": "pcm16"},
+            seed=9,
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    kinds: list[str] = []
+    texts: list[str] = []
+    pcm = b""
+    for event in events:
+        for choice in event.choices:
+            audio = choice.delta.audio
+            if audio is not None and audio.data:
+                kinds.append("audio")
+                pcm += base64.b64decode(audio.data)
+            elif choice.delta.content:
+                kinds.append("text")
+                texts.append(choice.delta.content)
+    assert "".join(texts) == text
+    assert kinds.count("text") > 3  # token by token (a tiny vocabulary: a few bytes each)
+    assert kinds.index("audio") > kinds.index("text")
+    assert kinds.count("audio") > 3  # every decoded chunk
+    assert_same_audio(np.frombuffer(pcm, np.int16), samples)
+    assert events[-1].usage is not None and events[-1].usage.completion_tokens == 8
+
+
 def test_speech_streams_before_the_answer_ends(topo: Topology) -> None:
     started = time.perf_counter()
     firsts: list[float] = []
