@@ -54,20 +54,19 @@ def _stat_fields(pid: int) -> list[str] | None:
 
 
 def cpu_seconds(pid: int) -> float:
-    """CPU time of one process's live threads (not its children), in ns resolution from
-    schedstat; falls back to the clock-tick utime + stime of /proc/PID/stat."""
+    """CPU time of one process (not its children): its live threads' schedstat (ns
+    resolution), or the clock-tick utime + stime of /proc/PID/stat when that is more: the
+    latter also counts threads that have exited (an engine that runs each request's
+    ``generate`` in a thread of its own)."""
+    fields = _stat_fields(pid)
+    ticks = 0.0 if fields is None else (int(fields[11]) + int(fields[12])) / CLK_TCK
     total = 0
     try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-        for task in tasks:
+        for task in Path(f"/proc/{pid}/task").iterdir():
             total += int((task / "schedstat").read_text().split()[0])
-        return total / 1e9
     except (OSError, IndexError, ValueError):
-        pass
-    fields = _stat_fields(pid)
-    if fields is None:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+        return ticks
+    return max(total / 1e9, ticks)
 
 
 def sched_wait_seconds(pid: int) -> float:
