@@ -193,3 +193,23 @@ QWEN3_OMNI = register_pipeline(
         ),
     )
 )
+
+CSM_TTS = register_pipeline(
+    PipelineSpec(
+        name="csm-tts",
+        description="CSM text to speech: talker (backbone + depth decoder) -> code2wav (Mimi "
+        "decoder) (tiny-csm by default; engine_extras.model).",
+        prompt_fields=("seed", "voice", "max_tokens"),
+        stages=(
+            StageSpec(stage_id=0, name="talker", engine=f"{_HF}.csm_talker:CsmTalkerEngine"),
+            StageSpec(
+                stage_id=1,
+                name="code2wav",
+                engine=f"{_HF}.csm_code2wav:CsmCode2WavEngine",
+                sources=(0,),
+                processor=f"{_HF}.csm_processors:talker_to_code2wav",
+                final_output=OutputKind.AUDIO,
+            ),
+        ),
+    )
+)

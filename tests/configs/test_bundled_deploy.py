@@ -22,7 +22,9 @@ BUNDLED = (
     "synthetic",
     "synthetic-diamond",
     "qwen3-omni",
+    "csm-tts",
 )
+HF_MODELS = {"qwen3-omni": "tiny-qwen3-omni", "csm-tts": "tiny-csm"}  # transformers pipelines
 VLLM_BUNDLED = ("tiny-llm", "tiny-omni-vllm")  # tests/configs/test_vllm_stage_fields.py
 
 
@@ -45,8 +47,8 @@ def test_bundled_yaml_loads(name: str) -> None:
     for s in cfg.stages:
         assert s.devices is None  # CPU reference engines
         assert "max_num_seqs" in _raw_stage(name, s.stage_id)
-        if name == "qwen3-omni":  # every stage loads its part of the same folder
-            assert s.engine_extras["model"] == "tiny-qwen3-omni"
+        if name in HF_MODELS:  # every stage loads its part of the same folder
+            assert s.engine_extras["model"] == HF_MODELS[name]
         else:
             assert s.engine_extras == {}
 

@@ -1,0 +1,296 @@
+"""csm-tts stage 0, the talker: CSM's backbone with its depth decoder, on transformers.
+
+Each step the Llama backbone picks codebook 0 of a frame and the depth decoder the other
+``num_codebooks - 1`` codebooks, all inside ``CsmForConditionalGeneration.generate``, called as a
+user of the monolithic model calls it (the prompt through the folder's ``CsmProcessor`` chat
+template, ``<|begin_of_text|>[speaker]text<|end_of_text|>``), only without ``output_audio``: the
+Mimi codec is the next stage's. The stage loads the checkpoint's backbone, depth decoder, text
+embedding and head, and leaves the ``codec_model.*`` tensors unread.
+
+Sampling: the folder's generation config (``do_sample``, ``temperature``, ``top_k`` and their
+``depth_decoder_*`` twins, as a plain ``generate()`` uses them); ``engine_extras`` ``do_sample``,
+``temperature``, ``top_k`` override both models alike. They are passed to every call: CSM's
+``generate`` writes ``depth_decoder_*`` arguments into the depth decoder's own generation config,
+where they would outlive the call. Each request samples from its own RNG stream seeded by its
+seed (``common.seeded_rng``), as ``torch.manual_seed(seed)`` before the monolithic ``generate``.
+``max_frames`` (default 256, 20.5 s at 12.5 frames/s) caps a request's frames; the request's
+``max_tokens`` (at most ``max_frames``) lowers the cap. An utterance ends at CSM's end frame (every
+codebook ``codebook_eos_token_id``), which is not part of the output, as the monolithic decode
+cuts the codes there.
+
+Input fields: ``prompt`` (the text to speak, UTF-8, at most ``max_prompt_bytes``, default 4096),
+``voice`` (a CSM speaker id ``"0"`` … ``"N-1"``, N = ``engine_extras.speakers``, default 2;
+``default`` is speaker 0; anything else is a 400 listing the allowed voices), ``max_tokens``.
+
+Streaming (``async_chunk``, whole input): the generation runs in a :class:`SteppedCall` and
+yields every ``engine_extras.chunk_frames`` frames (default 10) the new frames' ``codes`` with
+the ``context_codes`` (up to ``context_frames``, default 25: the codec's left context) before
+them. Streams of several requests take turns frame by frame, each with its own KV cache; the
+torch RNG is swapped per request around each turn, so a request's codes do not depend on what
+else runs.
+
+Output: array ``codes`` int64 [F, G] (frame-major), fields ``num_frames``, ``frame_offset``;
+``context_codes`` int64 [M, G] on every chunk but the first.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from omni_mesh.data_plane.messages import Scalar
+from omni_mesh.engines.base import EngineConfigError, EngineRequest, EngineResult, StageData
+from omni_mesh.engines.hf.common import model_folder, parameter_count, seeded_rng
+from omni_mesh.engines.hf.stepped import SteppedCall
+from omni_mesh.engines.reference.common import (
+    DEFAULT_MAX_PROMPT_BYTES,
+    FieldReader,
+    ReferenceEngine,
+    extra_float,
+    extra_int,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "tiny-csm"
+DEFAULT_SPEAKERS = 2
+
+
+@dataclass
+class TalkerInput:
+    input_ids: np.ndarray  # [T] int64: the chat-templated prompt
+    speaker: int
+    frames: int  # this request's cap on frames (max_new_tokens)
+
+
+@dataclass
+class _Turns:
+    """What one request's generation keeps between turns (module docstring)."""
+
+    rng: torch.Tensor
+    frames: list[np.ndarray] = field(default_factory=list)
+
+
+class _FrameStreamer:
+    """A generate() streamer that keeps each new frame (not the prompt, not the end frame) and
+    then calls ``checkpoint``."""
+
+    def __init__(self, frames: list[np.ndarray], eos: int, checkpoint: Callable[[], None]):
+        self._frames = frames
+        self._eos = eos
+        self._checkpoint = checkpoint
+        self._seen_prompt = False
+        self._ended = False
+
+    def put(self, value: Any) -> None:
+        if not self._seen_prompt:
+            self._seen_prompt = True
+            return
+        frame = value[0].numpy().astype(np.int64)
+        if not self._ended:
+            if bool((frame == self._eos).all()):
+                self._ended = True
+            else:
+                self._frames.append(frame)
+        self._checkpoint()
+
+    def end(self) -> None:
+        pass
+
+
+def spoken_frames(codes: np.ndarray, eos: int) -> np.ndarray:
+    """``codes`` [F, G] up to (not including) the first end frame, as CSM's decode cuts them."""
+    ends = np.flatnonzero((codes == eos).all(axis=1))
+    return codes[: int(ends[0])] if len(ends) else codes
+
+
+@cache
+def talker_class() -> Any:
+    """``CsmForConditionalGeneration`` without its codec: the talker's part of the folder."""
+    from transformers import CsmForConditionalGeneration
+
+    class CsmTalkerForConditionalGeneration(CsmForConditionalGeneration):  # type: ignore[misc]
+        _keys_to_ignore_on_load_unexpected = [r"^codec_model\."]
+
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            del self.codec_model  # built empty (meta) by from_pretrained; never loaded
+
+    return CsmTalkerForConditionalGeneration
+
+
+def load_talker(folder: Path) -> Any:
+    """The backbone, depth decoder, text embedding and head of the CSM checkpoint in folder."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # not the table of the codec's tensors, left unread
+    try:
+        model, info = talker_class().from_pretrained(str(folder), output_loading_info=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if info["missing_keys"]:
+        missing = sorted(info["missing_keys"])
+        raise EngineConfigError(f"CSM folder {str(folder)!r} lacks talker tensors {missing[:3]}")
+    model.eval()
+    return model
+
+
+class CsmTalkerEngine(ReferenceEngine[TalkerInput]):
+    """CSM's backbone + depth decoder (module docstring)."""
+
+    model: Any
+
+    def build(self, seed: int) -> int:
+        from transformers import AutoProcessor
+
+        ctx = self.ctx
+        self.max_frames = extra_int(ctx, "max_frames", 256, 1, 1 << 15)
+        self.chunk_frames = extra_int(ctx, "chunk_frames", 10, 1, 4096)
+        self.context_frames = extra_int(ctx, "context_frames", 25, 0, 4096)
+        self.speakers = extra_int(ctx, "speakers", DEFAULT_SPEAKERS, 1, 1 << 16)
+        self.max_prompt_bytes = extra_int(
+            ctx, "max_prompt_bytes", DEFAULT_MAX_PROMPT_BYTES, 1, 1 << 20
+        )
+        folder = model_folder(ctx, DEFAULT_MODEL)
+        self.model = load_talker(folder)
+        self.processor = AutoProcessor.from_pretrained(str(folder))
+        self.config = self.model.config
+        self.eos = int(self.config.codebook_eos_token_id)
+        self.sampling = self._sampling()
+        return parameter_count(self.model)
+
+    def _sampling(self) -> dict[str, Any]:
+        """Every sampling argument of generate(), backbone and depth decoder (module docstring)."""
+        ctx = self.ctx
+        extras = ctx.config.engine_extras
+        out: dict[str, Any] = {}
+        for prefix, gen in (
+            ("", self.model.generation_config),
+            ("depth_decoder_", self.model.depth_decoder.generation_config),
+        ):
+            do_sample = extras.get("do_sample", bool(gen.do_sample))
+            if not isinstance(do_sample, bool):
+                raise EngineConfigError(
+                    f"stage {ctx.stage.name!r} ({ctx.pipeline.name}): engine_extras.do_sample "
+                    f"must be true or false, got {do_sample!r}"
+                )
+            out[f"{prefix}do_sample"] = do_sample
+            if do_sample:
+                temperature = gen.temperature if gen.temperature is not None else 1.0
+                top_k = gen.top_k if gen.top_k is not None else 50
+                out[f"{prefix}temperature"] = extra_float(
+                    ctx, "temperature", float(temperature), 0.01, 10.0
+                )
+                out[f"{prefix}top_k"] = extra_int(ctx, "top_k", int(top_k), 0, 1 << 20)
+        return out
+
+    def parse(self, request: EngineRequest) -> TalkerInput:
+        fields = self.reader(request)
+        text = fields.prompt_bytes("prompt", self.max_prompt_bytes).decode("utf-8")
+        speaker = self._speaker(fields)
+        frames = fields.optional_int("max_tokens", self.max_frames, 1, self.max_frames)
+        assert frames is not None
+        conversation = [{"role": str(speaker), "content": [{"type": "text", "text": text}]}]
+        ids = self.processor.apply_chat_template(conversation, tokenize=True, return_dict=True)
+        input_ids = np.asarray(ids["input_ids"][0], dtype=np.int64)
+        limit = int(self.config.max_position_embeddings)
+        if len(input_ids) + frames > limit:
+            raise fields.error(
+                "field",
+                "prompt",
+                f"is {len(input_ids)} tokens; with {frames} frames that is over the model's "
+                f"{limit} positions",
+            )
+        return TalkerInput(input_ids, speaker, frames)
+
+    def _speaker(self, fields: FieldReader) -> int:
+        voice = fields.optional_str("voice", "default").strip().lower()
+        if voice == "default":
+            return 0
+        if voice.isdigit() and int(voice) < self.speakers:
+            return int(voice)
+        allowed = ", ".join(["default", *(str(i) for i in range(min(self.speakers, 8)))])
+        if self.speakers > 8:
+            allowed += f", … {self.speakers - 1}"
+        raise fields.error("field", "voice", f"names unknown voice {voice!r}; allowed: {allowed}")
+
+    def _generate(self, inputs: TalkerInput, **extra: Any) -> Any:
+        ids = torch.from_numpy(np.array(inputs.input_ids))[None]
+        return self.model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=inputs.frames,
+            **self.sampling,
+            **extra,
+        )
+
+    def run(
+        self, request: EngineRequest, inputs: TalkerInput, generator: torch.Generator
+    ) -> EngineResult:
+        with seeded_rng(request.seed):
+            sequences = self._generate(inputs)
+        codes = spoken_frames(sequences[0].numpy().astype(np.int64), self.eos)
+        fields: dict[str, Scalar] = {"num_frames": len(codes), "frame_offset": 0}
+        return EngineResult(request.request_id, StageData(fields=fields, arrays={"codes": codes}))
+
+    def run_chunks(
+        self, request: EngineRequest, inputs: TalkerInput, generator: torch.Generator
+    ) -> Iterator[EngineResult]:
+        with seeded_rng(request.seed):
+            turns = _Turns(rng=torch.get_rng_state())
+        call = SteppedCall(
+            lambda checkpoint: self._generate(
+                inputs, streamer=_FrameStreamer(turns.frames, self.eos, checkpoint)
+            ),
+            name=f"csm-talker-{request.request_id}",
+        )
+        sent = 0
+        try:
+            done = False
+            while not done:
+                done = self._turn(call, turns, sent + self.chunk_frames)
+                new = turns.frames[sent:]
+                if not new and not done:
+                    continue
+                yield self._chunk(request, turns.frames, sent, new, done)
+                sent += len(new)
+        finally:
+            call.close()
+
+    def _turn(self, call: SteppedCall, turns: _Turns, frames: int) -> bool:
+        """Run a request's generation until it has ``frames`` frames (or ends), with its own RNG
+        swapped in; True when it ended."""
+        saved = torch.get_rng_state()
+        torch.set_rng_state(turns.rng)
+        try:
+            return call.advance(lambda: len(turns.frames) >= frames)
+        finally:
+            turns.rng = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+    def _chunk(
+        self,
+        request: EngineRequest,
+        frames: list[np.ndarray],
+        sent: int,
+        new: list[np.ndarray],
+        last: bool,
+    ) -> EngineResult:
+        g = int(self.config.num_codebooks)
+        codes = np.stack(new) if new else np.zeros((0, g), np.int64)
+        arrays = {"codes": codes}
+        context = min(self.context_frames, sent)
+        if context:
+            arrays["context_codes"] = np.stack(frames[sent - context : sent])
+        fields: dict[str, Scalar] = {"num_frames": len(new), "frame_offset": sent}
+        return EngineResult(
+            request.request_id, output=StageData(fields=fields, arrays=arrays), last=last
+        )

@@ -1,0 +1,202 @@
+"""csm-tts's two engines, run stage by stage in-process, against transformers' monolithic
+``CsmForConditionalGeneration.generate(..., output_audio=True)`` on the same tiny folder and
+prompt: every codec code and every waveform sample are equal (greedy; and sampled from the same
+seed), whole and streamed (chunk by chunk with context: codes equal, samples within float
+rounding), with two streams interleaved frame by frame; bad inputs fail their request alone
+with a message naming what is wrong."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from omni_mesh.engines.base import EngineRequest, EngineResult, StageData, StageEngine
+from omni_mesh.engines.hf.csm_processors import talker_to_code2wav
+from tests.engines.helpers import make_engine
+from tests.engines.hf import csm_reference
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
+
+FRAMES = 24  # talker max_frames: an utterance of 24 frames (1.92 s), tiny-csm never ends early
+CHUNK = 8
+CONTEXT = 12  # < the 16 frames before the third chunk: its context is cut
+HOP = 1920  # samples per frame (24 kHz, 12.5 frames/s)
+TEXT = "the quick brown fox jumps over the lazy dog"
+
+
+class Stages:
+    def __init__(self) -> None:
+        self.greedy = make_engine("csm-tts", 0, do_sample=False, max_frames=FRAMES)
+        self.sampled = make_engine(
+            "csm-tts", 0, max_frames=FRAMES, chunk_frames=CHUNK, context_frames=CONTEXT
+        )
+        self.code2wav = make_engine("csm-tts", 1)
+
+    def streaming(self, engine: StageEngine) -> StageEngine:
+        engine.ctx = dataclasses.replace(engine.ctx, async_chunk=True)
+        return engine
+
+
+@pytest.fixture(scope="module")
+def stages() -> Stages:
+    return Stages()
+
+
+@pytest.fixture(scope="module")
+def sampled_reference() -> tuple[np.ndarray, np.ndarray]:
+    return csm_reference.generate(TEXT, speaker=1, seed=11, frames=FRAMES, sampled=True)
+
+
+def speak(text: str = TEXT, **fields: Any) -> StageData:
+    return StageData(fields={"prompt": text, **fields})
+
+
+def one(engine: StageEngine, data: StageData, seed: int = 5, **kw: Any) -> EngineResult:
+    (result,) = engine.execute([EngineRequest("r1", seed, data, **kw)])
+    assert result.error is None, result.error
+    return result
+
+
+def waveform(result: EngineResult) -> np.ndarray:
+    assert result.final is not None and result.final.fields["sample_rate"] == 24000
+    wave: np.ndarray = result.final.arrays["waveform"]
+    return wave
+
+
+def test_greedy_stages_equal_the_monolithic_model(stages: Stages) -> None:
+    codes, wav = csm_reference.generate(TEXT, speaker=0, seed=5, frames=FRAMES, sampled=False)
+    spoken = one(stages.greedy, speak(voice="default"))
+    assert spoken.output.arrays["codes"].shape == (FRAMES, 8)
+    assert np.array_equal(spoken.output.arrays["codes"], codes)
+    audio = one(stages.code2wav, talker_to_code2wav(spoken.output))
+    assert np.array_equal(waveform(audio), wav)  # bit for bit
+    assert wav.shape == (FRAMES * HOP,) and wav.dtype == np.float32
+    assert 0.05 < float(np.abs(wav).max()) < 1.0  # audible, not clipped
+    other = one(stages.greedy, speak(voice="1"))  # the speaker id is part of the prompt
+    assert not np.array_equal(other.output.arrays["codes"], codes)
+
+
+def test_sampled_talker_equals_the_monolithic_model_with_the_same_seed(
+    stages: Stages, sampled_reference: tuple[np.ndarray, np.ndarray]
+) -> None:
+    codes, wav = sampled_reference
+    spoken = one(stages.sampled, speak(voice="1"), seed=11)
+    assert np.array_equal(spoken.output.arrays["codes"], codes)
+    other = one(stages.sampled, speak(voice="1"), seed=12)
+    assert not np.array_equal(other.output.arrays["codes"], codes)
+    greedy = one(stages.greedy, speak(voice="1"), seed=11)
+    assert not np.array_equal(greedy.output.arrays["codes"], codes)  # sampling did something
+    audio = one(stages.code2wav, talker_to_code2wav(spoken.output))
+    assert np.array_equal(waveform(audio), wav)
+
+
+def chunks_of(engine: StageEngine, data: StageData, seed: int) -> Iterator[EngineResult]:
+    (stream,) = engine.open([EngineRequest("r1", seed, data)])
+    for result in stream:
+        assert result is not None and result.error is None
+        yield result
+
+
+def test_streamed_codes_and_audio_equal_the_whole(
+    stages: Stages, sampled_reference: tuple[np.ndarray, np.ndarray]
+) -> None:
+    codes, wav = sampled_reference
+    talker = stages.streaming(stages.sampled)
+    chunks = list(chunks_of(talker, speak(voice="1"), 11))
+    sizes = [c.output.arrays["codes"].shape[0] for c in chunks]
+    assert sizes == [CHUNK, CHUNK, CHUNK, 0]  # the end of the generation comes after its frames
+    assert [c.last for c in chunks] == [False, False, False, True]
+    assert [c.output.fields["frame_offset"] for c in chunks] == [0, 8, 16, 24]
+    assert np.array_equal(np.concatenate([c.output.arrays["codes"] for c in chunks]), codes)
+    assert "context_codes" not in chunks[0].output.arrays
+    assert chunks[1].output.arrays["context_codes"].shape == (CHUNK, 8)  # the whole history
+    assert chunks[2].output.arrays["context_codes"].shape == (CONTEXT, 8)  # cut to CONTEXT
+    pieces = []
+    for i, chunk in enumerate(chunks):  # as the core hands code2wav the talker's chunks
+        data = talker_to_code2wav(chunk.output)
+        pieces.append(waveform(one(stages.code2wav, data, chunk=i, last=chunk.last)))
+    assert [len(p) for p in pieces] == [CHUNK * HOP] * 3 + [0]
+    streamed = np.concatenate(pieces)
+    assert streamed.shape == wav.shape
+    assert float(np.abs(streamed - wav).max()) < 1e-6
+
+
+def test_interleaved_streams_give_what_each_gives_alone(stages: Stages) -> None:
+    data = speak("hello there", max_tokens=10)
+    talker = stages.streaming(stages.sampled)
+    alone = {seed: one(talker, data, seed).output.arrays["codes"] for seed in (1, 2)}
+    streams = talker.open([EngineRequest("a", 1, data), EngineRequest("b", 2, data)])
+    got: dict[int, list[np.ndarray]] = {1: [], 2: []}
+    open_streams = dict(zip((1, 2), streams, strict=True))
+    while open_streams:  # one chunk of each in turn, as the core advances its streams
+        for seed, stream in list(open_streams.items()):
+            result = next(stream)
+            assert result is not None and result.error is None
+            got[seed].append(result.output.arrays["codes"])
+            if result.last:
+                del open_streams[seed]
+    for seed in (1, 2):
+        assert np.array_equal(np.concatenate(got[seed]), alone[seed])
+        assert len(alone[seed]) == 10  # max_tokens caps the frames
+    assert not np.array_equal(alone[1], alone[2])
+
+
+def test_a_closed_stream_stops_its_generation(stages: Stages) -> None:
+    talker = stages.streaming(stages.sampled)
+    (stream,) = talker.open([EngineRequest("r", 3, speak())])
+    first = next(stream)
+    assert first is not None and not first.last
+    stream.close()  # type: ignore[attr-defined]  # the core closes aborted streams
+    again = one(talker, speak(max_tokens=CHUNK), 3)  # the engine serves on
+    assert np.array_equal(again.output.arrays["codes"], first.output.arrays["codes"])
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"prompt": "hi", "voice": "alloy"}, "names unknown voice 'alloy'; allowed: default, 0, 1"),
+        ({"prompt": "hi", "voice": "2"}, "names unknown voice '2'; allowed: default, 0, 1"),
+        ({"voice": "0"}, "field 'prompt' is required"),
+        ({"prompt": 3}, "field 'prompt' must be a string"),
+        ({"prompt": "x" * 5000}, "field 'prompt' is 5000 bytes long; the limit is 4096"),
+        ({"prompt": "hi", "max_tokens": 5000}, "field 'max_tokens' must be in [1, 24]"),
+        ({"prompt": "hi", "max_tokens": "ten"}, "field 'max_tokens' must be an integer"),
+    ],
+)
+def test_bad_talker_input_fails_alone(stages: Stages, fields: dict[str, Any], message: str) -> None:
+    good = EngineRequest("good", 1, speak("hello", max_tokens=2))
+    bad = EngineRequest("bad", 1, StageData(fields=fields))
+    results = {r.request_id: r for r in stages.greedy.execute([bad, good])}
+    assert results["good"].error is None
+    assert results["good"].output.arrays["codes"].shape == (2, 8)
+    error = results["bad"].error
+    assert error is not None and message in error and "talker" in error
+
+
+def test_bad_codes_fail_alone(stages: Stages) -> None:
+    codes = np.zeros((5, 8), np.int64)
+    bad = [
+        (StageData(arrays={"codes": np.zeros((5, 3), np.int64)}), "must have shape (F, 8)"),
+        (StageData(arrays={"codes": codes + 64}), "must hold codes in [0, 64)"),
+        (StageData(arrays={"codes": codes - 1}), "must hold codes in [0, 64)"),
+        (StageData(arrays={"codes": codes.astype(np.int32)}), "must be int64"),
+        (StageData(), "array 'codes' is required"),
+        (
+            StageData(arrays={"codes": codes, "context_codes": np.zeros((2, 4), np.int64)}),
+            "array 'context_codes' must have shape (F, 8)",
+        ),
+    ]
+    for data, message in bad:
+        good = EngineRequest("good", 1, StageData(arrays={"codes": codes}))
+        results = {
+            r.request_id: r for r in stages.code2wav.execute([EngineRequest("r", 1, data), good])
+        }
+        error = results["r"].error
+        assert error is not None and message in error and "code2wav" in error, error
+        assert len(waveform(results["good"])) == 5 * HOP
+    empty = one(stages.code2wav, StageData(arrays={"codes": np.zeros((0, 8), np.int64)}))
+    assert len(waveform(empty)) == 0
