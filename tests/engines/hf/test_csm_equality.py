@@ -200,3 +200,48 @@ def test_bad_codes_fail_alone(stages: Stages) -> None:
         assert len(waveform(results["good"])) == 5 * HOP
     empty = one(stages.code2wav, StageData(arrays={"codes": np.zeros((0, 8), np.int64)}))
     assert len(waveform(empty)) == 0
+
+
+def test_each_stage_holds_only_its_part(stages: Stages) -> None:
+    from transformers import MimiModel
+
+    talker = stages.greedy.model  # type: ignore[attr-defined]
+    assert not hasattr(talker, "codec_model")
+    assert {"backbone_model", "depth_decoder", "lm_head", "embed_text_tokens"} <= {
+        name for name, _ in talker.named_children()
+    }
+    assert isinstance(stages.code2wav.model, MimiModel)  # type: ignore[attr-defined]
+
+
+def test_a_decoder_with_an_unfinished_tail_streams_its_whole_decode(
+    stages: Stages, sampled_reference: tuple[np.ndarray, np.ndarray]
+) -> None:
+    """Mimi has no unfinished tail; a decoder whose last 700 samples change once the next frame
+    exists (here: faked, they are halved) is measured as such, and its chunks (holding their
+    tail back but on the last chunk) still concatenate to its whole decode."""
+    import torch
+
+    engine = make_engine("csm-tts", 1)
+    real = engine._decode  # type: ignore[attr-defined]
+
+    def unfinished(frames: torch.Tensor) -> torch.Tensor:
+        wave = real(frames).clone()
+        wave[-700:] *= 0.5
+        return wave  # type: ignore[no-any-return]
+
+    engine._decode = unfinished  # type: ignore[attr-defined]
+    assert engine._measure() == (HOP, 0, 700)  # type: ignore[attr-defined]
+    engine.tail = 700  # type: ignore[attr-defined]
+    codes, _ = sampled_reference
+    whole = waveform(one(engine, StageData(arrays={"codes": codes})))
+    pieces = []
+    for i, start in enumerate(range(0, FRAMES + 1, CHUNK)):
+        arrays = {"codes": codes[start : start + CHUNK]}
+        if start:
+            arrays["context_codes"] = codes[max(0, start - CONTEXT) : start]
+        last = start + CHUNK > FRAMES
+        pieces.append(waveform(one(engine, StageData(arrays=arrays), chunk=i, last=last)))
+    assert [len(p) for p in pieces] == [CHUNK * HOP - 700, CHUNK * HOP, CHUNK * HOP, 700]
+    streamed = np.concatenate(pieces)
+    assert streamed.shape == whole.shape
+    assert float(np.abs(streamed - whole).max()) < 1e-6
