@@ -245,3 +245,27 @@ def test_a_decoder_with_an_unfinished_tail_streams_its_whole_decode(
     streamed = np.concatenate(pieces)
     assert streamed.shape == whole.shape
     assert float(np.abs(streamed - whole).max()) < 1e-6
+
+
+def test_the_end_frame_ends_the_codes_as_the_monolithic_decode_cuts_them() -> None:
+    """tiny-csm never ends early; a real CSM ends on a frame of EOS (0) in every codebook, which
+    the monolithic decode drops with everything after it (a frame that is EOS but in its last
+    codebook, which stops CSM's generate, is still spoken)."""
+    import torch
+
+    from omni_mesh.engines.hf.csm_talker import _FrameStreamer, spoken_frames
+
+    codes = np.arange(5 * 8).reshape(5, 8) % 7 + 1
+    almost = np.zeros(8, np.int64)
+    almost[-1] = 3
+    ended = np.concatenate([codes[:3], almost[None], np.zeros((1, 8), np.int64), codes[3:]])
+    assert np.array_equal(spoken_frames(ended, 0), ended[:4])
+    assert np.array_equal(spoken_frames(codes, 0), codes)
+    frames: list[np.ndarray] = []
+    checkpoints: list[int] = []
+    streamer = _FrameStreamer(frames, 0, lambda: checkpoints.append(len(frames)))
+    streamer.put(torch.zeros((1, 7), dtype=torch.long))  # the prompt: not a frame
+    for frame in ended:
+        streamer.put(torch.from_numpy(frame)[None])
+    assert np.array_equal(np.stack(frames), ended[:4])
+    assert checkpoints == [1, 2, 3, 4, 4, 4, 4]
