@@ -387,6 +387,15 @@ def _notes(report: Report, threads: int) -> None:
         "for being identical to one-at-a-time answers (sampling is on)."
     )
     report.notes.append(
+        "Why the throughput target is missed: omni-mesh's talker runs each request's own "
+        "generate (one KV cache each; requests take turns step by step), so 8 concurrent "
+        "answers cost 8 talker steps per frame, while the batched monolith runs one step over "
+        "8 rows; the talker is the bottleneck (at 1:1:1, c=8 its engine used ~9.6 of 10.8 s of "
+        "CPU). A fused batched talker step with per-request sampling streams (so a replayed "
+        "hop still gives the same codes) is the follow-up; on 2 cores shared by every process "
+        "even that would be hard pressed to reach 2x."
+    )
+    report.notes.append(
         "'server CPU, cores': CPU time of the server's whole process tree (omni-up and every "
         "process under it; the monolithic server process) per wall second of the phase, from "
         "/proc/PID/stat (exited threads included). 'other load, cores': CPU the machine spent "
