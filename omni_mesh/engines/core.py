@@ -18,7 +18,8 @@ every running stream by one chunk. Chunk numbering rule:
   ``last``; except that a result with ``forward=False`` (a chunk for the client alone: a
   thinker's text as it is generated, its whole output on the last result) builds no next-stage
   input, and the next stages number the forwarded chunks among themselves (0, 1, …): a stream
-  that forwards only its last result hands the next stage one whole input.
+  that forwards only its last result hands the next stage one whole input (``forward`` applies
+  to the stream of a whole input; a chunk's one result always goes on).
 
 A stream that stops without a ``last`` result, or raises in ``next()``, fails its request alone
 (``engine_error``); an error output always ends the stream. Running streams whose deadline
@@ -295,7 +296,7 @@ class EngineCore:
         chunk, last = (stream.emitted, result.last) if stream.whole else (si.chunk, si.last)
         queue_ms = stream.queue_ms if stream.emitted == 0 else 0.0
         stream.emitted += 1
-        forward = result.forward or last or result.error is not None
+        forward = result.forward or last or result.error is not None or not stream.whole
         next_chunk = stream.forwarded if stream.whole else si.chunk
         stream.forwarded += forward
         try:

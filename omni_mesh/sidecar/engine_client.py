@@ -201,7 +201,7 @@ class EngineClient:
                 f"stage {self.stage_id}: engine not READY after {timeout_s:.0f}s "
                 "(raise --engine-start-timeout)"
             ) from None
-        except EngineStartError:
+        except (EngineStartError, asyncio.CancelledError):  # nothing left running, nor its folder
             await self._kill()
             await self._chan.close()
             raise

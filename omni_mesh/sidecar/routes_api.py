@@ -186,8 +186,15 @@ def _content_parts(i: int, message: ChatMessage, audio_in: bool) -> list[dict[st
             has_audio = True
             audio = {"data": part.input_audio.data, "format": part.input_audio.format}
             parts.append({"type": "input_audio", "input_audio": audio})
-        elif part.type == "text" and part.text:
-            parts.append({"type": "text", "text": part.text})
+        elif part.type == "text":
+            if part.text:
+                parts.append({"type": "text", "text": part.text})
+        elif audio_in:  # a pipeline that reads parts says which it cannot read
+            raise bad_request(
+                f"messages[{i}].content[{j}]: part type {part.type!r} is not served "
+                "(text, input_audio)",
+                "messages",
+            )
     return parts if has_audio else None
 
 

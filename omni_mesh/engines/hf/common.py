@@ -49,18 +49,35 @@ def model_folder(ctx: EngineContext, default: str) -> Path:
 
 
 def load_part(cls: type[ModelT], folder: Path, config: Any, prefix: str) -> ModelT:
-    """Submodule ``prefix`` of the checkpoint in ``folder``, as ``cls`` with ``config``."""
+    """Submodule ``prefix`` of the checkpoint in ``folder``, as ``cls`` with ``config``.
+
+    A tensor of the part missing from the checkpoint (a folder without a talker, say) is an
+    :class:`EngineConfigError`: random weights are never served. The part's generation config
+    is the one its config makes, as the monolithic model's submodule has it (the folder's
+    ``generation_config.json`` is the whole model's)."""
+    from transformers import GenerationConfig
     from transformers.utils import logging as hf_logging
 
     _register_moe_conversions()
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # not the table of the other parts' tensors, left unread
     try:
-        model = cls.from_pretrained(  # type: ignore[attr-defined]
-            str(folder), config=config, key_mapping={rf"^{prefix}\.": ""}
+        model, info = cls.from_pretrained(  # type: ignore[attr-defined]
+            str(folder),
+            config=config,
+            key_mapping={rf"^{prefix}\.": ""},
+            output_loading_info=True,
         )
     finally:
         hf_logging.set_verbosity(verbosity)
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise EngineConfigError(
+            f"model folder {str(folder)!r} lacks {len(missing)} tensor(s) of its {prefix!r} "
+            f"part, e.g. {prefix}.{missing[0]}"
+        )
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config = GenerationConfig.from_model_config(model.config)
     model.eval()
     return model  # type: ignore[no-any-return]
 

@@ -8,10 +8,13 @@ context, and the context's samples are dropped, but not all of them: the decoder
 convolutions leave the last ``tail`` samples of any decode unfinished (they need the next frame),
 so a decode of n frames yields ``n * upsample - tail`` samples. A chunk with context therefore
 keeps its samples from ``context * upsample - tail``: the previous chunk's unfinished tail, now
-finished, then its own. The chunks' samples concatenated are the whole decode's (up to float
-rounding, when the context covers the decoder's receptive field), as long as the utterance fits
-one of ``chunked_decode``'s 300-frame chunks (beyond that the monolithic decode itself drops a
-tail at each 300-frame boundary).
+finished, then its own. The chunks' samples concatenated are the whole decode's up to float
+rounding when the context covers the decoder's reach (the tiny decoder: one layer, window 8)
+and the utterance fits one of ``chunked_decode``'s 300-frame chunks (beyond that the monolithic
+decode itself drops a tail at each boundary). The real decoder's attention reaches further back
+(8 layers x window 72) than its convolutions (~10 frames): there 25 frames of context is the
+same approximation ``chunked_decode`` makes at its own boundaries (a random real-shape decoder,
+chunks of 10: max difference 2.6e-6 against the whole decode).
 
 Several requests in one batch are decoded one by one (their lengths differ; Code2Wav's sliding
 window attention takes no padding mask).

@@ -141,10 +141,17 @@ def thinker_prompt(tokenizer: Any, feature_extractor: Any, conv: Conversation) -
     features = None
     feature_mask = None
     if conv.audios:
+        shortest = min(len(a) for a in conv.audios)
+        if shortest < feature_extractor.n_fft:
+            raise EngineInputError(
+                f"an input_audio holds {shortest} samples at {feature_extractor.sampling_rate} "
+                f"Hz; the audio encoder needs at least {feature_extractor.n_fft}"
+            )
         extracted = feature_extractor(
             conv.audios,
             sampling_rate=feature_extractor.sampling_rate,
             padding=True,
+            truncation=False,  # as Qwen3-Omni's processor: no 30 s cut
             return_attention_mask=True,
             return_tensors="pt",
         )

@@ -71,7 +71,7 @@ class Qwen3OmniTalkerEngine(ReferenceEngine[TalkerInput]):
         ctx = self.ctx
         self.max_frames = extra_int(ctx, "max_frames", 256, 1, 1 << 15)
         self.chunk_frames = extra_int(ctx, "chunk_frames", 10, 1, 4096)
-        self.context_frames = extra_int(ctx, "context_frames", 25, 0, 4096)
+        self.context_frames = extra_int(ctx, "context_frames", 25, 1, 4096)
         do_sample = ctx.config.engine_extras.get("do_sample", True)
         if not isinstance(do_sample, bool):
             raise EngineConfigError(
@@ -165,6 +165,8 @@ class Qwen3OmniTalkerEngine(ReferenceEngine[TalkerInput]):
     def run(
         self, request: EngineRequest, inputs: TalkerInput, generator: torch.Generator
     ) -> EngineResult:
+        if _too_short(inputs):
+            return self._chunk(request, [], 0, [], True)
         with seeded_rng(request.seed):
             result = self._generate(self._prompt(inputs))
         frames = [h[-1] for h in result.hidden_states if h[-1] is not None]
@@ -178,6 +180,9 @@ class Qwen3OmniTalkerEngine(ReferenceEngine[TalkerInput]):
     def run_chunks(
         self, request: EngineRequest, inputs: TalkerInput, generator: torch.Generator
     ) -> Iterator[EngineResult]:
+        if _too_short(inputs):
+            yield self._chunk(request, [], 0, [], True)
+            return
         state = TurnState.start(request.seed, ("rope_deltas",))
         frames: list[np.ndarray] = []
         prompt = self._prompt(inputs)
@@ -225,3 +230,10 @@ class Qwen3OmniTalkerEngine(ReferenceEngine[TalkerInput]):
 
 def _reached(frames: list[np.ndarray], goal: int) -> Callable[[], bool]:
     return lambda: len(frames) >= goal
+
+
+def _too_short(inputs: TalkerInput) -> bool:
+    """An answer of fewer than 2 tokens (``max_tokens`` 1, or an immediate ``<|im_end|>``) has
+    no first text token for the assistant part: it is spoken as no audio (the monolithic
+    ``generate`` fails on it)."""
+    return len(inputs.sequences) - inputs.prompt_tokens < 2

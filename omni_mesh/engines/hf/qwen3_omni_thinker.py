@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from omni_mesh.engines.base import EngineRequest, EngineResult, StageData
+from omni_mesh.engines.base import EngineInputError, EngineRequest, EngineResult, StageData
 from omni_mesh.engines.hf.common import load_part, model_folder, parameter_count, seeded_rng
 from omni_mesh.engines.hf.qwen3_omni_inputs import ThinkerPrompt, conversation, thinker_prompt
 from omni_mesh.engines.hf.speakers import speaker_name
@@ -107,12 +107,15 @@ class Qwen3OmniThinkerEngine(ReferenceEngine[ThinkerInput]):
                 f"is {max_tokens}; this stage generates at most {self.max_tokens_limit} "
                 "(engine_extras.max_tokens_limit)",
             )
-        return ThinkerInput(
-            thinker_prompt(self.tokenizer, self.features, conv),
-            voice,
-            max_tokens,
-            _sampling(request),
-        )
+        try:
+            tensors = thinker_prompt(self.tokenizer, self.features, conv)
+        except EngineInputError as exc:
+            raise fields.error("field", "messages", f"unusable: {exc}") from None
+        except Exception as exc:  # the tokenizer's or the feature extractor's own checks
+            raise fields.error(
+                "field", "messages", f"could not be prepared: {type(exc).__name__}: {exc}"
+            ) from None
+        return ThinkerInput(tensors, voice, max_tokens, _sampling(request))
 
     def run(
         self, request: EngineRequest, inputs: ThinkerInput, generator: torch.Generator

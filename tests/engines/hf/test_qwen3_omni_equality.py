@@ -289,6 +289,14 @@ def test_a_closed_stream_stops_its_generation(stages: Stages) -> None:
             "input_audio is not a PCM WAV file",
         ),
         ({"prompt": "hi", "max_tokens": 5000}, "this stage generates at most 1024"),
+        (
+            {"messages": json.dumps(
+                [{"role": "user", "content": [{"type": "input_audio",
+                                               "input_audio": {"data": omni_reference.wav_b64(
+                                                   omni_reference.TONE[:100], 16000)}}]}]
+            )},
+            "holds 100 samples at 16000 Hz; the audio encoder needs at least 400",
+        ),
     ],
 )  # fmt: skip
 def test_bad_thinker_input_fails_alone(
@@ -339,3 +347,27 @@ def test_bad_engine_settings_are_config_errors(
 ) -> None:
     with pytest.raises(EngineConfigError, match=re.escape(message)):
         make_engine("qwen3-omni", stage, **extras)
+
+
+def test_a_one_token_answer_is_spoken_as_no_audio(stages: Stages) -> None:
+    # The monolithic generate fails on it (no first answer token for the talker's prompt).
+    thought = one(stages.thinker, StageData(fields={"prompt": "hi", "max_tokens": 1}))
+    for talker in (stages.greedy, stages.streaming(stages.sampled)):
+        chunks = list(chunks_of(talker, thinker_to_talker(thought.output), 1))
+        assert len(chunks) == 1 and chunks[0].last
+        assert chunks[0].output.arrays["codes"].shape == (0, 4)
+        audio = one(stages.code2wav, talker_to_code2wav(chunks[0].output))
+        assert audio.final is not None and audio.final.arrays["waveform"].shape == (0,)
+
+
+def test_a_folder_without_the_part_is_a_config_error() -> None:
+    from transformers import Qwen3OmniMoeConfig
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
+
+    from omni_mesh.engines.hf.common import load_part
+    from omni_mesh.engines.hf.folders import resolve_folder
+
+    folder = resolve_folder("tiny-qwen3-omni")
+    config = Qwen3OmniMoeConfig.from_pretrained(str(folder)).code2wav_config
+    with pytest.raises(EngineConfigError, match=r"lacks \d+ tensor\(s\) of its .vocoder. part"):
+        load_part(Qwen3OmniMoeCode2Wav, folder, config, "vocoder")
