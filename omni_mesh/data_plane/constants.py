@@ -10,3 +10,8 @@ HOP_FRAMES = "application/x-omni-hop-frames"
 
 #: Tensors up to this many bytes travel inline in a message; larger ones through shared memory.
 INLINE_MAX = 4096
+
+#: Environment variable naming an engine process's own temp folder (its $TMPDIR, made by its
+#: sidecar): the sidecar removes it when the engine ends, the engine when it exits (so a
+#: sidecar killed with -9 leaves nothing either: its engine gets SIGTERM and exits).
+ENGINE_TMP_ENV = "OMNI_ENGINE_TMP"

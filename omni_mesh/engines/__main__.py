@@ -22,7 +22,7 @@ from omni_mesh.configs.pipeline import (
 )
 from omni_mesh.data_plane.channel import BlockingChannel
 from omni_mesh.engines.base import EngineContext
-from omni_mesh.engines.process import EngineProc
+from omni_mesh.engines.process import EngineProc, remove_own_tmp
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -64,7 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     proc = EngineProc(
         ctx, BlockingChannel(sock), peer_shm_prefix=args.peer_shm_prefix, torch_threads=args.threads
     )
-    return proc.run()
+    try:
+        return proc.run()
+    finally:
+        remove_own_tmp()
 
 
 if __name__ == "__main__":

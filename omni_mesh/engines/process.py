@@ -23,6 +23,7 @@ import enum
 import gc
 import logging
 import os
+import shutil
 import signal
 import time
 from collections import deque
@@ -31,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from omni_mesh.data_plane.channel import BlockingChannel
-from omni_mesh.data_plane.constants import INLINE_MAX
+from omni_mesh.data_plane.constants import ENGINE_TMP_ENV, INLINE_MAX
 from omni_mesh.data_plane.messages import (
     Abort,
     EngineMessage,
@@ -152,6 +153,7 @@ class EngineProc:
         self._cleanup()
         if self.peer_shm_prefix:
             unlink_prefix(self.peer_shm_prefix)
+        remove_own_tmp()
         os._exit(0)
 
     def _cleanup(self) -> None:
@@ -287,3 +289,11 @@ class EngineProc:
         dst = np.frombuffer(slot.view, dtype=np.uint8, count=arr.nbytes)
         dst[:] = arr.reshape(-1).view(np.uint8)
         return Tensor(dtype=str(arr.dtype), shape=tuple(arr.shape), shm=slot.ref)
+
+
+def remove_own_tmp() -> None:
+    """Remove the temp folder the sidecar made for this engine (``ENGINE_TMP_ENV``), with
+    whatever the engine's libraries left in it."""
+    folder = os.environ.get(ENGINE_TMP_ENV)
+    if folder and os.path.basename(folder).startswith("omni-engine-"):
+        shutil.rmtree(folder, ignore_errors=True)

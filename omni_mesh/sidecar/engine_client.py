@@ -26,7 +26,7 @@ import msgspec
 
 from omni_mesh.configs.deploy import StageDeployConfig
 from omni_mesh.data_plane.channel import AsyncChannel, ChannelError, Delivery, make_socketpair
-from omni_mesh.data_plane.constants import INLINE_MAX
+from omni_mesh.data_plane.constants import ENGINE_TMP_ENV, INLINE_MAX
 from omni_mesh.data_plane.messages import (
     Abort,
     Fatal,
@@ -179,6 +179,7 @@ class EngineClient:
         ]
         self.engine_tmp = tempfile.mkdtemp(prefix=f"omni-engine-s{self.stage_id}-")
         tmp = {"TMPDIR": self.engine_tmp, "TMP": self.engine_tmp, "TEMP": self.engine_tmp}
+        tmp[ENGINE_TMP_ENV] = self.engine_tmp  # the engine removes it too (a killed sidecar)
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *argv,

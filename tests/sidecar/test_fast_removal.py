@@ -31,7 +31,14 @@ from omni_mesh.sidecar.hop_client import HOP_PATH, HopClient, HopUnavailable
 from omni_mesh.sidecar.hop_http import HopHttpClient
 from omni_mesh.sidecar.router import Replica, Router
 from tests.sidecar.hops import send
-from tests.sidecar.topology import Topology, http_get, post_json
+from tests.sidecar.topology import (
+    Topology,
+    engine_pid,
+    engine_tmp,
+    http_get,
+    post_json,
+    wait_gone,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -243,6 +250,8 @@ def test_kill_9_with_traffic_leaves_discovery_within_a_second(tmp_path: Path) ->
             while traffic.statuses.count(200) < 20:  # requests flow through both replicas
                 assert time.monotonic() < deadline, traffic.errors[:3]
                 time.sleep(0.05)
+            engine = engine_pid(victim)
+            victim_tmp = engine_tmp(engine)
             t_kill = time.monotonic()
             os.kill(victim.pid, signal.SIGKILL)
             removal_s = None
@@ -253,6 +262,8 @@ def test_kill_9_with_traffic_leaves_discovery_within_a_second(tmp_path: Path) ->
                 time.sleep(0.01)
             time.sleep(1.0)  # traffic keeps flowing on the survivor
         assert removal_s is not None, "the killed replica never left discovery"
+        wait_gone(engine, 10)  # its engine follows it (SIGTERM) and removes its temp folder
+        assert not victim_tmp.exists()
         logger.warning("kill -9 -> out of omni-cp discovery with traffic: %.3f s", removal_s)
         print(f"\nkill -9 -> out of omni-cp discovery with traffic: {removal_s:.3f} s")
         assert removal_s <= 1.5, f"took {removal_s:.3f}s (the lease alone takes ~3 s)"

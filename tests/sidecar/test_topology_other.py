@@ -17,7 +17,14 @@ import pytest
 
 from tests import media_readers
 from tests.procs import pid_alive
-from tests.sidecar.topology import Topology, engine_pid, post_json, shm_segments, wait_gone
+from tests.sidecar.topology import (
+    Topology,
+    engine_pid,
+    engine_tmp,
+    post_json,
+    shm_segments,
+    wait_gone,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -82,18 +89,6 @@ def _post(url: str, body: object, *, timeout_s: float) -> tuple[int, bytes]:
         return err.code, err.read()
 
 
-def _engine_tmp(pid: int) -> Path:
-    """The temp folder the sidecar gave engine ``pid`` ($TMPDIR in its environment)."""
-    env = dict(
-        item.split("=", 1)
-        for item in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
-        if "=" in item
-    )
-    tmp = Path(env["TMPDIR"])
-    assert tmp.is_dir() and tmp.name.startswith("omni-engine-s1-"), tmp
-    return tmp
-
-
 def _engine_death_and_sigterm_drain(topo: Topology) -> None:
     """Of the two stage-1 replicas, one loses its engine (kill -9) and leaves the pool; the
     other gets SIGTERM and drains; stage 0 still answers."""
@@ -102,7 +97,7 @@ def _engine_death_and_sigterm_drain(topo: Topology) -> None:
     # kill -9 of an engine: its sidecar notices within a second, leaves, exits non-zero, and
     # removes the engine's own temp folder with what the engine left in it.
     pid = engine_pid(dying)
-    dying_tmp = _engine_tmp(pid)
+    dying_tmp = engine_tmp(pid)
     (dying_tmp / "vllm_dist_leftover").write_text("x")
     os.kill(pid, signal.SIGKILL)
     assert dying.wait(timeout=5) != 0
@@ -110,7 +105,7 @@ def _engine_death_and_sigterm_drain(topo: Topology) -> None:
     topo.wait_discovered(1, 1, timeout=4.0)
     # SIGTERM: leave the pool first, then exit 0 with the engine gone (and its temp folder).
     engine = engine_pid(draining)
-    draining_tmp = _engine_tmp(engine)
+    draining_tmp = engine_tmp(engine)
     draining.send_signal(signal.SIGTERM)
     assert draining.wait(timeout=30) == 0
     wait_gone(engine, 10)

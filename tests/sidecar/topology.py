@@ -174,6 +174,18 @@ def engine_pid(stage_proc: ManagedProcess) -> int:
     raise AssertionError(f"no engine child of {stage_proc.name}")
 
 
+def engine_tmp(pid: int) -> Path:
+    """The temp folder the sidecar gave engine ``pid`` ($TMPDIR in its environment)."""
+    env = dict(
+        item.split("=", 1)
+        for item in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+        if "=" in item
+    )
+    tmp = Path(env["TMPDIR"])
+    assert tmp.is_dir() and tmp.name.startswith("omni-engine-s"), tmp
+    return tmp
+
+
 def wait_gone(pid: int, timeout: float) -> float:
     t0 = time.monotonic()
     wait_until(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), timeout)
