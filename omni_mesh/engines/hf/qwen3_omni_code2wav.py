@@ -16,8 +16,11 @@ decode itself drops a tail at each boundary). The real decoder's attention reach
 same approximation ``chunked_decode`` makes at its own boundaries (a random real-shape decoder,
 chunks of 10: max difference 2.6e-6 against the whole decode).
 
-Several requests in one batch are decoded one by one (their lengths differ; Code2Wav's sliding
-window attention takes no padding mask).
+The requests of one batch are decoded together, in one forward over their frames right-padded
+to the longest (the decoder is causal: padding after a row's frames changes none of its
+samples, and each row is cut at its own length, as the monolithic ``generate`` decodes a
+batch); a row longer than one ``chunked_decode`` chunk (300 frames) without context is decoded
+alone, as the monolith decodes it.
 
 Input: array ``codes`` int64 [F, G] (F may be 0 on a stream's last chunk), optionally
 ``context_codes`` int64 [M, G]. Final: field ``sample_rate`` (24000), array ``waveform``
@@ -26,6 +29,7 @@ float32 [S].
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +96,54 @@ class Qwen3OmniCode2WavEngine(ReferenceEngine[Code2WavInput]):
         if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= self.codebook):
             raise fields.error("array", name, f"must hold codes in [0, {self.codebook})")
         return arr
+
+    def execute(self, batch: Sequence[EngineRequest]) -> list[EngineResult]:
+        return self._decode_batch(batch)
+
+    def open(self, batch: Sequence[EngineRequest]) -> list[Iterator[EngineResult]]:
+        return [iter([result]) for result in self._decode_batch(batch)]
+
+    def _decode_batch(self, batch: Sequence[EngineRequest]) -> list[EngineResult]:
+        """Every request's result, in the batch's order; the valid ones decoded together."""
+        if not self._loaded:
+            raise RuntimeError(f"{self.where}: execute() called before load()")
+        results: list[EngineResult | None] = [None] * len(batch)
+        rows: list[tuple[int, np.ndarray, int]] = []  # batch index, frames [T, G], keep from
+        for i, request in enumerate(batch):
+            try:
+                inputs = self.parse(request)
+            except EngineInputError as exc:
+                results[i] = EngineResult(request.request_id, error=str(exc))
+                continue
+            context = inputs.context if inputs.context is not None else inputs.codes[:0]
+            if len(inputs.codes) == 0 or (len(context) == 0 and len(inputs.codes) > CHUNK_SIZE):
+                results[i] = self._final(request, self.decode(inputs.codes, inputs.context))
+                continue
+            if len(context) and len(context) * self.upsample < self.tail:
+                message = f"{self.where}: context_codes too short for the decoder"
+                results[i] = EngineResult(request.request_id, error=message)
+                continue
+            start = len(context) * self.upsample - self.tail if len(context) else 0
+            rows.append((i, np.concatenate([context, inputs.codes]), start))
+        if rows:
+            with torch.inference_mode():
+                waves = self._forward([frames for _, frames, _ in rows])
+            for (i, frames, start), wave in zip(rows, waves, strict=True):
+                end = len(frames) * self.upsample - self.tail
+                results[i] = self._final(batch[i], _f32(wave[..., start:end]))
+        return [r for r in results if r is not None]
+
+    def _forward(self, rows: list[np.ndarray]) -> torch.Tensor:
+        """One decoder forward over ``rows`` (frames [T, G] each), right-padded with code 0."""
+        longest = max(len(r) for r in rows)
+        codes = np.zeros((len(rows), self.groups, longest), np.int64)
+        for b, frames in enumerate(rows):
+            codes[b, :, : len(frames)] = frames.T
+        return self.model(torch.from_numpy(codes))  # type: ignore[no-any-return]
+
+    def _final(self, request: EngineRequest, wave: np.ndarray) -> EngineResult:
+        final = StageData(fields={"sample_rate": SAMPLE_RATE}, arrays={"waveform": wave})
+        return EngineResult(request.request_id, final=final)
 
     def run(
         self, request: EngineRequest, inputs: Code2WavInput, generator: torch.Generator

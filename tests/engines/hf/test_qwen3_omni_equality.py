@@ -371,3 +371,38 @@ def test_a_folder_without_the_part_is_a_config_error() -> None:
     config = Qwen3OmniMoeConfig.from_pretrained(str(folder)).code2wav_config
     with pytest.raises(EngineConfigError, match=r"lacks \d+ tensor\(s\) of its .vocoder. part"):
         load_part(Qwen3OmniMoeCode2Wav, folder, config, "vocoder")
+
+
+def test_code2wav_decodes_a_batch_together_as_each_alone(stages: Stages) -> None:
+    rng = np.random.default_rng(3)
+    datas = [StageData(arrays={"codes": rng.integers(0, 64, (n, 4))}) for n in (5, 17, 40)] + [
+        StageData(
+            arrays={
+                "codes": rng.integers(0, 64, (10, 4)),
+                "context_codes": rng.integers(0, 64, (25, 4)),
+            }
+        ),
+        StageData(arrays={"codes": np.zeros((3, 4), np.int32)}),  # bad: fails alone
+    ]
+    alone = [
+        stages.code2wav.execute([EngineRequest(f"r{i}", 1, d)])[0] for i, d in enumerate(datas)
+    ]
+    forwards: list[int] = []
+    hook = stages.code2wav.model.register_forward_hook(  # type: ignore[attr-defined]
+        lambda module, args, output: forwards.append(args[0].shape[0])
+    )
+    try:
+        together = stages.code2wav.execute(
+            [EngineRequest(f"r{i}", 1, d) for i, d in enumerate(datas)]
+        )
+    finally:
+        hook.remove()
+    assert forwards == [4]  # one forward over the four good rows
+    assert [r.request_id for r in together] == [f"r{i}" for i in range(5)]
+    assert together[4].error is not None and alone[4].error is not None
+    for got, want in zip(together[:4], alone[:4], strict=True):
+        assert got.final is not None and want.final is not None
+        a, b = got.final.arrays["waveform"], want.final.arrays["waveform"]
+        assert a.shape == b.shape and float(np.abs(a - b).max()) < 1e-5
+    assert together[3].final is not None
+    assert together[3].final.arrays["waveform"].shape == (10 * 1920,)
