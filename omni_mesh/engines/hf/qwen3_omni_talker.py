@@ -11,7 +11,8 @@ samples from its own RNG stream seeded by its seed (``common.seeded_rng``). ``ma
 (default 256) caps a request's frames (the monolithic ``talker_max_new_tokens``).
 
 Streaming (``async_chunk``, whole input): the generation runs in a :class:`SteppedCall` and
-yields every ``engine_extras.chunk_frames`` frames (default 10) the new frames' ``codes`` with
+yields its first ``engine_extras.first_chunk_frames`` frames (default 2: the first audio comes
+early) and then every ``chunk_frames`` frames (default 10) the new frames' ``codes`` with
 the ``context_codes`` (up to ``context_frames``, default 25: Code2Wav's left context) before
 them. Streams of several requests take turns step by step, each with its own KV cache; the
 process-wide state a generation uses (RNG, the talker's ``rope_deltas``) is swapped per request
@@ -71,6 +72,7 @@ class Qwen3OmniTalkerEngine(ReferenceEngine[TalkerInput]):
         ctx = self.ctx
         self.max_frames = extra_int(ctx, "max_frames", 256, 1, 1 << 15)
         self.chunk_frames = extra_int(ctx, "chunk_frames", 10, 1, 4096)
+        self.first_chunk_frames = extra_int(ctx, "first_chunk_frames", 2, 1, 4096)
         self.context_frames = extra_int(ctx, "context_frames", 25, 1, 4096)
         do_sample = ctx.config.engine_extras.get("do_sample", True)
         if not isinstance(do_sample, bool):
@@ -194,7 +196,7 @@ class Qwen3OmniTalkerEngine(ReferenceEngine[TalkerInput]):
         try:
             done = False
             while not done:
-                goal = sent + self.chunk_frames
+                goal = sent + (self.chunk_frames if sent else self.first_chunk_frames)
                 self._capture = frames
                 try:
                     done = take_turn(call, state, self.model, _reached(frames, goal))
