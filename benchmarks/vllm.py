@@ -100,7 +100,8 @@ def vllm_env() -> Iterator[Path]:
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
     try:
-        from omni_mesh.engines.vllm.tiny_models import default_cache_dir, ensure_tiny_model
+        from omni_mesh.engines.model_cache import default_cache_dir
+        from omni_mesh.engines.vllm.tiny_models import ensure_tiny_model
 
         yield ensure_tiny_model("tiny-llama-text", default_cache_dir())
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import urllib.error
@@ -172,6 +173,24 @@ def engine_pid(stage_proc: ManagedProcess) -> int:
         if b"omni_mesh.engines" in cmdline:
             return int(pid)
     raise AssertionError(f"no engine child of {stage_proc.name}")
+
+
+def kill_a_busy_engine(topo: Topology, stage_id: int, timeout: float = 60.0) -> int:
+    """kill -9 the engine of the first replica of ``stage_id`` seen with a request in flight
+    (polled every 10 ms); its pid."""
+    replicas = list(zip(topo.stages[stage_id], topo.urls[stage_id], strict=True))
+    victim: list[int] = []
+
+    def busy() -> bool:
+        for proc, url in replicas:
+            if topo.metric(url, "omni_stage_in_flight") >= 1:
+                victim.append(engine_pid(proc))
+                return True
+        return False
+
+    wait_until(busy, timeout, interval=0.01)
+    os.kill(victim[0], signal.SIGKILL)
+    return victim[0]
 
 
 def engine_tmp(pid: int) -> Path:

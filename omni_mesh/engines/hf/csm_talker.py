@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -47,8 +47,9 @@ import torch
 
 from omni_mesh.data_plane.messages import Scalar
 from omni_mesh.engines.base import EngineConfigError, EngineRequest, EngineResult, StageData
+from omni_mesh.engines.hf.codes import codes_chunk
 from omni_mesh.engines.hf.common import model_folder, parameter_count, seeded_rng
-from omni_mesh.engines.hf.stepped import SteppedCall
+from omni_mesh.engines.hf.stepped import SteppedCall, TurnState, has_at_least, take_turn
 from omni_mesh.engines.reference.common import (
     DEFAULT_MAX_PROMPT_BYTES,
     FieldReader,
@@ -68,14 +69,6 @@ class TalkerInput:
     input_ids: np.ndarray  # [T] int64: the chat-templated prompt
     speaker: int
     frames: int  # this request's cap on frames (max_new_tokens)
-
-
-@dataclass
-class _Turns:
-    """What one request's generation keeps between turns (module docstring)."""
-
-    rng: torch.Tensor
-    frames: list[np.ndarray] = field(default_factory=list)
 
 
 class _FrameStreamer:
@@ -244,11 +237,11 @@ class CsmTalkerEngine(ReferenceEngine[TalkerInput]):
     def run_chunks(
         self, request: EngineRequest, inputs: TalkerInput, generator: torch.Generator
     ) -> Iterator[EngineResult]:
-        with seeded_rng(request.seed):
-            turns = _Turns(rng=torch.get_rng_state())
+        state = TurnState.start(request.seed, ())
+        frames: list[np.ndarray] = []
         call = SteppedCall(
             lambda checkpoint: self._generate(
-                inputs, streamer=_FrameStreamer(turns.frames, self.eos, checkpoint)
+                inputs, streamer=_FrameStreamer(frames, self.eos, checkpoint)
             ),
             name=f"csm-talker-{request.request_id}",
         )
@@ -256,41 +249,17 @@ class CsmTalkerEngine(ReferenceEngine[TalkerInput]):
         try:
             done = False
             while not done:
-                done = self._turn(call, turns, sent + self.chunk_frames)
-                new = turns.frames[sent:]
-                if not new and not done:
+                goal = sent + self.chunk_frames
+                done = take_turn(call, state, self.model, has_at_least(frames, goal))
+                if len(frames) == sent and not done:
                     continue
-                yield self._chunk(request, turns.frames, sent, new, done)
-                sent += len(new)
+                yield self._chunk(request, frames, sent, last=done)
+                sent = len(frames)
         finally:
             call.close()
 
-    def _turn(self, call: SteppedCall, turns: _Turns, frames: int) -> bool:
-        """Run a request's generation until it has ``frames`` frames (or ends), with its own RNG
-        swapped in; True when it ended."""
-        saved = torch.get_rng_state()
-        torch.set_rng_state(turns.rng)
-        try:
-            return call.advance(lambda: len(turns.frames) >= frames)
-        finally:
-            turns.rng = torch.get_rng_state()
-            torch.set_rng_state(saved)
-
     def _chunk(
-        self,
-        request: EngineRequest,
-        frames: list[np.ndarray],
-        sent: int,
-        new: list[np.ndarray],
-        last: bool,
+        self, request: EngineRequest, frames: list[np.ndarray], sent: int, *, last: bool
     ) -> EngineResult:
-        g = int(self.config.num_codebooks)
-        codes = np.stack(new) if new else np.zeros((0, g), np.int64)
-        arrays = {"codes": codes}
-        context = min(self.context_frames, sent)
-        if context:
-            arrays["context_codes"] = np.stack(frames[sent - context : sent])
-        fields: dict[str, Scalar] = {"num_frames": len(new), "frame_offset": sent}
-        return EngineResult(
-            request.request_id, output=StageData(fields=fields, arrays=arrays), last=last
-        )
+        groups = int(self.config.num_codebooks)
+        return codes_chunk(request.request_id, frames, sent, groups, self.context_frames, last=last)

@@ -10,16 +10,11 @@ checkpoint takes the same path as a tiny one.
 from __future__ import annotations
 
 import importlib
-import logging
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from omni_mesh.engines.vllm.tiny_models import default_cache_dir
-
-logger = logging.getLogger(__name__)
+from omni_mesh.engines.model_cache import build_once, default_cache_dir, existing_folder
 
 
 class ModelFolderError(ValueError):
@@ -45,36 +40,13 @@ def resolve_folder(model: str, cache_dir: Path | None = None) -> Path:
     """The folder a stage loads for ``model`` (module docstring)."""
     if model in TINY_FOLDERS:
         return ensure_tiny_folder(model, cache_dir or default_cache_dir())
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        names = ", ".join(sorted(TINY_FOLDERS))
-        raise ModelFolderError(
-            f"model {model!r} is neither a tiny model ({names}) nor an existing model folder"
-        )
-    if not (path / "config.json").is_file():
-        raise ModelFolderError(f"model folder {str(path)!r} has no config.json")
-    return path.resolve()
+    return existing_folder(model, TINY_FOLDERS, ModelFolderError)
 
 
 def ensure_tiny_folder(name: str, cache_dir: Path) -> Path:
     """Build tiny model ``name`` into ``cache_dir`` unless it is there already; its folder."""
     spec = TINY_FOLDERS[name]
-    target = cache_dir / f"{name}-v{spec.version}"
-    if (target / "config.json").is_file():
-        return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
-    try:
-        _builder(spec.builder)(staging)
-        try:
-            staging.rename(target)
-            logger.info("built tiny model %s into %s", name, target)
-        except OSError:  # another process finished first: keep its copy
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return build_once(cache_dir / f"{name}-v{spec.version}", _builder(spec.builder))
 
 
 def _builder(path: str) -> Callable[[Path], None]:

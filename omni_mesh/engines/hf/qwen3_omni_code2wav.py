@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from omni_mesh.engines.base import EngineInputError, EngineRequest, EngineResult, StageData
+from omni_mesh.engines.hf.codes import codes_array
 from omni_mesh.engines.hf.common import load_part, model_folder, parameter_count
 from omni_mesh.engines.hf.qwen3_omni_thinker import DEFAULT_MODEL
 from omni_mesh.engines.reference.common import FieldReader, ReferenceEngine
@@ -82,20 +83,7 @@ class Qwen3OmniCode2WavEngine(ReferenceEngine[Code2WavInput]):
         return Code2WavInput(codes, self._codes(fields, "context_codes", required=False))
 
     def _codes(self, fields: FieldReader, name: str, *, required: bool) -> np.ndarray | None:
-        arr = fields.data.arrays.get(name)
-        if arr is None:
-            if required:
-                raise fields.error("array", name, "is required")
-            return None
-        if not isinstance(arr, np.ndarray) or arr.dtype != np.int64 or arr.ndim != 2:
-            raise fields.error("array", name, f"must be int64 [F, {self.groups}]")
-        if arr.shape[1] != self.groups or arr.shape[0] > MAX_FRAMES:
-            raise fields.error(
-                "array", name, f"must have shape (F, {self.groups}), got {arr.shape}"
-            )
-        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= self.codebook):
-            raise fields.error("array", name, f"must hold codes in [0, {self.codebook})")
-        return arr
+        return codes_array(fields, name, self.groups, self.codebook, MAX_FRAMES, required=required)
 
     def execute(self, batch: Sequence[EngineRequest]) -> list[EngineResult]:
         return self._decode_batch(batch)

@@ -25,7 +25,7 @@ Output: array ``codes`` int64 [F, G] (frame-major), fields ``num_frames``, ``fra
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,11 +34,18 @@ import torch
 
 from omni_mesh.data_plane.messages import Scalar
 from omni_mesh.engines.base import EngineConfigError, EngineRequest, EngineResult, StageData
+from omni_mesh.engines.hf.codes import codes_chunk
 from omni_mesh.engines.hf.common import load_part, model_folder, parameter_count, seeded_rng
 from omni_mesh.engines.hf.qwen3_omni_talker_prompt import TalkerPrompt, talker_prompt
 from omni_mesh.engines.hf.qwen3_omni_thinker import DEFAULT_MODEL
 from omni_mesh.engines.hf.speakers import speaker_name
-from omni_mesh.engines.hf.stepped import CheckpointStreamer, SteppedCall, TurnState, take_turn
+from omni_mesh.engines.hf.stepped import (
+    CheckpointStreamer,
+    SteppedCall,
+    TurnState,
+    has_at_least,
+    take_turn,
+)
 from omni_mesh.engines.reference.common import ReferenceEngine, extra_float, extra_int
 
 MAX_POSITIONS = 1 << 16
@@ -122,6 +129,12 @@ class Qwen3OmniTalkerEngine(ReferenceEngine[TalkerInput]):
         voice = speaker_name(fields, speakers)
         return TalkerInput(sequences, prompt, embed, hidden, special, speakers[voice], lengths)
 
+    def _chunk(
+        self, request: EngineRequest, frames: list[np.ndarray], sent: int, *, last: bool
+    ) -> EngineResult:
+        groups = self.config.talker_config.num_code_groups
+        return codes_chunk(request.request_id, frames, sent, groups, self.context_frames, last=last)
+
     def _prompt(self, inputs: TalkerInput) -> TalkerPrompt:
         lengths = inputs.audio_lengths
         return talker_prompt(
@@ -168,7 +181,7 @@ class Qwen3OmniTalkerEngine(ReferenceEngine[TalkerInput]):
         self, request: EngineRequest, inputs: TalkerInput, generator: torch.Generator
     ) -> EngineResult:
         if _too_short(inputs):
-            return self._chunk(request, [], 0, [], True)
+            return self._chunk(request, [], 0, last=True)
         with seeded_rng(request.seed):
             result = self._generate(self._prompt(inputs))
         frames = [h[-1] for h in result.hidden_states if h[-1] is not None]
@@ -183,7 +196,7 @@ class Qwen3OmniTalkerEngine(ReferenceEngine[TalkerInput]):
         self, request: EngineRequest, inputs: TalkerInput, generator: torch.Generator
     ) -> Iterator[EngineResult]:
         if _too_short(inputs):
-            yield self._chunk(request, [], 0, [], True)
+            yield self._chunk(request, [], 0, last=True)
             return
         state = TurnState.start(request.seed, ("rope_deltas",))
         frames: list[np.ndarray] = []
@@ -199,39 +212,15 @@ class Qwen3OmniTalkerEngine(ReferenceEngine[TalkerInput]):
                 goal = sent + (self.chunk_frames if sent else self.first_chunk_frames)
                 self._capture = frames
                 try:
-                    done = take_turn(call, state, self.model, _reached(frames, goal))
+                    done = take_turn(call, state, self.model, has_at_least(frames, goal))
                 finally:
                     self._capture = None
-                new = frames[sent:]
-                if not new and not done:
+                if len(frames) == sent and not done:
                     continue
-                yield self._chunk(request, frames, sent, new, done)
-                sent += len(new)
+                yield self._chunk(request, frames, sent, last=done)
+                sent = len(frames)
         finally:
             call.close()
-
-    def _chunk(
-        self,
-        request: EngineRequest,
-        frames: list[np.ndarray],
-        sent: int,
-        new: list[np.ndarray],
-        last: bool,
-    ) -> EngineResult:
-        g = self.config.talker_config.num_code_groups
-        codes = np.stack(new) if new else np.zeros((0, g), np.int64)
-        arrays = {"codes": codes}
-        context = min(self.context_frames, sent)
-        if context:
-            arrays["context_codes"] = np.stack(frames[sent - context : sent])
-        fields: dict[str, Scalar] = {"num_frames": len(new), "frame_offset": sent}
-        return EngineResult(
-            request.request_id, output=StageData(fields=fields, arrays=arrays), last=last
-        )
-
-
-def _reached(frames: list[np.ndarray], goal: int) -> Callable[[], bool]:
-    return lambda: len(frames) >= goal
 
 
 def _too_short(inputs: TalkerInput) -> bool:

@@ -31,7 +31,7 @@ registered through vLLM's plugin mechanism that returns them (a follow-up).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +42,13 @@ from omni_mesh.engines.base import EngineInputError, EngineRequest, EngineResult
 from omni_mesh.engines.hf.common import load_part, model_folder, parameter_count, seeded_rng
 from omni_mesh.engines.hf.qwen3_omni_inputs import ThinkerPrompt, conversation, thinker_prompt
 from omni_mesh.engines.hf.speakers import speaker_name
-from omni_mesh.engines.hf.stepped import CheckpointStreamer, SteppedCall, TurnState, take_turn
+from omni_mesh.engines.hf.stepped import (
+    CheckpointStreamer,
+    SteppedCall,
+    TurnState,
+    has_at_least,
+    take_turn,
+)
 from omni_mesh.engines.reference.common import ReferenceEngine, extra_int
 
 DEFAULT_MODEL = "tiny-qwen3-omni"
@@ -138,7 +144,9 @@ class Qwen3OmniThinkerEngine(ReferenceEngine[ThinkerInput]):
         )
         sent = ""
         try:
-            while not take_turn(call, state, self.model, _reached(tokens, self.chunk_tokens)):
+            while not take_turn(
+                call, state, self.model, has_at_least(tokens, len(tokens) + self.chunk_tokens)
+            ):
                 text = self._stable_text(tokens)
                 if len(text) > len(sent):
                     delta = StageData(fields={"text": text[len(sent) :]})
@@ -233,12 +241,6 @@ def _sampling(request: EngineRequest) -> dict[str, Any]:
     kwargs["top_p"] = sampling.top_p if sampling.top_p is not None else 1.0
     kwargs["top_k"] = sampling.top_k if sampling.top_k else 0
     return kwargs
-
-
-def _reached(tokens: list[int], step: int) -> Callable[[], bool]:
-    """True once ``step`` more tokens than now have been generated."""
-    goal = len(tokens) + step
-    return lambda: len(tokens) >= goal
 
 
 def _f32(t: torch.Tensor) -> np.ndarray:

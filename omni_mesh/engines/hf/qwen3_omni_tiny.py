@@ -105,24 +105,11 @@ def write_tiny_model(folder: Path) -> None:
 
 
 def _write_tokenizer(folder: Path) -> dict[str, int]:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from omni_mesh.engines.vllm.tiny_models import training_corpus
+    from omni_mesh.engines.hf.tokenizer import train_byte_bpe
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=BPE_VOCAB,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(training_corpus(), trainer=trainer)
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
-    tok.add_tokens(list(ROLE_TOKENS))
-    if tok.get_vocab_size() > TEXT_VOCAB:
-        raise RuntimeError(f"tiny tokenizer has {tok.get_vocab_size()} ids, over {TEXT_VOCAB}")
+    tok = train_byte_bpe(BPE_VOCAB, SPECIAL_TOKENS, TEXT_VOCAB, ROLE_TOKENS)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",

@@ -15,7 +15,7 @@ unwinds ``generate``, and the thread is joined.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,3 +145,8 @@ def take_turn(call: SteppedCall, state: TurnState, model: Any, until: Callable[[
             state.attrs[name] = getattr(model, name)
         state.rng = torch.get_rng_state()
         torch.set_rng_state(saved)
+
+
+def has_at_least(items: Sized, n: int) -> Callable[[], bool]:
+    """An ``until`` for :func:`take_turn`: true once ``items`` holds ``n`` entries."""
+    return lambda: len(items) >= n

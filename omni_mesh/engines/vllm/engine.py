@@ -52,9 +52,9 @@ from omni_mesh.engines.base import (
     EngineResult,
     StageEngine,
 )
+from omni_mesh.engines.model_cache import default_cache_dir
 from omni_mesh.engines.vllm.args import build_engine_args, make_vllm_config
 from omni_mesh.engines.vllm.stream import VllmStream, pass_fields
-from omni_mesh.engines.vllm.tiny_models import default_cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -19,15 +19,11 @@ processes may race, the first atomic rename wins), anything else must be an exis
 from __future__ import annotations
 
 import json
-import logging
-import os
 import random
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
+from omni_mesh.engines.model_cache import build_once, default_cache_dir, existing_folder
 
 VERSION = 1
 SEED = 20261201
@@ -83,46 +79,17 @@ TINY_MODELS: dict[str, TinySpec] = {
 }
 
 
-def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/omni-mesh/models``, else ``~/.cache/omni-mesh/models``."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "omni-mesh" / "models"
-
-
 def resolve_model(model: str, cache_dir: Path | None = None) -> Path:
     """The folder vLLM should load for ``model`` (see the module docstring)."""
     if model in TINY_MODELS:
         return ensure_tiny_model(model, cache_dir or default_cache_dir())
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        names = ", ".join(sorted(TINY_MODELS))
-        raise TinyModelError(
-            f"model {model!r} is neither a tiny model ({names}) nor an existing model folder"
-        )
-    if not (path / "config.json").is_file():
-        raise TinyModelError(f"model folder {str(path)!r} has no config.json")
-    return path.resolve()
+    return existing_folder(model, TINY_MODELS, TinyModelError)
 
 
 def ensure_tiny_model(name: str, cache_dir: Path) -> Path:
     """Build tiny model ``name`` into ``cache_dir`` unless it is there already; its folder."""
     spec = TINY_MODELS[name]
-    target = cache_dir / f"{name}-v{VERSION}"
-    if (target / "config.json").is_file():
-        return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
-    try:
-        _write_model(spec, staging)
-        try:
-            staging.rename(target)
-            logger.info("built tiny model %s into %s", name, target)
-        except OSError:  # another process finished first: keep its copy
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return build_once(cache_dir / f"{name}-v{VERSION}", lambda folder: _write_model(spec, folder))
 
 
 def _write_model(spec: TinySpec, folder: Path) -> None:

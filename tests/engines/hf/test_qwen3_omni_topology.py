@@ -8,8 +8,6 @@ is replayed on the other talker with the same bytes."""
 from __future__ import annotations
 
 import base64
-import os
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -21,8 +19,7 @@ import pytest
 
 from omni_mesh.configs.loader import bundled_deploy_path
 from tests.engines.hf.omni_reference import audio_messages, expected, wav_samples
-from tests.procs import wait_until
-from tests.sidecar.topology import Topology, engine_pid
+from tests.sidecar.topology import Topology, kill_a_busy_engine
 
 pytestmark = [
     pytest.mark.integration,
@@ -148,18 +145,7 @@ def test_kill_9_of_a_talker_engine_mid_request_is_replayed(topo: Topology) -> No
     threads = [threading.Thread(target=run, args=(seed,)) for seed in seeds]
     for t in threads:
         t.start()
-    talkers = list(zip(topo.stages[1], topo.urls[1], strict=True))
-    victim: list[int] = []
-
-    def busy_talker() -> bool:
-        for proc, url in talkers:
-            if topo.metric(url, "omni_stage_in_flight") >= 1:
-                victim.append(engine_pid(proc))
-                return True
-        return False
-
-    wait_until(busy_talker, 60, interval=0.01)
-    os.kill(victim[0], signal.SIGKILL)
+    kill_a_busy_engine(topo, 1)  # a talker, mid-request
     for t in threads:
         t.join(180)
     for seed in seeds:

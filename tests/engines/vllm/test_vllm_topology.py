@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -21,8 +20,7 @@ import openai
 import pytest
 
 from omni_mesh.configs.loader import bundled_deploy_path
-from tests.procs import wait_until
-from tests.sidecar.topology import Topology, engine_pid, post_json
+from tests.sidecar.topology import Topology, kill_a_busy_engine, post_json
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -153,18 +151,7 @@ def test_kill_9_of_a_talker_engine_mid_generation_is_replayed(topo: Topology) ->
     for t in threads:
         t.start()
     # Kill the engine of a talker while it generates (hops in flight there).
-    talkers = list(zip(topo.stages[1], topo.urls[1], strict=True))
-    victim: list[int] = []
-
-    def busy_talker() -> bool:
-        for proc, url in talkers:
-            if topo.metric(url, "omni_stage_in_flight") >= 1:
-                victim.append(engine_pid(proc))
-                return True
-        return False
-
-    wait_until(busy_talker, 60, interval=0.01)
-    os.kill(victim[0], signal.SIGKILL)
+    kill_a_busy_engine(topo, 1)  # a talker, mid-request
     for t in threads:
         t.join(180)
     failed = {s: r for s, r in results.items() if r != expected[s]}

@@ -1,0 +1,57 @@
+"""The cache of tiny model folders, shared by the vLLM and transformers engines.
+
+A tiny model is built by code in this repository the first time it is needed, into
+``<cache>/<name>-v<version>``; several processes may race, the first atomic rename wins. A
+stage's ``model`` is either such a name or an existing Hugging Face folder (with its
+``config.json``): a real checkpoint takes the same path as a tiny one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/omni-mesh/models``, else ``~/.cache/omni-mesh/models``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "omni-mesh" / "models"
+
+
+def build_once(target: Path, write: Callable[[Path], None]) -> Path:
+    """``target``, written by ``write(folder)`` into a staging folder and renamed into place
+    unless it holds a ``config.json`` already (another process may have won the race)."""
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        write(staging)
+        try:
+            staging.rename(target)
+            logger.info("built tiny model %s", target)
+        except OSError:  # another process finished first: keep its copy
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def existing_folder(model: str, tiny_names: Iterable[str], error: type[ValueError]) -> Path:
+    """``model`` as an existing model folder; ``error`` naming the tiny names otherwise."""
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        names = ", ".join(sorted(tiny_names))
+        raise error(
+            f"model {model!r} is neither a tiny model ({names}) nor an existing model folder"
+        )
+    if not (path / "config.json").is_file():
+        raise error(f"model folder {str(path)!r} has no config.json")
+    return path.resolve()
