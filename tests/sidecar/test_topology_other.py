@@ -49,8 +49,17 @@ def test_tiny_image_1_2(tmp_path: Path, no_shm_leak: None) -> None:
         for image in images:
             assert image.b64_json is not None
             assert media_readers.read_png_size(base64.b64decode(image.b64_json)) == (64, 64)
-        for url in topo.urls[1]:
-            assert topo.metric(url, "omni_stage_requests_total", route="hop") > 0
+
+        # Both replicas take hops: stage 0's router learns of the second one from its own
+        # discovery refresh, a moment after omni-cp lists it, so a few more may be needed.
+        def hops(url: str) -> float:
+            return topo.metric(url, "omni_stage_requests_total", route="hop")
+
+        for i in range(24):
+            if all(hops(url) > 0 for url in topo.urls[1]):
+                break
+            client.images.generate(prompt=f"one more {i}", size="64x64")
+        assert all(hops(url) > 0 for url in topo.urls[1]), [hops(u) for u in topo.urls[1]]
     finally:
         topo.close()
 
