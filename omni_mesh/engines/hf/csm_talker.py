@@ -23,7 +23,8 @@ Input fields: ``prompt`` (the text to speak, UTF-8, at most ``max_prompt_bytes``
 ``default`` is speaker 0; anything else is a 400 listing the allowed voices), ``max_tokens``.
 
 Streaming (``async_chunk``, whole input): the generation runs in a :class:`SteppedCall` and
-yields every ``engine_extras.chunk_frames`` frames (default 10) the new frames' ``codes`` with
+yields its first ``engine_extras.first_chunk_frames`` frames (default 2: the first audio comes
+early), then every ``chunk_frames`` frames (default 10), the new frames' ``codes`` with
 the ``context_codes`` (up to ``context_frames``, default 25: the codec's left context) before
 them. Streams of several requests take turns frame by frame, each with its own KV cache; the
 torch RNG is swapped per request around each turn, so a request's codes do not depend on what
@@ -147,6 +148,7 @@ class CsmTalkerEngine(ReferenceEngine[TalkerInput]):
         ctx = self.ctx
         self.max_frames = extra_int(ctx, "max_frames", 256, 1, 1 << 15)
         self.chunk_frames = extra_int(ctx, "chunk_frames", 10, 1, 4096)
+        self.first_chunk_frames = extra_int(ctx, "first_chunk_frames", 2, 1, 4096)
         self.context_frames = extra_int(ctx, "context_frames", 25, 0, 4096)
         self.speakers = extra_int(ctx, "speakers", DEFAULT_SPEAKERS, 1, 1 << 16)
         self.max_prompt_bytes = extra_int(
@@ -249,7 +251,7 @@ class CsmTalkerEngine(ReferenceEngine[TalkerInput]):
         try:
             done = False
             while not done:
-                goal = sent + self.chunk_frames
+                goal = sent + (self.chunk_frames if sent else self.first_chunk_frames)
                 done = take_turn(call, state, self.model, has_at_least(frames, goal))
                 if len(frames) == sent and not done:
                     continue

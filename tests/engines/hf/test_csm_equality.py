@@ -32,7 +32,12 @@ class Stages:
     def __init__(self) -> None:
         self.greedy = make_engine("csm-tts", 0, do_sample=False, max_frames=FRAMES)
         self.sampled = make_engine(
-            "csm-tts", 0, max_frames=FRAMES, chunk_frames=CHUNK, context_frames=CONTEXT
+            "csm-tts",
+            0,
+            max_frames=FRAMES,
+            first_chunk_frames=CHUNK,
+            chunk_frames=CHUNK,
+            context_frames=CONTEXT,
         )
         self.code2wav = make_engine("csm-tts", 1)
 
@@ -99,6 +104,18 @@ def chunks_of(engine: StageEngine, data: StageData, seed: int) -> Iterator[Engin
     for result in stream:
         assert result is not None and result.error is None
         yield result
+
+
+def test_the_first_chunk_comes_after_first_chunk_frames(
+    stages: Stages, sampled_reference: tuple[np.ndarray, np.ndarray]
+) -> None:
+    codes, _ = sampled_reference
+    talker = make_engine("csm-tts", 0, max_frames=FRAMES, chunk_frames=CHUNK)  # first: 2
+    talker = stages.streaming(talker)
+    chunks = list(chunks_of(talker, speak(voice="1"), 11))
+    sizes = [c.output.arrays["codes"].shape[0] for c in chunks]
+    assert sizes[0] == 2 and all(n == CHUNK for n in sizes[1:-2])
+    assert np.array_equal(np.concatenate([c.output.arrays["codes"] for c in chunks]), codes)
 
 
 def test_streamed_codes_and_audio_equal_the_whole(
