@@ -125,6 +125,9 @@ class StageInput(Struct, kw_only=True):
     payload: Payload = msgspec.field(default_factory=Payload)
     priority: PriorityClass = "normal"  # every stage's admission queue orders by it
     tenant: Tenant = ""  # fair share between tenants of one class; "" = anonymous
+    # The final outputs the client wants (stage ids; () = every one): a stage hands inputs on
+    # only to the stages that lead to one of them (a text-only chat skips the audio stages).
+    final_stages: tuple[int, ...] = ()
 
 
 def is_whole(si: StageInput) -> bool:

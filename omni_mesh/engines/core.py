@@ -118,6 +118,8 @@ class EngineCore:
         }
         self._processors.update({s.stage_id: None for s in self.downstream if len(s.sources) > 1})
         self._join = join_assembler(pipeline, stage)  # None unless this stage is a join
+        # Each downstream stage and every stage after it (StageInput.final_stages).
+        self._leads_to = {s.stage_id: _reachable(pipeline, s.stage_id) for s in self.downstream}
         self._running: list[_Stream] = []
 
     @classmethod
@@ -360,6 +362,8 @@ class EngineCore:
         nexts = []
         for spec in self.downstream if next_chunk is not None else ():
             assert next_chunk is not None
+            if si.final_stages and self._leads_to[spec.stage_id].isdisjoint(si.final_stages):
+                continue  # nothing the client wants comes from there
             processor = self._processors[spec.stage_id]
             try:
                 data = processor(result.output) if processor is not None else result.output
@@ -389,6 +393,7 @@ class EngineCore:
                     payload=payload(data),
                     priority=si.priority,  # every stage's admission queue orders by them
                     tenant=si.tenant,
+                    final_stages=si.final_stages,
                 )
             )
         return StageOutput(
@@ -423,3 +428,15 @@ class EngineCore:
             last=True,
             error=StageError(code=code, message=message, stage_id=self.stage.stage_id),  # type: ignore[arg-type]
         )
+
+
+def _reachable(pipeline: PipelineSpec, stage_id: int) -> frozenset[int]:
+    """``stage_id`` and every stage downstream of it."""
+    seen = {stage_id}
+    todo = [stage_id]
+    while todo:
+        for nxt in pipeline.downstream(todo.pop()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return frozenset(seen)

@@ -244,10 +244,13 @@ async def chat(request: web.Request) -> web.StreamResponse:
     sampling = sampling_from(req, max_tokens=None, logprobs=top_logprobs)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options: only allowed when stream is true", "stream_options")
+    text_stage = final_stage(pod.pipeline, OutputKind.TEXT)
     streams = []
     for choice in choice_prompts(prompt, req.n):
         si = entry(pod, request, choice, sampling)
         si.payload.fields = {**si.payload.fields, "messages": messages}
+        if not want_audio and text_stage is not None:  # the audio stages need not run
+            si.final_stages = (text_stage,)
         streams.append(request_frames(pod, request, si))
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage

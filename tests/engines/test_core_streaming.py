@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -165,6 +166,18 @@ def test_held_chunks_build_no_next_input_and_the_next_stage_numbers_its_own() ->
     core, _ = chunky_core()
     outs = [step(core, si("b", chunks=3, hold=0b111))] + [step(core) for _ in range(2)]
     assert [[(n.chunk, n.last) for n in out.next] for (out,) in outs] == [[], [], [(0, True)]]
+
+
+def test_inputs_go_only_towards_the_final_stages_the_client_wants() -> None:
+    core = synthetic_core(0)
+    wanted = msgspec.structs.replace(si("a", stage_id=0), final_stages=(2,))
+    (out,) = step(core, wanted)
+    assert [(n.stage_id, n.final_stages) for n in out.next] == [(1, (2,))]  # s1 leads to s2
+    core = synthetic_core(1)
+    (out,) = step(core, msgspec.structs.replace(si("b"), final_stages=(1,)))
+    assert out.error is None and out.next == []  # nothing wanted after s1
+    (out,) = step(core, si("c"))
+    assert [n.stage_id for n in out.next] == [2]  # () wants every final output
 
 
 def test_new_requests_join_the_running_streams() -> None:

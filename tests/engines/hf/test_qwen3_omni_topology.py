@@ -78,6 +78,21 @@ def test_chat_equals_the_monolithic_model(topo: Topology, audio_in: bool) -> Non
     assert len(samples) > 1920 * 60  # 63 frames of 80 ms
 
 
+def test_a_text_only_chat_runs_the_thinker_alone(topo: Topology) -> None:
+    hops = [topo.metric(url, "omni_stage_requests_total", route="hop") for url in topo.urls[1]]
+    out = client(topo).chat.completions.create(
+        model=PIPELINE,
+        messages=TEXT,  # type: ignore[arg-type]
+        seed=7,
+        max_tokens=8,
+    )
+    assert out.choices[0].message.content == expected(TEXT, seed=7, max_tokens=8)[0]
+    assert out.choices[0].message.audio is None
+    assert out.usage is not None and out.usage.completion_tokens == 8
+    after = [topo.metric(url, "omni_stage_requests_total", route="hop") for url in topo.urls[1]]
+    assert after == hops  # no talker ran
+
+
 def test_streamed_chat_sends_text_token_by_token_then_audio(topo: Topology) -> None:
     text, samples = chat(topo, TEXT, seed=9)
     events = list(
