@@ -40,11 +40,22 @@ def topo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
             top.wait_discovered(stage_id, count, timeout=120)
         yield top
     finally:
+        for sdk in _CLIENTS.values():
+            sdk.close()
+        _CLIENTS.clear()
         top.close()
 
 
+_CLIENTS: dict[str, openai.OpenAI] = {}
+
+
 def client(topo: Topology) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{topo.api_url}/v1", api_key="none", max_retries=0)
+    """One SDK client per topology (thread-safe), closed with it: no sockets left to the GC."""
+    sdk = _CLIENTS.get(topo.api_url)
+    if sdk is None:
+        sdk = openai.OpenAI(base_url=f"{topo.api_url}/v1", api_key="none", max_retries=0)
+        _CLIENTS[topo.api_url] = sdk
+    return sdk
 
 
 def speech_pcm(topo: Topology, voice: str, seed: int) -> tuple[np.ndarray, float, float]:

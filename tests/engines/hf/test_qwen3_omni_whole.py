@@ -43,22 +43,22 @@ def topo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
 
 
 def test_whole_answers_equal_the_monolithic_model_bit_for_bit(topo: Topology) -> None:
-    sdk = openai.OpenAI(base_url=f"{topo.api_url}/v1", api_key="none", max_retries=0)
-    messages = [{"role": "user", "content": "hello, who are you?"}]
-    for seed in (3, 4):
-        out = sdk.chat.completions.create(
-            model=PIPELINE,
-            messages=messages,  # type: ignore[arg-type]
-            modalities=["text", "audio"],
-            audio={"voice": "ethan", "format": "wav"},
-            seed=seed,
-            max_tokens=6,
-        )
-        message = out.choices[0].message
-        assert message.audio is not None
-        text, samples = expected(messages, seed, max_tokens=6)
-        assert message.content == text
-        assert np.array_equal(wav_samples(base64.b64decode(message.audio.data)), samples)
+    with openai.OpenAI(base_url=f"{topo.api_url}/v1", api_key="none", max_retries=0) as sdk:
+        messages = [{"role": "user", "content": "hello, who are you?"}]
+        for seed in (3, 4):
+            out = sdk.chat.completions.create(
+                model=PIPELINE,
+                messages=messages,  # type: ignore[arg-type]
+                modalities=["text", "audio"],
+                audio={"voice": "ethan", "format": "wav"},
+                seed=seed,
+                max_tokens=6,
+            )
+            message = out.choices[0].message
+            assert message.audio is not None
+            text, samples = expected(messages, seed, max_tokens=6)
+            assert message.content == text
+            assert np.array_equal(wav_samples(base64.b64decode(message.audio.data)), samples)
 
 
 def _run(url: str, body: dict[str, Any]) -> dict[str, Any]:
