@@ -31,10 +31,17 @@ def monolithic() -> Any:
     return model
 
 
-def expected(messages: list[dict[str, Any]], seed: int, max_tokens: int) -> tuple[str, np.ndarray]:
-    """(text, PCM16 samples) of transformers' own generate: thinker greedy, talker sampled
-    after ``torch.manual_seed(seed)`` (the deploy config's talker defaults)."""
-    model = monolithic()
+def generate_whole(
+    model: Any,
+    messages: list[dict[str, Any]],
+    *,
+    seed: int,
+    max_tokens: int,
+    frames: int,
+    sample_talker: bool,
+) -> tuple[int, np.ndarray, np.ndarray]:
+    """(prompt tokens, sequences, waveform) of transformers' own ``generate`` of the whole
+    model after ``torch.manual_seed(seed)``: thinker greedy, the talker as asked."""
     prompt = thinker_prompt(
         model.tokenizer, model.features, conversation("ref", json.dumps(messages), None, 16000)
     )
@@ -51,14 +58,23 @@ def expected(messages: list[dict[str, Any]], seed: int, max_tokens: int) -> tupl
             attention_mask=prompt.attention_mask,
             thinker_max_new_tokens=max_tokens,
             thinker_eos_token_id=model.config.im_end_token_id,
-            talker_max_new_tokens=TALKER_FRAMES,
-            talker_do_sample=True,
+            talker_max_new_tokens=frames,
+            talker_do_sample=sample_talker,
             speaker="ethan",
             **extra,
         )
-    n = prompt.input_ids.shape[1]
-    text = model.tokenizer.decode(sequences[0, n:], skip_special_tokens=True)
-    pcm = np.frombuffer(media.pcm_bytes(wav.reshape(-1).numpy()), np.int16)
+    return int(prompt.input_ids.shape[1]), sequences[0].numpy(), wav.reshape(-1).numpy()
+
+
+def expected(messages: list[dict[str, Any]], seed: int, max_tokens: int) -> tuple[str, np.ndarray]:
+    """(text, PCM16 samples) of the monolithic model with the deploy config's talker defaults
+    (sampled, ``TALKER_FRAMES``)."""
+    model = monolithic()
+    n, sequences, wav = generate_whole(
+        model, messages, seed=seed, max_tokens=max_tokens, frames=TALKER_FRAMES, sample_talker=True
+    )
+    text = model.tokenizer.decode(sequences[n:], skip_special_tokens=True)
+    pcm = np.frombuffer(media.pcm_bytes(wav), np.int16)
     return text, pcm
 
 

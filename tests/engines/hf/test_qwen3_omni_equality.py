@@ -81,38 +81,25 @@ def reference(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Monolithic generate: (sequences, codes [F, G], waveform), the codes read off the talker's
     forward outputs as generate itself collects them."""
-    prompt = thinker_prompt(
-        model.tokenizer, model.features, conversation("ref", json.dumps(messages), None, 16000)
-    )
     codes: list[np.ndarray] = []
 
     def grab(module: Any, args: Any, output: Any) -> None:
         if output.hidden_states[1] is not None:
             codes.append(output.hidden_states[1][0].numpy())
 
-    extra: dict[str, Any] = {}
-    if prompt.input_features is not None:
-        extra = {
-            "input_features": prompt.input_features,
-            "feature_attention_mask": prompt.feature_attention_mask,
-        }
     hook = model.talker.register_forward_hook(grab)
     try:
-        torch.manual_seed(seed)
-        with torch.inference_mode():
-            sequences, wav = model.generate(
-                input_ids=prompt.input_ids,
-                attention_mask=prompt.attention_mask,
-                thinker_max_new_tokens=TOKENS,
-                thinker_eos_token_id=model.config.im_end_token_id,
-                talker_max_new_tokens=FRAMES,
-                talker_do_sample=sample_talker,
-                speaker="ethan",
-                **extra,
-            )
+        _, sequences, wav = omni_reference.generate_whole(
+            model,
+            messages,
+            seed=seed,
+            max_tokens=TOKENS,
+            frames=FRAMES,
+            sample_talker=sample_talker,
+        )
     finally:
         hook.remove()
-    return sequences[0].numpy(), np.stack(codes), wav.reshape(-1).numpy()
+    return sequences, np.stack(codes), wav
 
 
 def chat(messages: list[dict[str, Any]], **fields: Any) -> StageData:
