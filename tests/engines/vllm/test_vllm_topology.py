@@ -14,6 +14,7 @@ import base64
 import json
 import signal
 import threading
+import time
 from collections.abc import Iterator
 
 import openai
@@ -22,7 +23,11 @@ import pytest
 from omni_mesh.configs.loader import bundled_deploy_path
 from tests.sidecar.topology import Topology, kill_a_busy_engine, post_json
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+# 600 s: the first test's timeout also covers the module's start-up (three vLLM engines on the
+# 2 cores, which on a loaded machine took more than 180 s to be all discovered).
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+DISCOVERY_S = 420.0  # every pod of the topology discovered, all together
 
 PIPELINE = "tiny-omni-vllm"
 
@@ -35,8 +40,9 @@ def topo(vllm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> 
     top = Topology(PIPELINE, [1, 2, 1], log_dir, extra_stage_args=["--deploy-config", str(overlay)])
     try:  # free_port() picks below the ephemeral range: vLLM's own sockets cannot take them
         top.start()
+        deadline = time.monotonic() + DISCOVERY_S
         for stage_id, count in enumerate(top.replicas):
-            top.wait_discovered(stage_id, count, timeout=180)
+            top.wait_discovered(stage_id, count, timeout=max(1.0, deadline - time.monotonic()))
         yield top
     finally:
         # SIGTERM to every pod at once (each drains and stops its vLLM engine in seconds; one by
