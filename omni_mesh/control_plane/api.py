@@ -1,6 +1,7 @@
 """HTTP handlers of the control plane (DESIGN §6): registration, heartbeats, discovery, operator
 actions, suspect reports (probed in ``suspect.py``), health and metrics. The long-poll/SSE
-watch lives in ``watch.py``, the stage scale resource (autoscaling) in ``routes_scale.py``.
+watch lives in ``watch.py``, the stage scale resource (autoscaling) in ``routes_scale.py``,
+realtime sessions in ``routes_sessions.py``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pydantic import BaseModel
 from redis.exceptions import RedisError
 
 from omni_mesh.configs.pipeline import UnknownPipelineError, get_pipeline
-from omni_mesh.control_plane import appkeys, routes_scale, watch
+from omni_mesh.control_plane import appkeys, routes_scale, routes_sessions, watch
 from omni_mesh.control_plane.autoscaler import refresh_gauges
 from omni_mesh.control_plane.errors import ConflictError, NotFoundError
 from omni_mesh.control_plane.inputs import (
@@ -73,6 +74,7 @@ async def metrics(request: web.Request) -> web.Response:
     try:
         await _refresh_instance_gauge(app)
         await refresh_gauges(app[appkeys.STORE].scale, app[appkeys.METRICS].autoscale)
+        await routes_sessions.refresh_gauge(app)
     except RedisError as exc:
         REDIS_UNAVAILABLE("redis unavailable: GET /metrics, instance counts stale: %s", exc)
     body = generate_latest(app[appkeys.METRICS].registry)
@@ -305,3 +307,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/pipelines/{pipeline}/stages/{stage_id}/instances", pool_instances)
     app.router.add_get("/v1/watch", watch.watch)
     routes_scale.add_routes(app)
+    routes_sessions.add_routes(app)

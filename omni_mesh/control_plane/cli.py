@@ -25,12 +25,12 @@ from omni_mesh.configs.settings_flags import (
     flag_specs,
     settings_error_text,
 )
-from omni_mesh.control_plane.client import ControlPlaneClient
+from omni_mesh.control_plane.client import ControlPlaneClient, SessionNotFound, SessionsClient
 from omni_mesh.control_plane.embedded_redis import EmbeddedRedisError
 from omni_mesh.control_plane.errors import ControlPlaneError, ControlPlaneUnavailableError
 from omni_mesh.control_plane.redis_conn import RedisUrlError, check_url, redact
 from omni_mesh.control_plane.server import ServeError, ServingInfo, serve_forever
-from omni_mesh.control_plane.status import render_status
+from omni_mesh.control_plane.status import render_sessions, render_status
 
 #: ``omni-cp serve``'s flags: one per setting, each also read from ``OMNI_CP_<FIELD>``.
 SERVE_FLAGS = flag_specs(ControlPlaneSettings)
@@ -123,7 +123,12 @@ async def _fetch_status(settings: ControlPlaneClientSettings, pipeline: str | No
     async with ControlPlaneClient(
         settings.urls, auth_token=settings.token, timeout_s=settings.timeout_s
     ) as client:
-        return render_status(await client.pipelines(), pipeline=pipeline)
+        table = render_status(await client.pipelines(), pipeline=pipeline)
+        try:
+            sessions = render_sessions(await SessionsClient(client).counts(), pipeline=pipeline)
+        except SessionNotFound:  # an omni-cp from before sessions
+            sessions = ""
+        return f"{table}\n\n{sessions}" if sessions else table
 
 
 def cmd_status(parser: argparse.ArgumentParser, args: dict[str, Any]) -> int:

@@ -17,6 +17,7 @@ class ApiError(Exception):
 
     status: int = 400
     type: str = "invalid_request_error"
+    code: str | None = None  # a machine-readable code ("session_fenced"); default: the status
 
     def __init__(
         self,
@@ -34,7 +35,7 @@ class ApiError(Exception):
 
     def body(self) -> ErrorBody:
         detail = ErrorDetail(
-            message=self.message, type=self.type, param=self.field, code=self.status
+            message=self.message, type=self.type, param=self.field, code=self.code or self.status
         )
         return ErrorBody(error=detail)
 
@@ -59,6 +60,13 @@ class ConflictError(ApiError):
 
     status = 409
     type = "conflict"
+
+
+class SessionFencedError(ConflictError):
+    """409 ``session_fenced``: a write carrying an epoch that is not the session's (another API
+    server claimed it since), or to a released session."""
+
+    code = "session_fenced"
 
 
 class PayloadTooLargeError(ApiError):
@@ -119,12 +127,14 @@ class ControlPlaneRequestError(ControlPlaneError):
         *,
         field: str | None = None,
         stage: int | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
         self.message = message
         self.field = field
         self.stage = stage
+        self.code = code  # the answer's string error code, when it has one
 
 
 class ControlPlaneAuthError(ControlPlaneRequestError):
@@ -133,3 +143,12 @@ class ControlPlaneAuthError(ControlPlaneRequestError):
 
 class InstanceUnknownError(ControlPlaneRequestError):
     """404 on an instance route: the control plane does not know the id (re-register)."""
+
+
+class SessionNotFound(ControlPlaneRequestError):
+    """404 on a session route: the session does not exist (never created, deleted or expired)."""
+
+
+class SessionFenced(ControlPlaneRequestError):
+    """409 ``session_fenced``: the session was claimed by another owner since this one's claim
+    (or released): this owner must stop writing it."""

@@ -51,18 +51,26 @@ def describe_validation_error(exc: ValidationError) -> tuple[str, str]:
     return message, field
 
 
-async def read_model(request: web.Request, model: type[M], *, allow_empty: bool = False) -> M:
-    """Read a bounded JSON-object body and validate it into ``model``."""
+async def read_model(
+    request: web.Request,
+    model: type[M],
+    *,
+    allow_empty: bool = False,
+    max_bytes: int = MAX_BODY_BYTES,
+) -> M:
+    """Read a bounded JSON-object body (at most ``max_bytes``) and validate it into ``model``."""
     length = request.content_length
-    if length is not None and length > MAX_BODY_BYTES:
+    if length is not None and length > max_bytes:
         raise PayloadTooLargeError(
-            f"request body is {length} bytes; the limit is {MAX_BODY_BYTES}", field="body"
+            f"request body is {length} bytes; the limit is {max_bytes}", field="body"
         )
+    if max_bytes != request.client_max_size:
+        request = request.clone(client_max_size=max_bytes)
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise PayloadTooLargeError(
-            f"request body exceeds the limit of {MAX_BODY_BYTES} bytes", field="body"
+            f"request body exceeds the limit of {max_bytes} bytes", field="body"
         ) from None
     except web.RequestPayloadError as exc:
         raise body_unreadable(request, exc) from None

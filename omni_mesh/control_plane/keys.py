@@ -20,6 +20,12 @@
                                              a digest of the stage list); replaced by the next
                                              registration once no instance of the pipeline holds
                                              a live lease (its last one left or expired)
+    omni:session:{session_id}        hash    one realtime session (fields: see SESSION_FIELDS and
+                                             "item:{item_id}" per item); PX expiry: 120 s while
+                                             owned (renewed by writes and touches), the release
+                                             TTL once released
+    omni:sessions:{pipeline}         zset    session_id -> expiry deadline (Redis server ms) of
+                                             the pipeline's sessions; entries past it are pruned
 
 The Lua scripts compute instance, pool and version keys from ids they read inside the script
 (a heartbeat knows only the instance id). They receive the prefixes below as arguments
@@ -54,6 +60,18 @@ INSTANCE_FIELDS: tuple[str, ...] = (
     "pool",  # the set it is a member of (a stage pool, or the pipeline's API servers)
     "settings",  # JSON object: its pipeline-wide settings, checked again when it is readmitted
 )
+
+# Fields of a session hash besides its items ("item:{item_id}", see SESSION_ITEM_PREFIX).
+SESSION_FIELDS: tuple[str, ...] = (
+    "pipeline",
+    "owner",  # the API server instance id that holds it, "" once released
+    "epoch",  # fencing token: bumped by every claim
+    "config",  # JSON object
+    "order",  # JSON list of the item ids, in conversation order
+    "size",  # bytes of config + order + items (the limit is checked against it)
+    "updated_ms",  # Redis server time of the last write
+)
+SESSION_ITEM_PREFIX = "item:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +178,23 @@ class KeySchema:
 
     def fingerprint(self, pipeline: str) -> str:
         return f"{self.fingerprint_prefix}{pipeline}"
+
+    # ---- realtime sessions -----------------------------------------------------------------
+
+    @property
+    def session_prefix(self) -> str:
+        return f"{self.prefix}session:"
+
+    def session(self, session_id: str) -> str:
+        return f"{self.session_prefix}{session_id}"
+
+    @property
+    def sessions_prefix(self) -> str:
+        return f"{self.prefix}sessions:"
+
+    def sessions(self, pipeline: str) -> str:
+        """The pipeline's sessions by expiry deadline."""
+        return f"{self.sessions_prefix}{pipeline}"
 
     def lua_prefixes(self) -> tuple[str, str, str, str]:
         """(instance, pool, version, channel) prefixes, in the order the scripts expect."""

@@ -1,11 +1,13 @@
 """``omni-cp status``: a ``kubectl get``-like table of every instance the control plane knows,
-with each autoscaled stage's desired replica count (a stage at zero gets a row of its own)."""
+with each autoscaled stage's desired replica count (a stage at zero gets a row of its own), and
+a line per pipeline with realtime sessions."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from omni_mesh.control_plane.schema import InstanceInfo, PipelineList
+from omni_mesh.control_plane.session_schema import SessionCounts
 
 COLUMNS = (
     "PIPELINE",
@@ -85,3 +87,12 @@ def render_status(listing: PipelineList, *, pipeline: str | None = None) -> str:
     keyed += [((p, s, -1, ""), _empty_stage_row(p, s, desired[(p, s)])) for p, s in empty]
     keyed.sort(key=lambda kr: kr[0])
     return render_table([row for _, row in keyed])
+
+
+def render_sessions(counts: Sequence[SessionCounts], *, pipeline: str | None = None) -> str:
+    """``sessions pipeline=P owned=N released=M``, one line per pipeline with sessions."""
+    return "\n".join(
+        f"sessions pipeline={c.pipeline} owned={c.owned} released={c.released}"
+        for c in sorted(counts, key=lambda c: c.pipeline)
+        if (pipeline is None or c.pipeline == pipeline) and (c.owned or c.released)
+    )

@@ -32,6 +32,7 @@ from omni_mesh.control_plane.schema import (
     PoolSnapshot,
     RegisterRequest,
 )
+from omni_mesh.control_plane.session_store import SessionStore
 
 #: A heartbeat arriving sooner than this after a probe isolated its instance (``unreachable``)
 #: does not readmit it: it may have been sent just before the process died.
@@ -160,6 +161,7 @@ class InstanceStore:
         self._release = redis.register_script(scripts.RELEASE_LOCK)
         self._snapshot = redis.register_script(scripts.SNAPSHOT)
         self.scale = ScaleStore(redis, self.keys)  # autoscaling state (omni:scale:*)
+        self.sessions = SessionStore(redis, self.keys)  # realtime sessions (omni:session:*)
 
     async def ping(self) -> bool:
         return bool(await self.redis.ping())

@@ -5,6 +5,8 @@
 - :class:`PoolWatcher` - a local cache of a pipeline's healthy pools fed by the watch API.
 - :class:`SuspectReporter` - reports replicas a router could not connect to (a router's
   ``on_eject`` callback).
+- :class:`SessionsClient` - realtime sessions (create, claim, patch, release, touch), fenced by
+  epoch (:class:`SessionFenced`).
 
 Request/response models and errors are re-exported from ``schema`` and ``errors``.
 """
@@ -12,6 +14,7 @@ Request/response models and errors are re-exported from ``schema`` and ``errors`
 from omni_mesh.control_plane.client.backoff import Backoff
 from omni_mesh.control_plane.client.http import ControlPlaneClient
 from omni_mesh.control_plane.client.lease import InstanceLease
+from omni_mesh.control_plane.client.sessions import SessionsClient
 from omni_mesh.control_plane.client.suspects import SuspectReporter
 from omni_mesh.control_plane.client.watcher import ChangeListener, PoolWatcher
 from omni_mesh.control_plane.errors import (
@@ -21,6 +24,8 @@ from omni_mesh.control_plane.errors import (
     ControlPlaneUnavailableError,
     EndpointFailure,
     InstanceUnknownError,
+    SessionFenced,
+    SessionNotFound,
 )
 from omni_mesh.control_plane.schema import (
     HeartbeatAck,
@@ -39,6 +44,13 @@ from omni_mesh.control_plane.schema import (
     ScaleInputs,
     ScaleStatus,
     SuspectResult,
+)
+from omni_mesh.control_plane.session_schema import (
+    SessionCounts,
+    SessionItem,
+    SessionState,
+    SessionSummary,
+    SessionTouchResult,
 )
 
 __all__ = [
@@ -68,6 +80,14 @@ __all__ = [
     "ScaleDirection",
     "ScaleInputs",
     "ScaleStatus",
+    "SessionCounts",
+    "SessionFenced",
+    "SessionItem",
+    "SessionNotFound",
+    "SessionState",
+    "SessionSummary",
+    "SessionTouchResult",
+    "SessionsClient",
     "SuspectReporter",
     "SuspectResult",
 ]

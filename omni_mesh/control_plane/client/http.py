@@ -9,6 +9,7 @@ answered and moves on to the next on a connection error, a timeout or a 5xx. 4xx
 from __future__ import annotations
 
 import errno
+import io
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -54,6 +55,7 @@ logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 
 _RETRY_SAME_URL = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+_STREAM_BODY_BYTES = 512 * 1024
 
 
 class ControlPlaneClient:
@@ -195,6 +197,18 @@ class ControlPlaneClient:
 
     # ---- transport -----------------------------------------------------------------------
 
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: BaseModel | None = None,
+        params: Mapping[str, str] | None = None,
+    ) -> bytes:
+        """One call with this client's failover, for the typed clients of other resources
+        (``SessionsClient``): the answer's body, or the errors the methods above raise."""
+        return await self._call(method, path, body=body, params=params)
+
     async def _call(
         self,
         method: str,
@@ -247,8 +261,11 @@ class ControlPlaneClient:
         client_timeout: aiohttp.ClientTimeout,
     ) -> tuple[int, bytes]:
         headers = {"Content-Type": "application/json"} if data is not None else None
+        # A large body (a session's items) goes as a stream: raw bytes that big would make
+        # aiohttp warn that they block the event loop.
+        payload = io.BytesIO(data) if data is not None and len(data) > _STREAM_BODY_BYTES else data
         async with self._get_session().request(
-            method, url, data=data, params=params, headers=headers, timeout=client_timeout
+            method, url, data=payload, params=params, headers=headers, timeout=client_timeout
         ) as response:
             return response.status, await response.read()
 
@@ -313,13 +330,14 @@ def _check(status: int, payload: bytes, *, instance: bool) -> bytes:
     try:
         err = ErrorBody.model_validate_json(payload).error
         message, field, stage = err.message, err.param, None
+        code = err.code if isinstance(err.code, str) else None
     except ValidationError:
-        message, field, stage = payload[:200].decode(errors="replace"), None, None
+        message, field, stage, code = payload[:200].decode(errors="replace"), None, None, None
     if status == 401:
         raise ControlPlaneAuthError(status, message, field=field)
     if status == 404 and instance:
         raise InstanceUnknownError(status, message, field=field)
-    raise ControlPlaneRequestError(status, message, field=field, stage=stage)
+    raise ControlPlaneRequestError(status, message, field=field, stage=stage, code=code)
 
 
 def _parse(model: type[M], payload: bytes) -> M:
