@@ -25,8 +25,8 @@ typecheck: install
 
 # Debian packages some tests need: promtool/prometheus and docker-compose (tests/observability);
 # redis-server, redis-sentinel and openssl (tests/control_plane: Sentinel failover, TLS);
-# iproute2 (ip netns, tc netem: tests/multihost). Installed only when missing and we are root;
-# otherwise those tests skip.
+# iproute2 (ip netns, tc netem: tests/multihost); espeak-ng (real speech: the realtime tests).
+# Installed only when missing and we are root; otherwise those tests skip.
 test-tools:
 	@missing=""; \
 	{ command -v promtool && command -v prometheus; } >/dev/null 2>&1 || missing="$$missing prometheus"; \
@@ -35,6 +35,7 @@ test-tools:
 	command -v redis-sentinel >/dev/null 2>&1 || missing="$$missing redis-sentinel"; \
 	command -v openssl >/dev/null 2>&1 || missing="$$missing openssl"; \
 	{ command -v ip && command -v tc; } >/dev/null 2>&1 || missing="$$missing iproute2"; \
+	command -v espeak-ng >/dev/null 2>&1 || missing="$$missing espeak-ng"; \
 	if [ -z "$$missing" ]; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	  echo "make: installing$$missing (Debian packages) for tests"; \

@@ -84,6 +84,27 @@ class StageSettings(BaseSettings):
     max_body_bytes: int = Field(
         default=256 * 1024 * 1024, ge=1024, le=1 << 34, description="Largest accepted HTTP body."
     )
+    realtime_max_sessions: int = Field(
+        default=1000,
+        ge=0,
+        le=1_000_000,
+        description="Realtime WebSocket sessions an API server holds at once; one more is "
+        "refused with 503 (0: no /v1/realtime).",
+    )
+    realtime_send_queue_bytes: int = Field(
+        default=4 * 1024 * 1024,
+        ge=64 * 1024,
+        le=1 << 30,
+        description="Server events a realtime session queues for a slow client before it is "
+        "told (error slow_consumer) and disconnected.",
+    )
+    realtime_session_ttl_s: float = Field(
+        default=600.0,
+        ge=1,
+        le=7 * 24 * 3600,
+        description="How long the control plane keeps a realtime session after its socket "
+        "closed (a client reconnects with ?session_id= to continue it).",
+    )
     hop_connect_timeout_s: float = Field(
         default=0.3,
         gt=0,

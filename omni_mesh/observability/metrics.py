@@ -49,6 +49,7 @@ CP_WATCHERS = "omni_cp_watchers"
 CP_SWEEPER_LEADER = "omni_cp_sweeper_leader"
 CP_SWEEP_DURATION = "omni_cp_sweep_duration_seconds"
 CP_REQUEST_DURATION = "omni_cp_http_request_duration_seconds"
+CP_SESSIONS = "omni_cp_sessions"
 # Autoscaling (gauges refreshed from Redis on scrape: every omni-cp serves the same values).
 CP_DESIRED_REPLICAS = "omni_cp_desired_replicas"
 CP_RECOMMENDED_REPLICAS = "omni_cp_recommended_replicas"
@@ -144,6 +145,12 @@ class ControlPlaneMetrics:
             "Control-plane API request latency by route template, method and status.",
             ["route", "method", "status"],
             buckets=HTTP_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.sessions = Gauge(
+            CP_SESSIONS,
+            "Realtime sessions by pipeline and state (owned, released), refreshed on scrape.",
+            ["pipeline", "state"],
             registry=registry,
         )
         self.autoscale = AutoscaleMetrics(registry)
@@ -248,6 +255,10 @@ SC_QUEUE_LENGTH = "omni_stage_queue_length"
 SC_QUEUE_WAIT = "omni_stage_queue_wait_seconds"
 SC_SHED = "omni_stage_shed"
 SC_ADMITTED = "omni_stage_admitted"
+# Realtime sessions (/v1/realtime) of an API server.
+SC_REALTIME_SESSIONS = "omni_realtime_sessions"
+SC_REALTIME_RESPONSES = "omni_realtime_responses"
+SC_REALTIME_FIRST_AUDIO = "omni_realtime_first_audio_seconds"
 
 # Latency buckets (seconds) for whole stage executions and pipelines: 1 ms .. 2 min.
 STAGE_LATENCY_BUCKETS: tuple[float, ...] = (
@@ -413,5 +424,25 @@ class SidecarMetrics:
             SC_ADMITTED,
             "Requests admitted into a slot (at once or after queueing), by priority class.",
             ["pipeline", "stage", "priority"],
+            registry=registry,
+        )
+        self.realtime_sessions = Gauge(
+            SC_REALTIME_SESSIONS,
+            "Realtime WebSocket sessions this API server holds, by state (idle, speaking: the "
+            "VAD hears the user, responding).",
+            ["pipeline", "state"],
+            registry=registry,
+        )
+        self.realtime_responses = Counter(
+            SC_REALTIME_RESPONSES,
+            "Realtime responses by final status (completed, incomplete, cancelled, failed).",
+            ["pipeline", "status"],
+            registry=registry,
+        )
+        self.realtime_first_audio = Histogram(
+            SC_REALTIME_FIRST_AUDIO,
+            "Realtime: from response start (commit or response.create) to its first audio delta.",
+            ["pipeline"],
+            buckets=STAGE_LATENCY_BUCKETS,
             registry=registry,
         )

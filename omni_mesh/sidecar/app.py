@@ -40,6 +40,8 @@ from omni_mesh.data_plane.signing import hop_token
 from omni_mesh.observability.children import labelled
 from omni_mesh.observability.metrics import SidecarMetrics
 from omni_mesh.sidecar import routes_api, routes_hop, routes_run
+from omni_mesh.sidecar.api.realtime.cp_store import ControlPlaneSessionStore
+from omni_mesh.sidecar.api.realtime.route import REALTIME
 from omni_mesh.sidecar.appkeys import POD
 from omni_mesh.sidecar.early_shed import SHEDDABLE_ROUTES, EarlyShed
 from omni_mesh.sidecar.engine_client import EngineClient
@@ -243,7 +245,12 @@ async def _control_plane_ctx(app: web.Application) -> AsyncIterator[None]:
         client, request, lambda: _load(pod), on_refused=lambda exc: _refused(pod, exc)
     )
     app[LEASE] = lease
+    hub = app.get(REALTIME)
+    if hub is not None:  # realtime sessions live in the control plane's store
+        hub.attach_store(ControlPlaneSessionStore(client))
     yield
+    if hub is not None:
+        await hub.close()
     pod.router.on_eject = None
     await suspects.close()
     pod.hop.on_empty_pool = None

@@ -216,6 +216,11 @@ class HopHttpClient:
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
             self._discard(conn)
             raise conn.error(exc) from exc
+        except RuntimeError as exc:  # uvloop: a write on a transport closed under the call
+            if not conn.writer.is_closing():
+                raise
+            self._discard(conn)
+            raise conn.error(exc) from exc
         except BaseException:  # timeout, cancel, too large: the connection is not reusable
             self._discard(conn)
             raise

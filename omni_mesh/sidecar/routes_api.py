@@ -33,6 +33,7 @@ from omni_mesh.data_plane import wire
 from omni_mesh.data_plane.messages import Prompt, SamplingParams
 from omni_mesh.sidecar import routes_completions
 from omni_mesh.sidecar.admission import openai_priority
+from omni_mesh.sidecar.api.realtime import route as realtime_route
 from omni_mesh.sidecar.appkeys import POD
 from omni_mesh.sidecar.chat_answer import ChatEvents, chat_completion
 from omni_mesh.sidecar.choices import choice_prompts, collect_choices, respond_choices
@@ -344,3 +345,4 @@ def add_routes(app: web.Application, *, client_api: bool) -> None:
         app.router.add_post("/v1/chat/completions", chat)
         routes_completions.add_routes(app)  # /v1/completions
         app.router.add_post("/v1/images/generations", images)
+        realtime_route.add_routes(app)  # /v1/realtime (WebSocket)

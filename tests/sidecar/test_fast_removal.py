@@ -235,6 +235,17 @@ class Traffic:
             thread.join(timeout=35)
 
 
+def logged_tracebacks(log_dir: Path) -> list[str]:
+    """The tracebacks the pods logged (a 500 says only "internal error (logged)")."""
+    found = []
+    for log in sorted(log_dir.glob("*.err")):
+        text = log.read_text(errors="replace")
+        at = text.find("Traceback")
+        if at >= 0:
+            found.append(f"{log.name}: {text[max(0, at - 300) : at + 3000]}")
+    return found
+
+
 @pytest.mark.integration
 @pytest.mark.e2e
 @pytest.mark.timeout(180)
@@ -269,7 +280,10 @@ def test_kill_9_with_traffic_leaves_discovery_within_a_second(tmp_path: Path) ->
         assert removal_s <= 1.5, f"took {removal_s:.3f}s (the lease alone takes ~3 s)"
 
         assert topo.discovered(1) == [survivor_url], "the survivor stays in the pool"
-        assert traffic.statuses and set(traffic.statuses) == {200}, traffic.errors[:3]
+        assert traffic.statuses and set(traffic.statuses) == {200}, (
+            traffic.errors[:3],
+            logged_tracebacks(tmp_path),
+        )
         assert topo.cp is not None
         everything = json.loads(
             http_get(f"{topo.cp.url}/v1/pipelines/synthetic/stages/1/instances?all=1")

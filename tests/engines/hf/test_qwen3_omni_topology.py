@@ -17,7 +17,6 @@ import numpy as np
 import openai
 import pytest
 
-from omni_mesh.configs.loader import bundled_deploy_path
 from tests.engines.hf.omni_reference import audio_messages, expected, wav_samples
 from tests.sidecar.topology import Topology, kill_a_busy_engine
 
@@ -32,20 +31,13 @@ TEXT = [{"role": "user", "content": "tell me a story about a small robot"}]
 
 
 @pytest.fixture(scope="module")
-def topo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
-    log_dir = tmp_path_factory.mktemp("qwen3-omni")
-    config = ["--deploy-config", str(bundled_deploy_path(PIPELINE))]
-    top = Topology(PIPELINE, [1, 2, 1], log_dir, extra_stage_args=config)
+def topo(qwen3_omni_topology: Topology) -> Iterator[Topology]:
     try:
-        top.start()
-        for stage_id, count in enumerate(top.replicas):
-            top.wait_discovered(stage_id, count, timeout=120)
-        yield top
+        yield qwen3_omni_topology
     finally:
         for sdk in _CLIENTS.values():
             sdk.close()
         _CLIENTS.clear()
-        top.close()
 
 
 _CLIENTS: dict[str, openai.OpenAI] = {}

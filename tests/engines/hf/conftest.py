@@ -1,0 +1,44 @@
+"""One qwen3-omni topology (1:2:1, omni-cp, an API server) for every test module here that
+needs it: started by the first, closed when the run leaves this folder (a topology takes
+~20 s to start on 2 cores; the chat and the realtime tests share it)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from omni_mesh.configs.loader import bundled_deploy_path
+from tests.sidecar.topology import Topology
+
+QWEN3_OMNI = "qwen3-omni"
+_HERE = Path(__file__).parent
+_SHARED: dict[str, Topology] = {}
+
+
+def _close_shared() -> None:
+    for top in _SHARED.values():
+        top.close()
+    _SHARED.clear()
+
+
+@pytest.fixture(scope="session")
+def qwen3_omni_topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
+    log_dir = tmp_path_factory.mktemp(QWEN3_OMNI)
+    config = ["--deploy-config", str(bundled_deploy_path(QWEN3_OMNI))]
+    top = Topology(QWEN3_OMNI, [1, 2, 1], log_dir, extra_stage_args=config)
+    _SHARED[QWEN3_OMNI] = top
+    try:
+        top.start()
+        for stage_id, count in enumerate(top.replicas):
+            top.wait_discovered(stage_id, count, timeout=120)
+        yield top
+    finally:
+        _close_shared()
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """The shared topology goes when the next test is not in this folder."""
+    if _SHARED and (nextitem is None or _HERE not in nextitem.path.parents):
+        _close_shared()

@@ -1,0 +1,494 @@
+"""Realtime sessions (``/v1/realtime``, OpenAI Realtime GA) on qwen3-omni served 1:2:1, driven
+by the official SDK (``client.realtime.connect``): real speech from espeak-ng, the server's VAD,
+the committed audio heard by the thinker, text and audio deltas streamed from the stages,
+barge-in that cancels the response at every stage, truncation, sessions that another API server
+resumes from the control plane, bad input that leaves every session unharmed."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect as ws_connect
+
+from tests.procs import ManagedProcess, clean_env, wait_until
+from tests.sidecar.realtime.speech import noise, silence, speech
+from tests.sidecar.topology import LOCALHOST, Topology, engine_pid, free_port, http_get
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.timeout(300),
+    pytest.mark.filterwarnings("ignore:Passing `repetition_penalty`:UserWarning"),
+]
+
+PIPELINE = "qwen3-omni"
+RATE = 24000
+#: A response that ran to its end: ``incomplete`` when it hit max_output_tokens (tests keep it low).
+ANSWERED = ("completed", "incomplete")
+VAD = {"type": "server_vad", "silence_duration_ms": 400, "prefix_padding_ms": 200}
+
+
+@pytest.fixture(scope="module")
+def topo(qwen3_omni_topology: Topology) -> Iterator[Topology]:
+    yield qwen3_omni_topology
+
+
+@pytest.fixture(scope="module")
+def sdk(topo: Topology) -> Iterator[openai.OpenAI]:
+    client = openai.OpenAI(base_url=f"{topo.api_url}/v1", api_key="none", max_retries=0)
+    yield client
+    client.close()
+
+
+@contextmanager
+def session(sdk: openai.OpenAI, **update: Any) -> Iterator[Any]:
+    """A connected session (``session.created`` read), updated with ``update`` if given."""
+    query = {k: update.pop(k) for k in ("session_id",) if k in update}
+    with sdk.realtime.connect(model=PIPELINE, extra_query=query) as conn:
+        created = conn.recv()
+        assert created.type == "session.created", created
+        conn.created = created  # type: ignore[attr-defined]
+        if update:
+            conn.session.update(session={"type": "realtime", **update})
+            until(conn, "session.updated")
+        yield conn
+
+
+def until(conn: Any, kind: str, *, where: Any = None) -> list[Any]:
+    """Events up to and including the first of type ``kind`` (that ``where`` accepts)."""
+    events = []
+    while True:
+        event = conn.recv()
+        events.append(event)
+        assert event.type != "error" or kind == "error", event
+        if event.type == kind and (where is None or where(event)):
+            return events
+
+
+def b64(samples: np.ndarray) -> str:
+    return base64.b64encode(samples.astype("<i2").tobytes()).decode()
+
+
+def send_audio(conn: Any, samples: np.ndarray, chunk_ms: int = 100) -> None:
+    step = RATE * chunk_ms // 1000
+    for i in range(0, len(samples), step):
+        conn.input_audio_buffer.append(audio=b64(samples[i : i + step]))
+
+
+def user_text(conn: Any, text: str) -> None:
+    conn.conversation.item.create(
+        item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+    )
+    until(conn, "conversation.item.done")
+
+
+def pcm_of(events: list[Any]) -> np.ndarray:
+    data = b"".join(
+        base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta"
+    )
+    return np.frombuffer(data, "<i2")
+
+
+def test_a_spoken_turn_is_detected_committed_and_answered_with_audio(sdk: openai.OpenAI) -> None:
+    utterance = speech("hello there, can you tell me a short story", RATE)
+    lead_ms, utterance_ms = 600, len(utterance) * 1000 // RATE
+    audio = np.concatenate([noise(lead_ms, RATE, 200), utterance, silence(1200, RATE)])
+    with session(sdk, audio={"input": {"turn_detection": VAD}}, max_output_tokens=6) as conn:
+        send_audio(conn, audio)
+        events = until(conn, "response.done")
+    types = [e.type for e in events]
+    started = next(e for e in events if e.type == "input_audio_buffer.speech_started")
+    stopped = next(e for e in events if e.type == "input_audio_buffer.speech_stopped")
+    committed = next(e for e in events if e.type == "input_audio_buffer.committed")
+    assert abs(started.audio_start_ms - lead_ms) < 250, started
+    assert abs(stopped.audio_end_ms - (lead_ms + utterance_ms)) < 500, stopped
+    assert started.item_id == stopped.item_id == committed.item_id
+    user = next(e.item for e in events if e.type == "conversation.item.added")
+    assert (user.id, user.role, user.content[0].type) == (committed.item_id, "user", "input_audio")
+    order = [
+        "input_audio_buffer.speech_started",
+        "input_audio_buffer.speech_stopped",
+        "input_audio_buffer.committed",
+        "response.created",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_audio_transcript.delta",
+        "response.output_audio.delta",
+        "response.output_audio.done",
+        "response.output_audio_transcript.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.done",
+    ]
+    assert [types.index(t) for t in order] == sorted(types.index(t) for t in order), types
+    transcript = "".join(e.delta for e in events if e.type.endswith("transcript.delta"))
+    done = events[-1].response
+    # the answer ran into max_output_tokens: OpenAI's "incomplete" (the audio is all there)
+    assert (done.status, done.status_details.reason) == ("incomplete", "max_output_tokens")
+    assert done.usage.output_tokens == 6
+    (item,) = done.output
+    assert item.content[0].transcript == transcript != ""
+    pcm = pcm_of(events)
+    assert len(pcm) > RATE  # seconds of speech, streamed in many deltas
+    assert types.count("response.output_audio.delta") > 3
+
+
+def test_speech_during_a_response_cancels_it_at_every_stage(
+    sdk: openai.OpenAI, topo: Topology
+) -> None:
+    stage_urls = [url for urls in topo.urls.values() for url in urls]
+    before = [topo.metric(u, "omni_stage_requests_total", outcome="cancelled") for u in stage_urls]
+    td = {**VAD, "create_response": False, "interrupt_response": True}
+    with session(sdk, audio={"input": {"turn_detection": td}}) as conn:
+        user_text(conn, "tell me a very long story about a small robot")
+        conn.response.create(response={"max_output_tokens": 400})
+        first = until(conn, "response.output_audio.delta")
+        response_id = first[-1].response_id
+        send_audio(conn, np.concatenate([speech("stop, please stop", RATE), silence(800, RATE)]))
+        events = until(conn, "response.done")
+        done = events[-1].response
+        assert done.id == response_id and done.status == "cancelled", done
+        assert done.status_details.reason == "turn_detected"
+        assert "input_audio_buffer.speech_started" in [e.type for e in events]
+        item = done.output[0]
+        assert item.status == "incomplete"
+        after_done = until(conn, "input_audio_buffer.committed")
+        assert not [e for e in after_done if e.type.startswith("response.output_audio")]
+        # what the user heard: the assistant item cut at half the audio it was sent
+        heard_ms = len(pcm_of(first + events)) * 1000 // RATE
+        assert heard_ms > 0
+        conn.conversation.item.truncate(
+            item_id=item.id, content_index=0, audio_end_ms=heard_ms // 2
+        )
+        truncated = until(conn, "conversation.item.truncated")[-1]
+        assert (truncated.item_id, truncated.audio_end_ms) == (item.id, heard_ms // 2)
+        conn.send(
+            {
+                "type": "conversation.item.truncate",
+                "item_id": item.id,
+                "content_index": 0,
+                "audio_end_ms": 10_000,
+                "event_id": "cut-too-far",
+            }
+        )
+        error = until(conn, "error")[-1].error
+        assert (error.param, error.event_id) == ("audio_end_ms", "cut-too-far")
+
+    # The thinker and the talker held the response's work (running streams): each counts a
+    # cancel. code2wav runs one short hop per talker chunk; a chunk in flight is cancelled
+    # too, else its stage just gets no more work: nothing runs for the response afterwards.
+    def cancelled() -> bool:
+        return all(
+            sum(topo.metric(u, "omni_stage_requests_total", outcome="cancelled") for u in urls)
+            > sum(b for b, u in zip(before, stage_urls, strict=True) if u in urls)
+            for urls in (topo.urls[0], topo.urls[1])
+        )
+
+    def outcomes() -> str:
+        lines = {u: http_get(u + "/metrics").decode().splitlines() for u in stage_urls}
+        return repr({u: [x for x in ls if x.startswith("omni_stage_requests_total")]
+                     for u, ls in lines.items()})  # fmt: skip
+
+    wait_until(cancelled, 30, interval=0.2, message=outcomes)
+    wait_until(
+        lambda: sum(topo.metric(u, "omni_stage_in_flight") for u in stage_urls) == 0,
+        30,
+        message=outcomes,
+    )
+    code2wav = sum(topo.metric(u, "omni_stage_requests_total") for u in topo.urls[2])
+    time.sleep(1.0)
+    assert sum(topo.metric(u, "omni_stage_requests_total") for u in topo.urls[2]) == code2wav
+
+
+def test_bad_events_get_errors_and_the_session_goes_on(sdk: openai.OpenAI) -> None:
+    with session(sdk) as conn:
+        cases: list[tuple[str, str | None, str]] = [
+            (
+                '{"type": "input_audio_buffer.append", "audio": "@@@", "event_id": "e1"}',
+                "audio",
+                "invalid_audio",
+            ),
+            (
+                '{"type": "input_audio_buffer.append", "audio": "AAAA", "event_id": "e2"}',
+                "audio",
+                "invalid_audio",
+            ),
+            (
+                '{"type": "input_audio_buffer.commit", "event_id": "e3"}',
+                None,
+                "input_audio_buffer_commit_empty",
+            ),
+            ('{"type": "nope.nope", "event_id": "e4"}', "type", "unknown_event_type"),
+            ('{"type": "response.cancel", "event_id": "e5"}', None, "response_cancel_not_active"),
+            (
+                '{"type": "conversation.item.delete", "item_id": "x", "event_id": "e6"}',
+                "item_id",
+                "invalid_value",
+            ),
+        ]
+        for raw, param, code in cases:
+            conn.send(json.loads(raw))
+            error = until(conn, "error")[-1].error
+            assert (error.param, error.code) == (param, code), (raw, error)
+            assert error.event_id == json.loads(raw)["event_id"]
+        conn._connection.send("{not json")  # the SDK only sends what it can encode
+        assert until(conn, "error")[-1].error.code == "invalid_json"
+        conn.session.update(session={"type": "realtime", "instructions": "still here"})
+        assert until(conn, "session.updated")[-1].session.instructions == "still here"
+
+
+def mutate(event: dict[str, Any], rng: random.Random) -> str:
+    """One mutated event: a field dropped, retyped or renamed, or the JSON text damaged."""
+    text = json.dumps(event)
+    choice = rng.random()
+    if choice < 0.3:
+        i = rng.randrange(len(text))
+        return text[:i] + rng.choice(['"', "{", "]", ",", "\\", "\x00", "é", ""]) + text[i + 1 :]
+    mutated = json.loads(text)
+    keys = [k for k in mutated if k != "type"]
+    if choice < 0.5 and keys:
+        del mutated[rng.choice(keys)]
+    elif choice < 0.7 and keys:
+        mutated[rng.choice(keys)] = rng.choice([None, 3, -1, 1e308, "x" * 300, [], {"a": 1}, True])
+    elif choice < 0.85:
+        mutated[rng.choice(["extra", "sesion", "item_id"])] = rng.choice([1, "x", None])
+    else:
+        mutated["type"] = rng.choice(["session.update", "conversation.item.create", "x" * 90, 7])
+    return json.dumps(mutated)
+
+
+SEEDS: list[dict[str, Any]] = [
+    {
+        "type": "session.update",
+        "session": {
+            "type": "realtime",
+            "instructions": "x",
+            "audio": {"input": {"turn_detection": None, "format": {"type": "audio/pcmu"}}},
+        },
+    },
+    {"type": "input_audio_buffer.append", "audio": "AAAA"},
+    {"type": "input_audio_buffer.commit"},
+    {"type": "input_audio_buffer.clear"},
+    {
+        "type": "conversation.item.create",
+        "previous_item_id": "root",
+        "item": {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "hi"}],
+        },
+    },
+    {"type": "conversation.item.delete", "item_id": "item_1"},
+    {"type": "conversation.item.retrieve", "item_id": "item_1"},
+    {
+        "type": "conversation.item.truncate",
+        "item_id": "item_1",
+        "content_index": 0,
+        "audio_end_ms": 5,
+    },
+    {"type": "response.cancel"},
+]
+
+
+def test_thousands_of_mutated_events_harm_no_session(sdk: openai.OpenAI, topo: Topology) -> None:
+    rng = random.Random(18)
+    url = topo.api_url.replace("http://", "ws://") + f"/v1/realtime?model={PIPELINE}"
+    with session(sdk, instructions="bystander") as bystander, ws_connect(url) as ws:
+        assert json.loads(ws.recv(timeout=10))["type"] == "session.created"
+        ws.send(
+            json.dumps(
+                {
+                    "type": "session.update",
+                    "session": {
+                        "audio": {"input": {"turn_detection": None}},
+                        "output_modalities": ["text"],
+                    },
+                }
+            )
+        )
+        sent = 3000
+        for _ in range(sent):
+            ws.send(mutate(rng.choice(SEEDS), rng))
+        ws.send(
+            json.dumps({"type": "conversation.item.retrieve", "item_id": "x", "event_id": "end"})
+        )
+        seen: dict[str, int] = {}
+        while True:
+            event = json.loads(ws.recv(timeout=30))
+            seen[event["type"]] = seen.get(event["type"], 0) + 1
+            if event["type"] == "error" and event["error"]["event_id"] == "end":
+                break
+        assert seen.get("error", 0) > sent // 3, seen
+        assert "response.created" not in seen  # none of it started a response
+        ws.send(json.dumps({"type": "session.update", "session": {"instructions": "alive"}}))
+        while (event := json.loads(ws.recv(timeout=10)))["type"] != "session.updated":
+            pass
+        assert event["session"]["instructions"] == "alive"
+        bystander.session.update(session={"type": "realtime", "instructions": "unharmed"})
+        assert until(bystander, "session.updated")[-1].session.instructions == "unharmed"
+    assert "Traceback" not in (topo.log_dir / f"{PIPELINE}-api.err").read_text()
+
+
+def test_a_client_that_never_reads_is_disconnected(topo: Topology) -> None:
+    url = topo.api_url.replace("http://", "ws://") + f"/v1/realtime?model={PIPELINE}"
+    with ws_connect(url, max_size=None) as ws:
+        ws.recv(timeout=10)
+        text = "word " * 40_000  # 200 kB an answer
+        ws.send(
+            json.dumps(
+                {
+                    "type": "conversation.item.create",
+                    "item": {
+                        "id": "big",
+                        "type": "message",
+                        "role": "user",
+                        "content": [{"type": "input_text", "text": text}],
+                    },
+                }
+            )
+        )
+        for _ in range(200):  # 40 MB of answers asked for, none read
+            ws.send(json.dumps({"type": "conversation.item.retrieve", "item_id": "big"}))
+        time.sleep(2)
+        last: dict[str, Any] = {}
+        with pytest.raises(ConnectionClosed) as closed:
+            while True:
+                last = json.loads(ws.recv(timeout=20))
+        assert last["type"] == "error" and last["error"]["code"] == "slow_consumer", last
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
+
+
+def second_api(topo: Topology, *flags: str) -> tuple[ManagedProcess, str]:
+    port = free_port()
+    proc = ManagedProcess(
+        topo._stage_argv(0, port, "--api-only", *flags),
+        name=f"{PIPELINE}-api2",
+        env=clean_env(),
+        log_dir=topo.log_dir,
+    ).start()
+    url = f"http://{LOCALHOST}:{port}"
+    proc.wait_http_ready(url + "/health", timeout=60)
+    return proc, url
+
+
+def test_another_api_server_resumes_the_session_and_fences_the_first(topo: Topology) -> None:
+    proc, url2 = second_api(topo, "--realtime-max-sessions", "1")
+    sdk1 = openai.OpenAI(base_url=f"{topo.api_url}/v1", api_key="none", max_retries=0)
+    sdk2 = openai.OpenAI(base_url=f"{url2}/v1", api_key="none", max_retries=0)
+    try:
+        with session(sdk1, output_modalities=["text"], max_output_tokens=4) as conn:
+            session_id = conn.created.session.id
+            user_text(conn, "remember the word kettle")
+            conn.response.create()
+            answer = until(conn, "response.done")[-1].response
+            assert answer.status in ANSWERED
+        with session(sdk2, session_id=session_id) as resumed:
+            assert resumed.created.session.id == session_id
+            assert resumed.created.session.output_modalities == ["text"]  # its config too
+            items = [
+                e.item
+                for e in until(
+                    resumed, "conversation.item.done", where=lambda e: e.item.role == "assistant"
+                )
+            ]
+            texts = [i.content[0] for i in items if i.role == "user"]
+            assert texts[0].text == "remember the word kettle"
+            user_text(resumed, "what was the word?")
+            resumed.response.create()
+            assert until(resumed, "response.done")[-1].response.status in ANSWERED
+            at_limit = pytest.raises(Exception, match="503")  # its limit: 1 session
+            with at_limit, sdk2.realtime.connect(model=PIPELINE) as extra:
+                extra.recv()
+            with session(sdk1, session_id=session_id) as third:  # back on the first server
+                assert third.created.session.id == session_id
+                resumed.conversation.item.create(
+                    item={
+                        "type": "message",
+                        "role": "user",
+                        "content": [{"type": "input_text", "text": "x"}],
+                    }
+                )
+                error = until(resumed, "error")[-1].error
+                assert error.code == "session_taken"
+        with (
+            pytest.raises(Exception, match="404"),
+            sdk1.realtime.connect(model=PIPELINE, extra_query={"session_id": "sess_none"}) as c,
+        ):
+            c.recv()
+    finally:
+        sdk1.close()
+        sdk2.close()
+        proc.terminate(timeout=20)
+
+
+def test_killing_a_talker_mid_response_loses_no_session(topo: Topology) -> None:
+    sdk = openai.OpenAI(base_url=f"{topo.api_url}/v1", api_key="none", max_retries=0)
+    results: dict[int, Any] = {}
+
+    def talk(n: int) -> None:
+        try:
+            with session(sdk, max_output_tokens=8) as conn:
+                user_text(conn, f"story number {n}")
+                conn.response.create()
+                results[n] = until(conn, "response.done")
+        except Exception as exc:  # reported below
+            results[n] = exc
+
+    threads = [threading.Thread(target=talk, args=(n,)) for n in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        victim_index = _kill_a_busy_talker(topo)
+        for t in threads:
+            t.join(180)
+        for n in range(3):
+            events = results[n]
+            assert not isinstance(events, Exception), events
+            assert events[-1].response.status in ANSWERED, events[-1]
+            assert len(pcm_of(events)) > RATE
+        assert topo.metric(topo.urls[0][0], "omni_stage_hop_retries_total") >= 1
+    finally:
+        sdk.close()
+        _replace(topo, 1, victim_index)
+
+
+def _kill_a_busy_talker(topo: Topology) -> int:
+    def busy() -> int | None:
+        for i, url in enumerate(topo.urls[1]):
+            if topo.metric(url, "omni_stage_in_flight") >= 1:
+                return i
+        return None
+
+    found: list[int] = []
+
+    def one_busy() -> bool:
+        i = busy()
+        if i is not None:
+            found.append(i)
+        return i is not None
+
+    wait_until(one_busy, 60, interval=0.01)
+    os.kill(engine_pid(topo.stages[1][found[0]]), signal.SIGKILL)
+    return found[0]
+
+
+def _replace(topo: Topology, stage_id: int, index: int) -> None:
+    """The killed replica's pod (it exits with its engine) replaced: the chat tests that share
+    this topology want two talkers."""
+    dead = topo.stages[stage_id].pop(index)
+    topo.urls[stage_id].pop(index)
+    dead.terminate(timeout=20)
+    topo.add_replica(stage_id)
+    topo.wait_discovered(stage_id, len(topo.stages[stage_id]), timeout=120)
