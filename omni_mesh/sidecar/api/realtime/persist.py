@@ -192,11 +192,13 @@ class SessionPersister:
     async def _write(self) -> None:
         session = self.session
         if self._create:
+            # what changes while the create is in flight is marked dirty again by changed()
+            self._config_dirty = False
+            config_now = to_builtins(session.config)
             self.epoch = await self.store.create(
-                session.id, session.pod.pipeline.name, self.owner, to_builtins(session.config)
+                session.id, session.pod.pipeline.name, self.owner, config_now
             )
             self._create = False
-            self._config_dirty = False
             self._order_dirty = True
             self._items.update(session.conversation.ids())
         config = to_builtins(session.config) if self._config_dirty else None
