@@ -171,7 +171,9 @@ async def dropping_server() -> AsyncIterator[DroppingServer]:
 
 @pytest.fixture
 async def session() -> AsyncIterator[HopHttpClient]:
-    http = HopHttpClient()
+    # Live loopback replicas (refused ports fail at once whatever the timeout): a loaded CI
+    # machine can stall this loop past the 0.3 s default and eject the only replica.
+    http = HopHttpClient(connect_timeout_s=5.0)
     yield http
     await http.close()
 
