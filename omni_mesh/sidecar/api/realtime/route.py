@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections import Counter
 
 from aiohttp import WSMsgType, web
 
@@ -62,9 +61,6 @@ class RealtimeHub(SessionHooks):
         if state is None:
             return len(self.sessions)
         return sum(1 for s in self.sessions if s.state == state)
-
-    def states(self) -> Counter[str]:
-        return Counter(s.state for s in self.sessions)
 
     # SessionHooks
     def changed(self, session: RealtimeSession, *, items: list[str], deleted: list[str]) -> None:

@@ -53,7 +53,6 @@ class EventSender:
         self.abort = abort  # cuts the connection when even the last words cannot be written
         self.max_bytes = max_bytes
         self.queued_bytes = 0
-        self.sent = 0
         self.overflowed = False
         self._queue: deque[_Queued] = deque()
         self._wake = asyncio.Event()
@@ -142,7 +141,6 @@ class EventSender:
                         await asyncio.wait_for(self.ws.send_str(q.data.decode()), CLOSE_GRACE_S)
                     break
                 await self.ws.send_str(q.data.decode())
-                self.sent += 1
         except (ConnectionError, RuntimeError) as exc:  # the socket closed under us
             logger.debug("realtime socket closed while sending: %s", exc)
         finally:

@@ -100,7 +100,6 @@ class RealtimeSession:
         self.conversation = conversation or Conversation()
         self.hooks = hooks or SessionHooks()
         self.response: ResponseRun | None = None
-        self.responses = 0
         # the input buffer: samples at the input format's rate since `_buffer_start_ms`
         self._buffer: list[np.ndarray] = []
         self._buffer_samples = 0
@@ -297,8 +296,7 @@ class RealtimeSession:
 
     def _buffer_clear(self, event: BufferClear) -> None:
         self._clear_buffer()
-        if self._vad is not None:
-            self._vad = None
+        self._vad = None
         self._speech_item = None
         self.sender.send({"type": "input_audio_buffer.cleared"})
 
@@ -399,7 +397,6 @@ class RealtimeSession:
             self.pod, self.request, self.sender, self.conversation, inp, on_done=self._done
         )
         self.response = run
-        self.responses += 1
         run.start()
 
     def _done(self, run: ResponseRun) -> None:

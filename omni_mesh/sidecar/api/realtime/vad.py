@@ -67,11 +67,6 @@ def _session() -> Any:
     return session
 
 
-def load() -> None:
-    """Load the model now (an API server does it at start: the first turn does not wait)."""
-    _session()
-
-
 class ServerVad:
     """Turn boundaries in one stream of audio fed in pieces of any length, at any rate."""
 
