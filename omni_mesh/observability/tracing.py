@@ -96,3 +96,52 @@ def stage_span(name: str, traceparent: str, attributes: Mapping[str, str | int])
         out: dict[str, str] = {}
         _PROPAGATOR.inject(out)
         yield out.get("traceparent", traceparent)
+
+
+class StageSpan:
+    """One stage execution's span, ended by hand: :meth:`end` when the execution ended, or —
+    when it was cancelled — once the engine has acknowledged the abort (:meth:`cancelled`
+    then :meth:`acknowledged`), so the cancel's way through every stage shows in the trace."""
+
+    __slots__ = ("_span", "traceparent")
+
+    def __init__(self, span: trace.Span, traceparent: str) -> None:
+        self._span = span
+        self.traceparent = traceparent
+
+    def end(self, exc: BaseException | None = None) -> None:
+        """End the span; an exception marks it failed (a cancellation does not)."""
+        if exc is not None and isinstance(exc, Exception):
+            self._span.record_exception(exc)
+            self._span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(exc).__name__}"))
+        self._span.end()
+
+    def cancelled(self, attributes: Mapping[str, str | int]) -> None:
+        """The stage left the work before its end (the caller went away): ``omni.cancel``."""
+        self._span.set_attribute("omni.outcome", "cancelled")
+        self._span.add_event("omni.cancel", dict(attributes))
+
+    def acknowledged(self, attributes: Mapping[str, str | int | float]) -> None:
+        """The engine stopped the work (``omni.cancel.acknowledged``); ends the span."""
+        self._span.add_event("omni.cancel.acknowledged", dict(attributes))
+        self._span.end()
+
+
+def open_stage_span(
+    name: str, traceparent: str, attributes: Mapping[str, str | int]
+) -> StageSpan | None:
+    """A started :class:`StageSpan`, child of ``traceparent`` (when valid); None when tracing
+    is off or the span is not recorded (then the parent's traceparent travels on)."""
+    if not _enabled:
+        return None
+    carrier = {"traceparent": traceparent} if traceparent else {}
+    parent = _PROPAGATOR.extract(carrier)
+    span = trace.get_tracer(_TRACER_NAME).start_span(
+        name, context=parent, attributes=dict(attributes)
+    )
+    if not span.get_span_context().is_valid:
+        span.end()
+        return None
+    out: dict[str, str] = {}
+    _PROPAGATOR.inject(out, context=trace.set_span_in_context(span))
+    return StageSpan(span, out.get("traceparent", traceparent))

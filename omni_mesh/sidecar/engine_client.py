@@ -105,6 +105,7 @@ class _Work:
     whole: bool
     mailbox: _Mailbox = field(default_factory=_Mailbox)
     answered: bool = False  # its last output came (the engine is done with its inputs)
+    on_aborted: Callable[[str], None] | None = None  # see EngineClient.when_aborted
 
     def ends_with(self, out: StageOutput) -> bool:
         return out.error is not None or out.last or not self.whole
@@ -315,6 +316,8 @@ class EngineClient:
                 self._abandoned.pop(key, None)
                 self.arena.free_owner(key)  # the engine is done with our input slots
                 self.release(key)  # and nobody will read its outputs
+                if abandoned is not None and abandoned.on_aborted is not None:
+                    abandoned.on_aborted("aborted")
             return
         if work.ends_with(out):
             work.answered = True
@@ -335,7 +338,10 @@ class EngineClient:
 
     def _fail_all(self, reason: str) -> None:
         pending, self._pending = self._pending, {}
-        self._abandoned.clear()
+        abandoned, self._abandoned = self._abandoned, {}
+        for work in abandoned.values():
+            if work.on_aborted is not None:
+                work.on_aborted("engine_died")
         for work in pending.values():
             work.mailbox.put_nowait(EngineDeadError(f"stage {self.stage_id}: {reason}"))
 
@@ -396,6 +402,16 @@ class EngineClient:
         # slots reused (the engine may be reading them in the step it is running now).
         self._abandoned[key] = work
         self._send_soon(Abort(key=key))
+
+    def when_aborted(self, key: str, callback: Callable[[str], None]) -> bool:
+        """Call ``callback("aborted")`` once the engine has stopped the abandoned work ``key``
+        (its last Result came back), or ``callback("engine_died")``; False (and no call) when
+        no abort of ``key`` is outstanding."""
+        work = self._abandoned.get(key)
+        if work is None:
+            return False
+        work.on_aborted = callback
+        return True
 
     def release(self, key: str) -> None:
         """The engine's output slots of the work ``key`` (:func:`transfer_key`) may be

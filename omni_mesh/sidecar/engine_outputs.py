@@ -1,16 +1,23 @@
 """The local engine's outputs for one stage input, inside the stage's trace span: what
-:class:`~omni_mesh.sidecar.runner.StageRunner` runs on every hop (and ``/v1/run`` call)."""
+:class:`~omni_mesh.sidecar.runner.StageRunner` runs on every hop (and ``/v1/run`` call).
+
+Work left before its end (the caller went away: a client's disconnect, a realtime barge-in)
+is acknowledged in the span: an ``omni.cancel`` event when the stage leaves it, and an
+``omni.cancel.acknowledged`` event when the engine has stopped it (``omni.abort``:
+``aborted`` with the milliseconds it took, ``idle`` when its part was done, ``engine_died``);
+the span ends then, so every stage's part of a cancel is in the request's trace."""
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
+import time
 from types import TracebackType
 from typing import TYPE_CHECKING
 
 import msgspec
 
 from omni_mesh.data_plane.messages import StageInput, StageOutput, transfer_key
-from omni_mesh.observability.tracing import stage_span, tracing_on
+from omni_mesh.observability.tracing import StageSpan, open_stage_span, tracing_on
 
 if TYPE_CHECKING:
     from omni_mesh.sidecar.runner import StageRunner
@@ -26,7 +33,7 @@ class EngineOutputs:
         self._runner = runner
         self._si = si
         self._stream = runner.engine.stream(si)
-        self._span: contextlib.AbstractContextManager[str] | None = None
+        self._span: StageSpan | None = None
         self._traceparent = si.traceparent
         self._holds_slots = False
 
@@ -42,8 +49,9 @@ class EngineOutputs:
             "omni.attempt": si.attempt,
             "omni.instance_id": runner.instance_id(),
         }
-        self._span = stage_span(name, si.traceparent, attributes)
-        self._traceparent = self._span.__enter__()
+        self._span = open_stage_span(name, si.traceparent, attributes)
+        if self._span is not None:
+            self._traceparent = self._span.traceparent
         return self
 
     def __aiter__(self) -> EngineOutputs:
@@ -72,7 +80,36 @@ class EngineOutputs:
                 self._runner.engine.release(transfer_key(self._si))  # one IPC message
         finally:
             if self._span is not None:
-                self._span.__exit__(exc_type, exc, tb)
+                self._end_span(exc)
+
+    def _end_span(self, exc: BaseException | None) -> None:
+        """End the span now, or — the work was left while the engine ran it — once the engine
+        has acknowledged the abort."""
+        span = self._span
+        assert span is not None
+        runner = self._runner
+        t0 = time.perf_counter()
+
+        def acknowledged(how: str) -> None:
+            ms = round((time.perf_counter() - t0) * 1000.0, 3)
+            span.acknowledged(
+                {"omni.stage_id": runner.stage_id, "omni.abort": how, "omni.abort_ms": ms}
+            )
+
+        # _stream.aclose() has run: an abort is outstanding iff the engine was still on it.
+        # A cancelled task with none outstanding had its engine part done (it was passing on
+        # the next stages' answers); a GeneratorExit with none is a whole answer's end.
+        attributes: dict[str, str | int] = {
+            "omni.stage_id": runner.stage_id,
+            "omni.instance_id": runner.instance_id(),
+        }
+        if runner.engine.when_aborted(transfer_key(self._si), acknowledged):
+            span.cancelled(attributes)
+        elif isinstance(exc, asyncio.CancelledError):
+            span.cancelled(attributes)
+            acknowledged("idle")
+        else:
+            span.end(exc)
 
 
 def _holds_slots(out: StageOutput) -> bool:

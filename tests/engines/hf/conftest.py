@@ -26,7 +26,8 @@ def _close_shared() -> None:
 @pytest.fixture(scope="session")
 def qwen3_omni_topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
     log_dir = tmp_path_factory.mktemp(QWEN3_OMNI)
-    config = ["--deploy-config", str(bundled_deploy_path(QWEN3_OMNI))]
+    # spans on stderr: the realtime tests read a cancel's acknowledgement at every stage
+    config = ["--deploy-config", str(bundled_deploy_path(QWEN3_OMNI)), "--tracing", "console"]
     top = Topology(QWEN3_OMNI, [1, 2, 1], log_dir, extra_stage_args=config)
     _SHARED[QWEN3_OMNI] = top
     try:

@@ -145,6 +145,32 @@ def test_a_spoken_turn_is_detected_committed_and_answered_with_audio(sdk: openai
     assert types.count("response.output_audio.delta") > 3
 
 
+def test_a_silent_user_gets_a_response_after_idle_timeout_ms(sdk: openai.OpenAI) -> None:
+    idle_ms = 1000  # the least the server takes
+    td = {**VAD, "idle_timeout_ms": idle_ms}
+    with session(sdk, audio={"input": {"turn_detection": td}}, max_output_tokens=4) as conn:
+        armed = time.monotonic()
+        send_audio(conn, noise(300, RATE, 150))  # noise is no speech: the timer runs on
+        events = until(conn, "input_audio_buffer.timeout_triggered")
+        waited = time.monotonic() - armed
+        assert idle_ms / 1000 <= waited < idle_ms / 1000 + 5.0, waited
+        assert "input_audio_buffer.speech_started" not in [e.type for e in events]
+        trigger = events[-1]
+        events = until(conn, "response.created")
+        created = time.monotonic()  # the server's first audio delta is later than this
+        committed = next(e for e in events if e.type == "input_audio_buffer.committed")
+        assert committed.item_id == trigger.item_id  # the noise heard so far, as the user's turn
+        events = until(conn, "response.done")
+        assert events[-1].response.status in ANSWERED, events[-1]
+        audio_s = len(pcm_of(events)) / RATE
+        assert audio_s > 0
+        # Armed again after the answer, counted from the end of its playback (its audio at
+        # real time from the first delta), not from response.done.
+        again = until(conn, "input_audio_buffer.timeout_triggered")
+        assert time.monotonic() - created >= audio_s + idle_ms / 1000 - 0.05
+        assert not [e for e in again if e.type == "response.created"]
+
+
 def test_speech_during_a_response_cancels_it_at_every_stage(
     sdk: openai.OpenAI, topo: Topology
 ) -> None:
@@ -210,6 +236,41 @@ def test_speech_during_a_response_cancels_it_at_every_stage(
     code2wav = sum(topo.metric(u, "omni_stage_requests_total") for u in topo.urls[2])
     time.sleep(1.0)
     assert sum(topo.metric(u, "omni_stage_requests_total") for u in topo.urls[2]) == code2wav
+
+    # The response's trace acknowledges the cancel at each stage that held its work: the
+    # stage's span has omni.cancel (it left the work) then omni.cancel.acknowledged (its
+    # engine stopped it, or had done its part: the thinker passing on the talker's answer),
+    # all of them in the one trace of the response.
+    def acks() -> dict[int, list[dict[str, Any]]]:
+        found: dict[int, list[dict[str, Any]]] = {}
+        for stage_id, procs in topo.stages.items():
+            for span in (s for p in procs for s in spans(p.stderr, response_id)):
+                if any(e["name"] == "omni.cancel" for e in span["events"]):
+                    found.setdefault(stage_id, []).append(span)
+        return found
+
+    wait_until(lambda: {0, 1} <= set(acks()), 10, message=lambda: repr(acks()))
+    cancelled = [span for stage_spans in acks().values() for span in stage_spans]
+    assert len({span["context"]["trace_id"] for span in cancelled}) == 1
+    for span in cancelled:
+        names = [e["name"] for e in span["events"]]
+        assert names[-2:] == ["omni.cancel", "omni.cancel.acknowledged"], span
+        ack = span["events"][-1]["attributes"]
+        assert ack["omni.abort"] in ("aborted", "idle") and ack["omni.abort_ms"] >= 0, span
+        assert span["attributes"]["omni.outcome"] == "cancelled"
+    # the talker was still making codes: its engine stopped them
+    assert any(s["events"][-1]["attributes"]["omni.abort"] == "aborted" for s in acks()[1])
+
+
+def spans(stderr: str, request_id: str) -> list[dict[str, Any]]:
+    """The exported spans (console exporter: one JSON line each) of ``request_id``'s work."""
+    found = []
+    for line in stderr.splitlines():
+        if line.startswith('{"name"'):
+            span = json.loads(line)
+            if span["attributes"].get("omni.request_id") == request_id:
+                found.append(span)
+    return found
 
 
 def test_bad_events_get_errors_and_the_session_goes_on(sdk: openai.OpenAI) -> None:

@@ -133,7 +133,8 @@ class ResponseRun:
             extra["max_tokens"] = min(config.max_output_tokens, 8192)
         if self.audio and config.voice is not None and "voice" in fields:
             extra["voice"] = config.voice
-        return Prompt(prompt=self.inp.prompt[-32_768:], **extra)
+        # the response's id names its work at every stage (metrics, logs, the trace)
+        return Prompt(prompt=self.inp.prompt[-32_768:], request_id=self.id, **extra)
 
     async def _run(self) -> None:
         try:

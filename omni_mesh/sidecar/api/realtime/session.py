@@ -20,6 +20,7 @@ import base64
 import binascii
 import json
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -403,17 +404,19 @@ class RealtimeSession:
         if run.item is not None:  # the assistant item as it ended (cut short when cancelled)
             self.hooks.changed(self, items=[run.item.id], deleted=[])
         self.hooks.response_done(self, run)
-        self._arm_idle()
+        self._arm_idle(after_s=_playback_left_s(run))
 
     # ---- idle timeout ------------------------------------------------------------------------
 
-    def _arm_idle(self) -> None:
+    def _arm_idle(self, after_s: float = 0.0) -> None:
+        """Fire ``idle_timeout_ms`` after now plus ``after_s`` (the answer's audio still
+        playing at the client, as OpenAI counts it: from the end of its playback)."""
         self._disarm_idle()
         td = self.config.turn_detection
         if td is None or td.idle_timeout_ms is None:
             return
         loop = asyncio.get_running_loop()
-        self._idle = loop.call_later(td.idle_timeout_ms / 1000.0, self._idle_fired)
+        self._idle = loop.call_later(td.idle_timeout_ms / 1000.0 + after_s, self._idle_fired)
 
     def _disarm_idle(self) -> None:
         if self._idle is not None:
@@ -490,3 +493,13 @@ _HANDLERS: dict[type, str] = {
     ResponseCreate: "_response_create",
     ResponseCancel: "_response_cancel",
 }
+
+
+def _playback_left_s(run: ResponseRun) -> float:
+    """Seconds of ``run``'s audio the client has yet to play, played in real time from its
+    first audio delta."""
+    stats = run.stats
+    if stats.first_audio_s is None:
+        return 0.0
+    end = stats.started + stats.first_audio_s + stats.audio_ms / 1000.0
+    return max(0.0, end - time.perf_counter())
