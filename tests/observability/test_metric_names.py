@@ -152,6 +152,10 @@ def test_dashboards_cover_the_brief() -> None:
         "omni_stage_hop_retries_total",
         "omni_stage_rejected_total",
         "omni_stage_engine_queued",
+        "omni_realtime_sessions",
+        "omni_realtime_responses_total",
+        "omni_realtime_first_audio_seconds_bucket",
+        "omni_cp_sessions",
         # control plane
         "omni_cp_instances",
         "omni_cp_registrations_total",
