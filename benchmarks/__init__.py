@@ -17,6 +17,7 @@ the same run. Every process a benchmark starts is stopped at its end, also on er
 | overload | :mod:`benchmarks.overload` | past capacity: closed/open loop, fairness, shedding |
 | vllm | :mod:`benchmarks.vllm` | a tiny-llm vLLM stage vs vllm serve; tiny-omni-vllm first audio |
 | omni | :mod:`benchmarks.omni` | qwen3-omni streamed speech vs transformers' whole model |
+| realtime | :mod:`benchmarks.realtime` | first audio, barge-in, session memory, a kill |
 """
 
 NAMES = (
@@ -30,4 +31,5 @@ NAMES = (
     "overload",
     "vllm",
     "omni",
+    "realtime",
 )

@@ -88,7 +88,7 @@ class Qwen3OmniCode2WavEngine(ReferenceEngine[Code2WavInput]):
     def execute(self, batch: Sequence[EngineRequest]) -> list[EngineResult]:
         return self._decode_batch(batch)
 
-    def open(self, batch: Sequence[EngineRequest]) -> list[Iterator[EngineResult]]:
+    def open(self, batch: Sequence[EngineRequest]) -> list[Iterator[EngineResult | None]]:
         return [iter([result]) for result in self._decode_batch(batch)]
 
     def _decode_batch(self, batch: Sequence[EngineRequest]) -> list[EngineResult]:

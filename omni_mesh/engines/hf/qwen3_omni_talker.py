@@ -194,7 +194,9 @@ class Qwen3OmniTalkerEngine(ReferenceEngine[TalkerInput]):
 
     def run_chunks(
         self, request: EngineRequest, inputs: TalkerInput, generator: torch.Generator
-    ) -> Iterator[EngineResult]:
+    ) -> Iterator[EngineResult | None]:
+        """One frame per step (``None`` until a chunk is full), so requests interleave frame
+        by frame and an abort waits for one frame, not for a whole chunk."""
         if _too_short(inputs):
             yield self._chunk(request, [], 0, last=True)
             return
@@ -212,10 +214,11 @@ class Qwen3OmniTalkerEngine(ReferenceEngine[TalkerInput]):
                 goal = sent + (self.chunk_frames if sent else self.first_chunk_frames)
                 self._capture = frames
                 try:
-                    done = take_turn(call, state, self.model, has_at_least(frames, goal))
+                    done = take_turn(call, state, self.model, has_at_least(frames, len(frames) + 1))
                 finally:
                     self._capture = None
-                if len(frames) == sent and not done:
+                if len(frames) < goal and not done:
+                    yield None
                     continue
                 yield self._chunk(request, frames, sent, last=done)
                 sent = len(frames)

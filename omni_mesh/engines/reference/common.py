@@ -20,7 +20,7 @@ import time
 from abc import abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import numpy as np
 import torch
@@ -224,17 +224,18 @@ class ReferenceEngine(StageEngine, Generic[InputT]):
 
     def execute(self, batch: Sequence[EngineRequest]) -> list[EngineResult]:
         """Every request's whole result (no streaming), in the batch's order."""
-        return [next(stream) for stream in self._streams(batch, streaming=False)]
+        results = [next(stream) for stream in self._streams(batch, streaming=False)]
+        return [r for r in results if r is not None]  # a whole run always has its result
 
-    def open(self, batch: Sequence[EngineRequest]) -> list[Iterator[EngineResult]]:
+    def open(self, batch: Sequence[EngineRequest]) -> list[Iterator[EngineResult | None]]:
         return self._streams(batch, streaming=self.ctx.async_chunk)
 
     def _streams(
         self, batch: Sequence[EngineRequest], *, streaming: bool
-    ) -> list[Iterator[EngineResult]]:
+    ) -> list[Iterator[EngineResult | None]]:
         if not self._loaded:
             raise RuntimeError(f"{self.where}: execute() called before load()")
-        streams: list[Iterator[EngineResult]] = []
+        streams: list[Iterator[EngineResult | None]] = []
         for request in batch:  # validate everything first; a bad one fails alone, no compute
             try:
                 inputs = self.parse(request)
@@ -271,9 +272,11 @@ class ReferenceEngine(StageEngine, Generic[InputT]):
 
     def run_chunks(
         self, request: EngineRequest, inputs: InputT, generator: torch.Generator
-    ) -> Iterator[EngineResult]:
+    ) -> Iterator[EngineResult | None]:
         """Execute one request as a stream of chunks (``last=True`` on the final one), one
-        per ``next()``, each under ``torch.inference_mode()``. The default: one :meth:`run`."""
+        per ``next()``, each under ``torch.inference_mode()``; a None is a step with no chunk
+        (the engine's other streams, and aborts, get their turn). The default: one
+        :meth:`run`."""
         yield self.run(request, inputs, generator)
 
     def close(self) -> None:
@@ -299,16 +302,22 @@ class ReferenceEngine(StageEngine, Generic[InputT]):
         """Execute one request (inside ``torch.inference_mode()``)."""
 
 
-def _in_inference_mode(chunks: Iterator[EngineResult]) -> Iterator[EngineResult]:
+_END = object()
+
+
+def _in_inference_mode(
+    chunks: Iterator[EngineResult | None],
+) -> Iterator[EngineResult | None]:
     """``chunks`` advanced one ``next()`` at a time inside ``torch.inference_mode()``; the mode
-    is left between items, so nothing else in the process runs in it."""
+    is left between items, so nothing else in the process runs in it. A None (no result this
+    step) is passed on."""
     try:
         while True:
             with torch.inference_mode():
-                item = next(chunks, None)
-            if item is None:
+                item = next(chunks, _END)
+            if item is _END:
                 return
-            yield item
+            yield cast("EngineResult | None", item)
     finally:
         close = getattr(chunks, "close", None)
         if close is not None:
