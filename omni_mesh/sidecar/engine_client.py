@@ -378,7 +378,13 @@ class EngineClient:
         self._pending[key] = work
         ended = False
         try:
-            await self._chan.send(Submit(stage_input=si))
+            try:
+                await self._chan.send(Submit(stage_input=si))
+            except ChannelError as exc:
+                # The engine is gone and the reader has not said so yet: the same answer as a
+                # dead engine's (503, replayed by the sender), not an internal error.
+                reason = self.death_reason or str(exc)
+                raise EngineDeadError(f"stage {self.stage_id}: {reason}") from exc
             while not ended:
                 item = await work.mailbox.get()
                 if isinstance(item, BaseException):

@@ -24,6 +24,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_connect
 
 from tests.procs import ManagedProcess, clean_env, wait_until
+from tests.sidecar.realtime.sdk import RATE, send_audio
 from tests.sidecar.realtime.speech import noise, silence, speech
 from tests.sidecar.topology import LOCALHOST, Topology, engine_pid, free_port, http_get
 
@@ -34,7 +35,6 @@ pytestmark = [
 ]
 
 PIPELINE = "qwen3-omni"
-RATE = 24000
 #: A response that ran to its end: ``incomplete`` when it hit max_output_tokens (tests keep it low).
 ANSWERED = ("completed", "incomplete")
 VAD = {"type": "server_vad", "silence_duration_ms": 400, "prefix_padding_ms": 200}
@@ -75,16 +75,6 @@ def until(conn: Any, kind: str, *, where: Any = None) -> list[Any]:
         assert event.type != "error" or kind == "error", event
         if event.type == kind and (where is None or where(event)):
             return events
-
-
-def b64(samples: np.ndarray) -> str:
-    return base64.b64encode(samples.astype("<i2").tobytes()).decode()
-
-
-def send_audio(conn: Any, samples: np.ndarray, chunk_ms: int = 100) -> None:
-    step = RATE * chunk_ms // 1000
-    for i in range(0, len(samples), step):
-        conn.input_audio_buffer.append(audio=b64(samples[i : i + step]))
 
 
 def user_text(conn: Any, text: str) -> None:
