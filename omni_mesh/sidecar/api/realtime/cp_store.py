@@ -30,6 +30,12 @@ class ControlPlaneSessionStore:
         items = [i.item for i in state.items]
         return stored_session(session_id, state.pipeline, state.epoch, state.config, items)
 
+    async def holder(self, session_id: str) -> str | None:
+        try:
+            return (await self.sessions.get(session_id)).owner
+        except SessionNotFound:
+            return None
+
     async def patch(
         self,
         session_id: str,

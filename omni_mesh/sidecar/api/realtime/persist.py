@@ -61,6 +61,10 @@ class SessionStore(Protocol):
 
     async def claim(self, session_id: str, owner: str) -> StoredSession | None: ...
 
+    async def holder(self, session_id: str) -> str | None:
+        """Who holds the session now: its owner, ``""`` once released, None if there is none."""
+        ...
+
     async def patch(
         self,
         session_id: str,

@@ -7,7 +7,8 @@ expired ``session_id`` (404). After the upgrade every problem is an ``error`` ev
 
 A ``session_id`` names a session kept by the control plane (:mod:`.persist`): the new socket
 claims it, which fences the socket that held it before (on this API server or another), and
-the conversation goes on where it was.
+the conversation goes on where it was. A socket that has just closed is given up to
+:data:`HANDOVER_WAIT_S` to write its last changes and release the session first.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import time
 
 from aiohttp import WSMsgType, web
 
@@ -41,6 +43,9 @@ REALTIME_PATH = "/v1/realtime"
 STATES = ("idle", "speaking", "responding")
 #: Ping interval: a client that stops answering pings is disconnected (its session kept).
 HEARTBEAT_S = 30.0
+#: How long a resume waits for the socket that held the session to release it (_handover).
+HANDOVER_WAIT_S = 2.0
+HANDOVER_POLL_S = 0.05
 
 
 class RealtimeHub(SessionHooks):
@@ -110,11 +115,34 @@ def _refuse(status: int, message: str, type_: str, **headers: str) -> ApiError:
     return ApiError(status, message, type_=type_, headers=headers or None)
 
 
+async def _handover(hub: RealtimeHub, store: SessionStore, session_id: str, owner: str) -> None:
+    """Give the socket that held ``session_id`` up to :data:`HANDOVER_WAIT_S` to let it go:
+    a client that closed it and reconnected at once may be faster than that socket's server,
+    which writes the session's last changes (the answer that just ended) before it releases
+    it. A server that died never releases: the session is taken when the wait is over (and a
+    socket still open on it is fenced), so a resume waits at most that long."""
+    deadline = time.monotonic() + HANDOVER_WAIT_S
+    while time.monotonic() < deadline:
+        if session_id in hub.persisters:  # held here: its socket's close is under way
+            await asyncio.sleep(HANDOVER_POLL_S)
+            continue
+        try:
+            holder = await store.holder(session_id)
+        except Exception as exc:  # the claim that follows says what is wrong
+            logger.warning("session %s: its holder is unknown (%s)", session_id, exc)
+            return
+        if not holder or holder == owner:
+            return
+        await asyncio.sleep(HANDOVER_POLL_S)
+    logger.info("session %s: taken from its holder after %.1f s", session_id, HANDOVER_WAIT_S)
+
+
 async def _resume(hub: RealtimeHub, session_id: str, owner: str) -> StoredSession:
     if hub.store is None:
         raise _refuse(
             404, f"session_id: {session_id!r}: sessions need a control plane", "not_found"
         )
+    await _handover(hub, hub.store, session_id, owner)
     stored = await hub.store.claim(session_id, owner)
     if stored is None:
         raise _refuse(404, f"session_id: no session {session_id!r} (expired?)", "not_found")
@@ -192,8 +220,9 @@ async def realtime(request: web.Request) -> web.StreamResponse:
         hub.sessions.discard(session)
         await session.close()
         if persister is not None:
-            hub.persisters.pop(session.id, None)
-            await persister.close()
+            await persister.close()  # still listed meanwhile: a resume here waits for it
+            if hub.persisters.get(session.id) is persister:  # not a newer socket's
+                del hub.persisters[session.id]
         await sender.flush(timeout_s=0.5)
         await sender.close()
         if not ws.closed:
