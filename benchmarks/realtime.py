@@ -44,6 +44,7 @@ from benchmarks.common import Options, Report
 from benchmarks.measure import Target, md_table, percentile
 from benchmarks.realtime_client import RATE
 from benchmarks.realtime_phases import (
+    PIPELINE,
     BargeIn,
     FirstAudio,
     Idle,
@@ -61,7 +62,6 @@ from tests.sidecar.topology import Topology
 
 logger = logging.getLogger(__name__)
 
-PIPELINE = "qwen3-omni"
 REPLICAS = [1, 2, 1]
 MAX_TOKENS = 4  # the thinker's tokens per first-audio answer (the tiny thinker never stops early)
 TALK_TOKENS = 4

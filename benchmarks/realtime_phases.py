@@ -14,11 +14,11 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from pathlib import Path
 
 import aiohttp
 import numpy as np
 
+from benchmarks.measure import rss_bytes
 from benchmarks.realtime_client import RATE, RealtimeConn, audio_deltas, connect, user_text
 from tests.procs import wait_until
 from tests.sidecar.topology import Topology, engine_pid
@@ -208,10 +208,7 @@ class Idle:
 
 
 def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    return rss_bytes(pid) // 1024
 
 
 async def idle_sessions(url: str, topo: Topology, n: int) -> Idle:

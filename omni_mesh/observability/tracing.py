@@ -82,20 +82,17 @@ def _otlp_exporter() -> SpanExporter:
 def stage_span(name: str, traceparent: str, attributes: Mapping[str, str | int]) -> Iterator[str]:
     """A span for one stage execution, child of ``traceparent`` (when valid); yields the
     ``traceparent`` that the next stages' inputs should carry (the parent's when tracing is
-    off, so a trace started upstream stays whole)."""
-    if not _enabled:
+    off, so a trace started upstream stays whole). An exception marks it failed."""
+    span = open_stage_span(name, traceparent, attributes)
+    if span is None:
         yield traceparent
         return
-    carrier = {"traceparent": traceparent} if traceparent else {}
-    parent = _PROPAGATOR.extract(carrier)
-    tracer = trace.get_tracer(_TRACER_NAME)
-    with tracer.start_as_current_span(name, context=parent, attributes=dict(attributes)) as span:
-        if not span.get_span_context().is_valid:
-            yield traceparent
-            return
-        out: dict[str, str] = {}
-        _PROPAGATOR.inject(out)
-        yield out.get("traceparent", traceparent)
+    try:
+        yield span.traceparent
+    except BaseException as exc:
+        span.end(exc)
+        raise
+    span.end()
 
 
 class StageSpan:
@@ -111,7 +108,7 @@ class StageSpan:
 
     def end(self, exc: BaseException | None = None) -> None:
         """End the span; an exception marks it failed (a cancellation does not)."""
-        if exc is not None and isinstance(exc, Exception):
+        if isinstance(exc, Exception):
             self._span.record_exception(exc)
             self._span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(exc).__name__}"))
         self._span.end()

@@ -224,8 +224,13 @@ class ReferenceEngine(StageEngine, Generic[InputT]):
 
     def execute(self, batch: Sequence[EngineRequest]) -> list[EngineResult]:
         """Every request's whole result (no streaming), in the batch's order."""
-        results = [next(stream) for stream in self._streams(batch, streaming=False)]
-        return [r for r in results if r is not None]  # a whole run always has its result
+        results = []
+        for stream in self._streams(batch, streaming=False):
+            result = next(stream)
+            if result is None:  # a whole run (no run_chunks) yields its one result
+                raise RuntimeError(f"{self.where}: a whole run gave no result")
+            results.append(result)
+        return results
 
     def open(self, batch: Sequence[EngineRequest]) -> list[Iterator[EngineResult | None]]:
         return self._streams(batch, streaming=self.ctx.async_chunk)

@@ -57,6 +57,7 @@ from omni_mesh.sidecar.api.realtime.conversation import (
     model_messages,
     new_id,
 )
+from omni_mesh.sidecar.api.realtime.input_buffer import InputBuffer
 from omni_mesh.sidecar.api.realtime.response import ResponseInput, ResponseRun
 from omni_mesh.sidecar.api.realtime.sender import EventSender
 from omni_mesh.sidecar.api.realtime.vad import ServerVad
@@ -101,10 +102,7 @@ class RealtimeSession:
         self.conversation = conversation or Conversation()
         self.hooks = hooks or SessionHooks()
         self.response: ResponseRun | None = None
-        # the input buffer: samples at the input format's rate since `_buffer_start_ms`
-        self._buffer: list[np.ndarray] = []
-        self._buffer_samples = 0
-        self._buffer_start_ms = 0.0
+        self._buffer = InputBuffer()  # at the input format's rate
         self._clock_samples = 0  # input samples since `_clock_base_ms`
         self._clock_base_ms = 0.0
         self._vad: ServerVad | None = None
@@ -198,7 +196,7 @@ class RealtimeSession:
         if new.input_format != self.config.input_format:  # a new rate: a new buffer and clock
             self._clock_base_ms = self.audio_ms
             self._clock_samples = 0
-            self._clear_buffer()
+            self._buffer.clear(self.audio_ms)
         if new.turn_detection != self.config.turn_detection:
             self._vad = None  # made again, with the new settings, on the next append
         self.config = new
@@ -216,7 +214,7 @@ class RealtimeSession:
                 param="audio",
                 code="invalid_audio",
             ) from None
-        if self._buffer_samples + len(samples) > MAX_BUFFER_MS * self._rate // 1000:
+        if self._buffer.samples + len(samples) > MAX_BUFFER_MS * self._rate // 1000:
             raise EventError(
                 f"audio: the input audio buffer is full ({MAX_BUFFER_MS // 1000} s uncommitted)",
                 param="audio",
@@ -224,10 +222,7 @@ class RealtimeSession:
             )
         if len(samples) == 0:
             return
-        if self._buffer_samples == 0:
-            self._buffer_start_ms = self.audio_ms
-        self._buffer.append(samples)
-        self._buffer_samples += len(samples)
+        self._buffer.append(samples, self.audio_ms)
         self._clock_samples += len(samples)
         td = self.config.turn_detection
         if td is None:
@@ -242,7 +237,7 @@ class RealtimeSession:
             else:
                 self._speech_stopped(at_ms)
         if not self._vad.speaking:  # only the look-back before speech is worth keeping
-            self._trim_buffer(td.prefix_padding_ms + LOOKBACK_MS)
+            self._buffer.trim(td.prefix_padding_ms + LOOKBACK_MS, self._rate)
 
     def _speech_started(self, at_ms: float) -> None:
         td = self.config.turn_detection
@@ -272,8 +267,8 @@ class RealtimeSession:
                 "item_id": item_id,
             }
         )
-        start_ms = max(self._buffer_start_ms, self._speech_start_ms - td.prefix_padding_ms)
-        samples = self._take_buffer(start_ms, at_ms)
+        start_ms = max(self._buffer.start_ms, self._speech_start_ms - td.prefix_padding_ms)
+        samples = self._buffer.take(start_ms, at_ms, self._rate)
         if len(samples) == 0:
             return
         self._commit(samples, item_id)
@@ -281,14 +276,14 @@ class RealtimeSession:
             self._start_response(None)
 
     def _buffer_commit(self, event: BufferCommit) -> None:
-        ms = self._buffer_samples * 1000.0 / self._rate
+        ms = self._buffer.ms(self._rate)
         if ms < MIN_COMMIT_MS:
             raise EventError(
                 f"buffer too small: a commit needs at least {MIN_COMMIT_MS} ms of audio, the "
                 f"buffer has {ms:.0f} ms",
                 code="input_audio_buffer_commit_empty",
             )
-        samples = self._take_buffer(self._buffer_start_ms, self.audio_ms)
+        samples = self._buffer.take(self._buffer.start_ms, self.audio_ms, self._rate)
         if self._vad is not None:
             self._vad.reset()
             self._vad = None
@@ -296,7 +291,7 @@ class RealtimeSession:
         self._speech_item = None
 
     def _buffer_clear(self, event: BufferClear) -> None:
-        self._clear_buffer()
+        self._buffer.clear(self.audio_ms)
         self._vad = None
         self._speech_item = None
         self.sender.send({"type": "input_audio_buffer.cleared"})
@@ -430,7 +425,7 @@ class RealtimeSession:
         if self.state != "idle" or self.sender.closed:
             return
         item_id = new_id("item")
-        start, end = self._buffer_start_ms, self.audio_ms
+        start, end = self._buffer.start_ms, self.audio_ms
         self.sender.send(
             {
                 "type": "input_audio_buffer.timeout_triggered",
@@ -440,45 +435,11 @@ class RealtimeSession:
             }
         )
         try:
-            if self._buffer_samples and self.pod.pipeline.input_audio:
-                self._commit(self._take_buffer(start, end), item_id)
+            if self._buffer.samples and self.pod.pipeline.input_audio:
+                self._commit(self._buffer.take(start, end, self._rate), item_id)
             self._start_response(None)
         except EventError as exc:
             self.error(exc)
-
-    # ---- the buffer --------------------------------------------------------------------------
-
-    def _clear_buffer(self) -> None:
-        self._buffer.clear()
-        self._buffer_samples = 0
-        self._buffer_start_ms = self.audio_ms
-
-    def _joined(self) -> np.ndarray:
-        if len(self._buffer) != 1:
-            joined = np.concatenate(self._buffer) if self._buffer else np.zeros(0, np.int16)
-            self._buffer = [joined] if len(joined) else []
-        return self._buffer[0] if self._buffer else np.zeros(0, np.int16)
-
-    def _trim_buffer(self, keep_ms: float) -> None:
-        keep = int(keep_ms * self._rate / 1000)
-        if self._buffer_samples <= 2 * keep:  # trimmed in steps, not on every append
-            return
-        samples = self._joined()[-keep:]
-        self._buffer = [samples]
-        self._buffer_start_ms += (self._buffer_samples - len(samples)) * 1000.0 / self._rate
-        self._buffer_samples = len(samples)
-
-    def _take_buffer(self, start_ms: float, end_ms: float) -> np.ndarray:
-        """The buffer's samples from ``start_ms`` to ``end_ms``; what came before goes, what
-        comes after stays (the start of the next turn)."""
-        samples = self._joined()
-        a = max(0, int((start_ms - self._buffer_start_ms) * self._rate / 1000))
-        b = max(a, min(len(samples), int((end_ms - self._buffer_start_ms) * self._rate / 1000)))
-        taken, rest = samples[a:b], samples[b:]
-        self._buffer = [rest] if len(rest) else []
-        self._buffer_start_ms += b * 1000.0 / self._rate
-        self._buffer_samples = len(rest)
-        return taken
 
 
 _HANDLERS: dict[type, str] = {
