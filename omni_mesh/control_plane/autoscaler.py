@@ -48,6 +48,8 @@ class Autoscaler:
             if saved > 0:
                 self._record(scale, decision)
                 decisions.append(decision)
+                if inputs.ready > 0 and scale.wake_waiting > 0:  # the waiters are served
+                    await self._scale.clear_wake(pipeline, stage_id)
         return decisions
 
     def _record(self, scale: StageScale, d: ScaleDecision) -> None:

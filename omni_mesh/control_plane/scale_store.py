@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
 
-#: How long a wake hint (requests waiting for a stage at zero) counts, ms.
+#: How long a wake hint (requests waiting for a stage at zero) counts, ms, unless the stage
+#: gains a ready replica first (the autoscaler then clears it: those requests are served).
 WAKE_TTL_MS = 10_000
 
 
@@ -100,6 +101,12 @@ class ScaleStore:
     async def wake(self, pipeline: str, stage_id: int, waiting: int) -> None:
         """Record that ``waiting`` requests wait for the stage (kept for ``WAKE_TTL_MS``)."""
         await self.redis.set(self.keys.scale_wake(pipeline, stage_id), str(waiting), px=WAKE_TTL_MS)
+
+    async def clear_wake(self, pipeline: str, stage_id: int) -> None:
+        """Forget the stage's wake hint: it has a ready replica, so the requests that posted
+        it are served; one that still waits posts it again. Left standing, a served hint would
+        wake the stage again when it next drops to zero."""
+        await self.redis.delete(self.keys.scale_wake(pipeline, stage_id))
 
     async def stage(self, pipeline: str, stage_id: int) -> StageScale | None:
         """The stage's policy and last decision; None when it is not autoscaled."""

@@ -88,3 +88,41 @@ async def test_the_autoscaler_decides_from_heartbeats(redis_client: redis.asynci
         )
         == 1.0
     )
+
+
+async def test_a_served_wake_hint_does_not_wake_the_stage_again(
+    redis_client: redis.asyncio.Redis,
+) -> None:
+    """A stage woken from zero gets a replica; the hint is then cleared, so when that replica
+    leaves (drained, idle) the stage stays at zero instead of starting one for requests that
+    were already served (the replica-flapping of omni-up's actuator test)."""
+    store = make_store(redis_client)
+    autoscaler = Autoscaler(store, store.scale, ControlPlaneMetrics(CollectorRegistry()).autoscale)
+    await redis_client.set(KEYS.sweeper_lock, "holder")
+    now = await store.scale.now_ms()
+    quick = POLICY.model_copy(update={"scale_down_window_s": 0.0})
+    await store.scale.put_policy(
+        "synthetic", 3, quick, initial_decision(quick, ScaleInputs(), now, 0)
+    )
+    await store.scale.wake("synthetic", 3, 1)
+    [woken] = await autoscaler.tick("holder")
+    assert (woken.previous, woken.desired, woken.reason) == (0, 1, "wake")
+
+    reg = await store.register(
+        RegisterRequest(
+            pipeline="synthetic", stage_id=3, address="http://127.0.0.1:9903", capacity=4
+        )
+    )
+    [serving] = await autoscaler.tick("holder")
+    assert serving.inputs.ready == 1 and serving.inputs.wake_waiting == 1
+    stored = await store.scale.stage("synthetic", 3)
+    assert stored is not None and stored.wake_waiting == 0  # served: cleared
+
+    await store.deregister(reg.instance_id)
+    [gone] = await autoscaler.tick("holder")
+    assert gone.inputs.ready == 0 and gone.inputs.wake_waiting == 0
+    assert gone.desired == 0 and gone.reason != "wake"
+
+    await store.scale.wake("synthetic", 3, 1)  # a new waiter wakes it again
+    [again] = await autoscaler.tick("holder")
+    assert (again.desired, again.reason) == (1, "wake")
