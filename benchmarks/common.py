@@ -16,7 +16,7 @@ from benchmarks.measure import Target, md_table
 from omni_mesh.data_plane import codec
 from omni_mesh.data_plane.messages import HopResult, Payload, StageInput, Tensor
 from omni_mesh.data_plane.signing import hop_token
-from omni_mesh.sidecar.hop_client import HOP_TOKEN_HEADER
+from omni_mesh.sidecar.hop.client import HOP_TOKEN_HEADER
 
 MSGPACK_HEADERS = {"Content-Type": "application/msgpack"}
 #: What a sidecar sends with every hop: the deployment's hop token (HMAC of the secret).

@@ -44,3 +44,59 @@ def loaded_after_import(modules: Iterable[str]) -> set[str]:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     return set(json.loads(out.stdout))
+
+
+def module_graph(package: Path, name: str) -> dict[str, set[str]]:
+    """The package's modules (dotted, under ``name``) and the package's modules each imports
+    (``from x import y`` counts ``x.y`` where that is a module)."""
+    modules: dict[str, Path] = {}
+    for path in package.rglob("*.py"):
+        parts = (name, *path.relative_to(package).with_suffix("").parts)
+        dotted = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[dotted] = path
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                named = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                named = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            else:
+                continue
+            graph[module].update(n for n in named if n in modules and n != module)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found

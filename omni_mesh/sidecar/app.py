@@ -39,20 +39,22 @@ from omni_mesh.data_plane.shm import ShmReader, sweep_orphans
 from omni_mesh.data_plane.signing import hop_token
 from omni_mesh.observability.children import labelled
 from omni_mesh.observability.metrics import SidecarMetrics
-from omni_mesh.sidecar import routes_api, routes_hop, routes_run
+from omni_mesh.sidecar.admission.early_shed import SHEDDABLE_ROUTES, EarlyShed
+from omni_mesh.sidecar.api import hop_route as routes_hop
+from omni_mesh.sidecar.api import routes as routes_api
+from omni_mesh.sidecar.api import run as routes_run
 from omni_mesh.sidecar.api.realtime.cp_store import ControlPlaneSessionStore
 from omni_mesh.sidecar.api.realtime.route import REALTIME
 from omni_mesh.sidecar.appkeys import POD
-from omni_mesh.sidecar.early_shed import SHEDDABLE_ROUTES, EarlyShed
-from omni_mesh.sidecar.engine_client import EngineClient
-from omni_mesh.sidecar.hop_client import HOP_TOKEN_HEADER, HopClient, HopStats
-from omni_mesh.sidecar.hop_http import HopHttpClient
-from omni_mesh.sidecar.liveness import HopLiveness, LivenessConfig
+from omni_mesh.sidecar.engine_link.client import EngineClient
+from omni_mesh.sidecar.hop.client import HOP_TOKEN_HEADER, HopClient, HopStats
+from omni_mesh.sidecar.hop.http import HopHttpClient
+from omni_mesh.sidecar.hop.liveness import HopLiveness, LivenessConfig
+from omni_mesh.sidecar.hop.router import Replica, Router
+from omni_mesh.sidecar.hop.waker import StageWaker
 from omni_mesh.sidecar.middleware import api_metrics_middleware, error_middleware
 from omni_mesh.sidecar.pod import Pod, resolve_secret
-from omni_mesh.sidecar.router import Replica, Router
 from omni_mesh.sidecar.runner import StageRunner
-from omni_mesh.sidecar.stage_waker import StageWaker
 
 logger = logging.getLogger(__name__)
 

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         p.exit(2, f"omni-stage: error: {exc}\n")
 
     from omni_mesh.sidecar.app import build_pod, serve
-    from omni_mesh.sidecar.engine_client import EngineStartError
+    from omni_mesh.sidecar.engine_link.client import EngineStartError
 
     async def run() -> int:
         pod = await build_pod(settings, pipeline, deploy, connectors)

@@ -18,9 +18,9 @@ from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import Counter, Histogram
 
 from omni_mesh.observability.metrics import SidecarMetrics
-from omni_mesh.sidecar.engine_client import EngineBusyError, EngineDeadError
+from omni_mesh.sidecar.engine_link.client import EngineBusyError, EngineDeadError
 from omni_mesh.sidecar.errors import ApiError, error_response, hop_unavailable_error
-from omni_mesh.sidecar.hop_client import HopUnavailable
+from omni_mesh.sidecar.hop.client import HopUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def api_metrics_middleware(
     the error middleware chose). A streamed answer that failed after its 200 went out counts
     as status 500: its client got an incomplete answer. On the ``sheddable`` routes
     ``shed_check`` runs first: a request the admission gate would shed is answered on its
-    headers, its body never read (``early_shed.py``)."""
+    headers, its body never read (``admission/early_shed.py``)."""
 
     # Label children made once (a shed under a flood costs little more than its answer).
     requests: dict[tuple[str, int], Counter] = {}

@@ -18,14 +18,14 @@ from omni_mesh.configs.stage_settings import StageSettings
 from omni_mesh.data_plane.shm import ShmReader
 from omni_mesh.data_plane.signing import hop_token
 from omni_mesh.observability.metrics import SidecarMetrics
-from omni_mesh.sidecar.engine_client import EngineClient
-from omni_mesh.sidecar.hop_client import HopClient
-from omni_mesh.sidecar.hop_http import HopHttpClient
-from omni_mesh.sidecar.router import Router
+from omni_mesh.sidecar.engine_link.client import EngineClient
+from omni_mesh.sidecar.hop.client import HopClient
+from omni_mesh.sidecar.hop.http import HopHttpClient
+from omni_mesh.sidecar.hop.router import Router
 from omni_mesh.sidecar.runner import StageRunner
 
 if TYPE_CHECKING:
-    from omni_mesh.sidecar.admission import AdmissionGate
+    from omni_mesh.sidecar.admission.gate import AdmissionGate
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class Pod:
     ready: bool = False  # listening and registered (or no control plane configured)
     draining: bool = False
     in_flight: int = 0
-    gate: AdmissionGate | None = None  # the admission queue (admission.gate_of)
+    gate: AdmissionGate | None = None  # the admission queue (admission.admit.gate_of)
     exit_code: int = 0
     stop_event: asyncio.Event = field(default_factory=asyncio.Event)
 

@@ -44,9 +44,9 @@ from omni_mesh.data_plane.messages import (
 )
 from omni_mesh.data_plane.shm import ShmReader, inline
 from omni_mesh.data_plane.tensors import payload_nbytes
-from omni_mesh.sidecar.engine_client import EngineClient
-from omni_mesh.sidecar.engine_outputs import EngineOutputs
-from omni_mesh.sidecar.hop_client import HopClient, HopUnavailable
+from omni_mesh.sidecar.engine_link.client import EngineClient
+from omni_mesh.sidecar.engine_link.outputs import EngineOutputs
+from omni_mesh.sidecar.hop.client import HopClient, HopUnavailable
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from omni_mesh.configs.pipeline import get_pipeline
 from omni_mesh.data_plane.messages import Payload, StageInput
 from omni_mesh.data_plane.tensors import array_from_tensor, tensor_from_array
 from omni_mesh.engines.synthetic import synthetic_bytes
-from omni_mesh.sidecar.engine_client import EngineDeadError, EngineStartError
+from omni_mesh.sidecar.engine_link.client import EngineDeadError, EngineStartError
 from tests.engines.process_helpers import MakeClient, MiB, execute, shm_files, stage_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]

@@ -15,7 +15,7 @@ import pytest
 from omni_mesh.data_plane.messages import Payload, StageInput, StageOutput, transfer_key
 from omni_mesh.data_plane.tensors import array_from_tensor, tensor_from_array
 from omni_mesh.engines.synthetic import chunk_bytes
-from omni_mesh.sidecar.engine_client import EngineBusyError
+from omni_mesh.sidecar.engine_link.client import EngineBusyError
 from tests.engines.process_helpers import MakeClient, MiB, RecordingClient, shm_files, stage_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]

@@ -8,7 +8,7 @@
 What makes it about a second, not TCP's minutes: a hop's connection must be made within
 ``hop_connect_timeout_s`` (0.3 s), and a replica with a hop unanswered for ``hop_probe_after_s``
 (0.5 s) is probed on ``/health`` by the sender; a failed probe fails its outstanding hops, which
-are replayed (``omni_mesh/sidecar/liveness.py``). Each test checks that replays did happen.
+are replayed (``omni_mesh/sidecar/hop/liveness.py``). Each test checks that replays did happen.
 """
 
 from __future__ import annotations

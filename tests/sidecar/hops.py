@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from omni_mesh.data_plane.messages import HopResult, StageInput
-from omni_mesh.sidecar.hop_client import HopClient
+from omni_mesh.sidecar.hop.client import HopClient
 
 
 async def send(client: HopClient, si: StageInput) -> HopResult:

@@ -21,7 +21,8 @@ from omni_mesh.observability.metrics import (
     SC_SHED,
     SidecarMetrics,
 )
-from omni_mesh.sidecar.admission import AdmissionGate, admitted, api_slots, request_class
+from omni_mesh.sidecar.admission.admit import admitted, api_slots, request_class
+from omni_mesh.sidecar.admission.gate import AdmissionGate
 from omni_mesh.sidecar.errors import ApiError
 
 pytestmark = pytest.mark.unit

@@ -7,14 +7,8 @@ import math
 
 import pytest
 
-from omni_mesh.sidecar.admission_queue import (
-    AdmissionQueue,
-    Priority,
-    Shed,
-    Waiter,
-    parse_priority,
-    shed_retry_after,
-)
+from omni_mesh.sidecar.admission.queue import AdmissionQueue, Priority, Waiter, parse_priority
+from omni_mesh.sidecar.hop.shed import Shed, shed_retry_after
 
 HIGH, NORMAL, LOW = Priority.HIGH, Priority.NORMAL, Priority.LOW
 FAR = 1e9  # a deadline that never matters

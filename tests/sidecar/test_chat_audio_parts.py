@@ -11,9 +11,9 @@ from typing import Any
 import msgspec
 import pytest
 
+from omni_mesh.sidecar.api.openai_types import ChatRequest
+from omni_mesh.sidecar.api.routes import AUDIO_ONLY_PROMPT, _conversation
 from omni_mesh.sidecar.errors import ApiError
-from omni_mesh.sidecar.openai_types import ChatRequest
-from omni_mesh.sidecar.routes_api import AUDIO_ONLY_PROMPT, _conversation
 
 pytestmark = pytest.mark.unit
 

@@ -12,7 +12,7 @@ from omni_mesh.data_plane import media
 from omni_mesh.data_plane.messages import HopResult, Payload, RunOutputBin, StageError
 from omni_mesh.data_plane.tensors import payload_from_arrays
 from omni_mesh.run_client.outputs import join_run_outputs
-from omni_mesh.sidecar.outputs import (
+from omni_mesh.sidecar.api.outputs import (
     ChunkAssembler,
     final_output,
     join_outputs,

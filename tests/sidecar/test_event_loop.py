@@ -29,11 +29,11 @@ from omni_mesh.data_plane import media
 from omni_mesh.data_plane.messages import HopResult
 from omni_mesh.data_plane.tensors import payload_from_arrays
 from omni_mesh.launcher.local_net import free_port
+from omni_mesh.sidecar.api.client_requests import collect
+from omni_mesh.sidecar.api.outputs import FinalOutput, final_output
+from omni_mesh.sidecar.api.sinks import SpeechAudio, respond
 from omni_mesh.sidecar.app import sweep_orphaned_shm
-from omni_mesh.sidecar.client_requests import collect
 from omni_mesh.sidecar.middleware import error_middleware
-from omni_mesh.sidecar.outputs import FinalOutput, final_output
-from omni_mesh.sidecar.sinks import SpeechAudio, respond
 from tests.media_readers import read_png, read_wav
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]

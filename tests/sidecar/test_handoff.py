@@ -29,9 +29,9 @@ from omni_mesh.data_plane.messages import (
 )
 from omni_mesh.data_plane.shm import ShmArena, ShmReader
 from omni_mesh.data_plane.tensors import array_from_tensor
-from omni_mesh.sidecar.hop_client import HOP_PATH, HopClient, HopStats, HopUnavailable
-from omni_mesh.sidecar.hop_http import HopHttpClient
-from omni_mesh.sidecar.router import Replica, Router
+from omni_mesh.sidecar.hop.client import HOP_PATH, HopClient, HopStats, HopUnavailable
+from omni_mesh.sidecar.hop.http import HopHttpClient
+from omni_mesh.sidecar.hop.router import Replica, Router
 from tests.sidecar.hops import send
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]

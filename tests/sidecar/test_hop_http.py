@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from omni_mesh.data_plane.wire import ResponseTooLarge
-from omni_mesh.sidecar.hop_http import HopConnectionError, HopHttpClient
+from omni_mesh.sidecar.hop.http import HopConnectionError, HopHttpClient
 from tests.procs import free_port
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]

@@ -20,10 +20,10 @@ from omni_mesh.data_plane.connectors import HttpConnector
 from omni_mesh.data_plane.constants import MSGPACK
 from omni_mesh.data_plane.messages import HopResult, Payload, StageInput
 from omni_mesh.data_plane.shm import ShmReader
-from omni_mesh.sidecar.admission_queue import SHED_TYPE, Shed
-from omni_mesh.sidecar.hop_client import HOP_PATH, HopClient, HopUnavailable
-from omni_mesh.sidecar.hop_http import HopHttpClient
-from omni_mesh.sidecar.router import Replica, Router
+from omni_mesh.sidecar.hop.client import HOP_PATH, HopClient, HopUnavailable
+from omni_mesh.sidecar.hop.http import HopHttpClient
+from omni_mesh.sidecar.hop.router import Replica, Router
+from omni_mesh.sidecar.hop.shed import SHED_TYPE, Shed
 from tests.sidecar.hops import send
 
 pytestmark = pytest.mark.unit

@@ -19,9 +19,9 @@ from omni_mesh.data_plane.connectors import HttpConnector
 from omni_mesh.data_plane.constants import HOP_FRAMES
 from omni_mesh.data_plane.messages import HopResult, Payload, StageInput, StageTiming
 from omni_mesh.data_plane.shm import ShmReader
-from omni_mesh.sidecar.hop_client import HOP_PATH, HopClient, HopStats, HopUnavailable
-from omni_mesh.sidecar.hop_http import HopConnectionError, HopHttpClient
-from omni_mesh.sidecar.router import Router
+from omni_mesh.sidecar.hop.client import HOP_PATH, HopClient, HopStats, HopUnavailable
+from omni_mesh.sidecar.hop.http import HopConnectionError, HopHttpClient
+from omni_mesh.sidecar.hop.router import Router
 from tests.sidecar.test_handoff import STAGE, FakePools, FakeReplica, hop_input
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]

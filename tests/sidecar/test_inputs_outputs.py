@@ -18,8 +18,8 @@ from omni_mesh.data_plane.messages import (
     StageInput,
 )
 from omni_mesh.data_plane.tensors import payload_from_arrays
+from omni_mesh.sidecar.api.outputs import final_output
 from omni_mesh.sidecar.inputs import BadPrompt, entry_input
-from omni_mesh.sidecar.outputs import final_output
 from tests import media_readers
 
 pytestmark = pytest.mark.unit

@@ -1,5 +1,5 @@
 """Silent replicas on loopback: the hop client's connect timeout, the liveness prober
-(``sidecar/liveness.py``) and the kernel's keepalive options.
+(``sidecar/hop/liveness.py``) and the kernel's keepalive options.
 
 A *silent* address here is a listening socket whose accept queue is full: the kernel drops
 further SYNs without a word, as a host whose link went down does. A *mute* replica accepts
@@ -30,11 +30,11 @@ from omni_mesh.data_plane.framing import encode_frame
 from omni_mesh.data_plane.messages import HopResult, Payload, StageInput
 from omni_mesh.data_plane.shm import ShmReader
 from omni_mesh.sidecar.app import liveness_config
-from omni_mesh.sidecar.hop_client import HOP_PATH, HopClient
-from omni_mesh.sidecar.hop_conn import set_keepalive
-from omni_mesh.sidecar.hop_http import HopConnectionError, HopHttpClient, HopReplicaLost
-from omni_mesh.sidecar.liveness import HopLiveness, LivenessConfig, probe
-from omni_mesh.sidecar.router import Replica, Router
+from omni_mesh.sidecar.hop.client import HOP_PATH, HopClient
+from omni_mesh.sidecar.hop.conn import set_keepalive
+from omni_mesh.sidecar.hop.http import HopConnectionError, HopHttpClient, HopReplicaLost
+from omni_mesh.sidecar.hop.liveness import HopLiveness, LivenessConfig, probe
+from omni_mesh.sidecar.hop.router import Replica, Router
 from tests.sidecar.hops import send
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]

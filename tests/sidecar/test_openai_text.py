@@ -13,14 +13,14 @@ import pytest
 from omni_mesh.configs.pipeline import OutputKind, get_pipeline
 from omni_mesh.data_plane.messages import Prompt, SamplingParams, Scalar
 from omni_mesh.data_plane.tensors import payload_from_arrays
-from omni_mesh.sidecar.chat_answer import chat_completion
-from omni_mesh.sidecar.choices import choice_prompts
+from omni_mesh.sidecar.api.chat_answer import chat_completion
+from omni_mesh.sidecar.api.choices import choice_prompts
+from omni_mesh.sidecar.api.completions import CompletionAnswer
+from omni_mesh.sidecar.api.openai_text import finish_reason, sampling_from, usage, usage_of
+from omni_mesh.sidecar.api.openai_types import ChatRequest, CompletionRequest
+from omni_mesh.sidecar.api.outputs import FinalOutput, final_output, join_outputs
+from omni_mesh.sidecar.api.text_logprobs import TokenLogprobs
 from omni_mesh.sidecar.errors import ApiError
-from omni_mesh.sidecar.openai_text import finish_reason, sampling_from, usage, usage_of
-from omni_mesh.sidecar.openai_types import ChatRequest, CompletionRequest
-from omni_mesh.sidecar.outputs import FinalOutput, final_output, join_outputs
-from omni_mesh.sidecar.routes_completions import CompletionAnswer
-from omni_mesh.sidecar.text_logprobs import TokenLogprobs
 
 PIPELINE = get_pipeline("tiny-llm")
 

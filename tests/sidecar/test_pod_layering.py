@@ -1,6 +1,20 @@
 """The pod (``sidecar/``) may import configs, data_plane, control_plane.client and
 observability; it starts its engine as a process and never imports the launcher or the run
-client (DESIGN §2)."""
+client (DESIGN §2).
+
+Inside, the pod's top level is its lifecycle and what every part shares (the ``Pod``, the
+stage runner, errors, deadlines); its parts are subpackages named by job, and imports go one
+way only, no circle between any two files:
+
+    app, cli_stage (the composition)
+      -> api/ (every route the pod serves: OpenAI, /v1/run, realtime, and /v1/hop for peers)
+        -> admission/ (queue, gate, a request's class and slot, early shedding, outcomes)
+          -> the shared top level (pod, runner, errors, deadlines, appkeys, inputs, middleware)
+            -> hop/ (the outbound hop: client, connections, router, liveness, sheds) and
+               engine_link/ (the engine's client and a stage input's outputs)
+
+The one upward arrow is the pod holding its admission gate (``admission.gate``, which itself
+reads only the queue, the errors and the shed wire form)."""
 
 from __future__ import annotations
 
@@ -9,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import omni_mesh.sidecar
-from tests.layering import ours_outside
+from tests.layering import circles, module_graph, ours_outside
 
 pytestmark = pytest.mark.unit
 
@@ -22,8 +36,69 @@ ALLOWED = (
     "omni_mesh.observability",
     "omni_mesh.procutil",
 )
+NAME = "omni_mesh.sidecar"
+ROOTS = {f"{NAME}.app", f"{NAME}.cli_stage"}
+#: part -> the parts it may import (besides itself)
+DIRECTIONS: dict[str, set[str]] = {
+    "api": {"admission", "shared", "hop", "engine_link"},
+    "admission": {"shared", "hop"},
+    "shared": {"hop", "engine_link", "admission.gate"},
+    "hop": set(),
+    "engine_link": set(),
+}
 
 
-@pytest.mark.parametrize("path", sorted(PACKAGE.glob("*.py")), ids=lambda p: p.name)
+def part_of(module: str) -> str:
+    rest = module.removeprefix(NAME).lstrip(".").split(".")
+    return rest[0] if rest[0] in DIRECTIONS else "shared"
+
+
+@pytest.mark.parametrize(
+    "path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE))
+)
 def test_pod_sources_import_only_what_design_allows(path: Path) -> None:
     assert not ours_outside(path, ALLOWED)
+
+
+def test_no_circle_between_the_pods_files() -> None:
+    assert circles(module_graph(PACKAGE, NAME)) == []
+
+
+def test_the_pods_parts_import_one_way() -> None:
+    graph = module_graph(PACKAGE, NAME)
+    wrong = []
+    for module, imported in sorted(graph.items()):
+        if module in ROOTS or module == NAME:
+            continue
+        part = part_of(module)
+        for other in sorted(imported):
+            there = part_of(other)
+            if other in ROOTS:
+                wrong.append(f"{module} -> {other} (a composition root)")
+            elif (
+                there != part
+                and there not in DIRECTIONS[part]
+                and (other.removeprefix(f"{NAME}.") not in DIRECTIONS[part])
+            ):
+                wrong.append(f"{module} ({part}) -> {other} ({there})")
+    assert wrong == []
+
+
+def test_the_parts_are_folders_and_the_top_level_is_the_lifecycle() -> None:
+    top = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+    assert top == [
+        "app", "appkeys", "cli_stage", "deadlines", "errors", "inputs", "middleware", "pod",
+        "runner",
+    ]  # fmt: skip
+    assert {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()} == set(
+        DIRECTIONS
+    ) - {"shared"}
+
+
+def test_the_checks_see_a_circle_and_a_wrong_way_arrow(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text("from pkg import b\n")
+    (tmp_path / "b.py").write_text("import pkg.a\n")
+    (tmp_path / "c.py").write_text("from pkg.b import x\n")
+    graph = module_graph(tmp_path, "pkg")
+    assert graph["pkg.c"] == {"pkg.b"}
+    assert circles(graph) == [["pkg.a", "pkg.b"]]

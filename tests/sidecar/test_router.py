@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 import pytest
 
-from omni_mesh.sidecar.router import Replica, Router
+from omni_mesh.sidecar.hop.router import Replica, Router
 
 pytestmark = pytest.mark.unit
 

@@ -20,10 +20,10 @@ from omni_mesh.data_plane.connectors import HttpConnector
 from omni_mesh.data_plane.constants import MSGPACK
 from omni_mesh.data_plane.messages import HopResult, Payload, StageInput
 from omni_mesh.data_plane.shm import ShmReader
-from omni_mesh.sidecar.hop_client import HOP_PATH, HopClient
-from omni_mesh.sidecar.hop_http import HopHttpClient
-from omni_mesh.sidecar.router import Replica, Router
-from omni_mesh.sidecar.stage_waker import StageWaker
+from omni_mesh.sidecar.hop.client import HOP_PATH, HopClient
+from omni_mesh.sidecar.hop.http import HopHttpClient
+from omni_mesh.sidecar.hop.router import Replica, Router
+from omni_mesh.sidecar.hop.waker import StageWaker
 from tests.procs import start_control_plane
 from tests.sidecar.hops import send
 

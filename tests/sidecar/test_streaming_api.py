@@ -22,15 +22,15 @@ from omni_mesh.data_plane import media
 from omni_mesh.data_plane.messages import HopResult, Payload, StageError
 from omni_mesh.data_plane.tensors import payload_from_arrays
 from omni_mesh.launcher.supervisor import free_port
-from omni_mesh.sidecar.hop_client import HopUnavailable
-from omni_mesh.sidecar.middleware import error_middleware
-from omni_mesh.sidecar.sinks import (
+from omni_mesh.sidecar.api.sinks import (
     GenerateEvents,
     Sink,
     SpeechAudio,
     SpeechEvents,
     respond,
 )
+from omni_mesh.sidecar.hop.client import HopUnavailable
+from omni_mesh.sidecar.middleware import error_middleware
 from tests import media_readers
 from tests.sidecar.scripted import Item, Script
 

@@ -24,10 +24,10 @@ from omni_mesh.data_plane import media
 from omni_mesh.data_plane.messages import HopResult, Payload, StageError
 from omni_mesh.data_plane.tensors import payload_from_arrays
 from omni_mesh.launcher.supervisor import free_port
-from omni_mesh.sidecar.chat_answer import ChatEvents
-from omni_mesh.sidecar.choices import ChoiceSink, respond_choices
+from omni_mesh.sidecar.api.chat_answer import ChatEvents
+from omni_mesh.sidecar.api.choices import ChoiceSink, respond_choices
+from omni_mesh.sidecar.api.completions import CompletionAnswer
 from omni_mesh.sidecar.middleware import error_middleware
-from omni_mesh.sidecar.routes_completions import CompletionAnswer
 from tests.sidecar.scripted import Script
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]

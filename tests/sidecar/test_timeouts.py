@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from omni_mesh.sidecar.liveness import probe
-from omni_mesh.sidecar.timeouts import within
+from omni_mesh.sidecar.hop.liveness import probe
+from omni_mesh.sidecar.hop.timeouts import within
 
 
 async def _server() -> asyncio.Server:

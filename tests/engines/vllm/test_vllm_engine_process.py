@@ -30,7 +30,7 @@ from omni_mesh.data_plane.messages import (
     transfer_key,
 )
 from omni_mesh.data_plane.tensors import array_from_tensor, tensor_from_array
-from omni_mesh.sidecar.engine_client import EngineClient
+from omni_mesh.sidecar.engine_link.client import EngineClient
 
 pytestmark = [
     pytest.mark.integration,

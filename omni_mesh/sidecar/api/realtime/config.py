@@ -14,6 +14,7 @@ import msgspec
 from msgspec import UNSET, Struct
 
 from omni_mesh.configs.pipeline import OutputKind, PipelineSpec
+from omni_mesh.sidecar.api.outputs import final_stage
 from omni_mesh.sidecar.api.realtime.client_events import (
     AudioFormatIn,
     AudioIn,
@@ -22,7 +23,6 @@ from omni_mesh.sidecar.api.realtime.client_events import (
     SessionIn,
     TurnDetectionIn,
 )
-from omni_mesh.sidecar.outputs import final_stage
 
 #: OpenAI's server_vad defaults.
 DEFAULT_THRESHOLD = 0.5

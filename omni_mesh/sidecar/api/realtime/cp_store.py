@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from omni_mesh.control_plane.client import SessionFenced, SessionNotFound
 from omni_mesh.control_plane.client.http import ControlPlaneClient
 from omni_mesh.control_plane.client.sessions import SessionsClient
-from omni_mesh.control_plane.errors import SessionFenced, SessionNotFound
 from omni_mesh.sidecar.api.realtime.persist import Fenced, StoredSession, stored_session
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
-from omni_mesh.control_plane.errors import ControlPlaneRequestError
+from omni_mesh.control_plane.client import ControlPlaneRequestError
 from omni_mesh.sidecar.api.realtime.config import SessionConfig, from_builtins, to_builtins
 from omni_mesh.sidecar.api.realtime.conversation import Conversation, Item
 

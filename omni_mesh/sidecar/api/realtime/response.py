@@ -30,13 +30,13 @@ from aiohttp import web
 
 from omni_mesh.configs.pipeline import OutputKind
 from omni_mesh.data_plane.messages import Prompt
+from omni_mesh.sidecar.api.client_requests import entry, request_frames
+from omni_mesh.sidecar.api.outputs import ChunkAssembler, OutputChunk, final_stage
 from omni_mesh.sidecar.api.realtime import audio_formats
 from omni_mesh.sidecar.api.realtime.config import SessionConfig
 from omni_mesh.sidecar.api.realtime.conversation import Conversation, Item, Part, new_id
 from omni_mesh.sidecar.api.realtime.sender import EventSender
-from omni_mesh.sidecar.client_requests import entry, request_frames
 from omni_mesh.sidecar.errors import ApiError
-from omni_mesh.sidecar.outputs import ChunkAssembler, OutputChunk, final_stage
 from omni_mesh.sidecar.pod import Pod
 
 logger = logging.getLogger(__name__)

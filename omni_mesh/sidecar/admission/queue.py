@@ -1,7 +1,7 @@
 """The admission queue of a pod: who runs next when every slot is taken, and who is shed.
 
 Pure logic, no IO and no clock of its own (every call takes ``now``, monotonic seconds), so it
-is unit-tested on its own; :mod:`omni_mesh.sidecar.admission` wraps it in asyncio.
+is unit-tested on its own; :mod:`omni_mesh.sidecar.admission.admit` wraps it in asyncio.
 
 - **Order**: strict priority across classes (high > normal > low); round-robin between
   tenants within a class (a deficit round-robin where every request costs one); FIFO within a
@@ -19,12 +19,12 @@ is unit-tested on its own; :mod:`omni_mesh.sidecar.admission` wraps it in asynci
 
 from __future__ import annotations
 
-import math
-import re
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Literal
+
+from omni_mesh.sidecar.hop.shed import Shed, ShedReason
 
 
 class Priority(IntEnum):
@@ -39,12 +39,6 @@ PRIORITY_NAMES: tuple[str, ...] = tuple(p.name.lower() for p in Priority)
 #: The classes lowest first (iterating the enum itself is slow on the shed path).
 _LOWEST_FIRST: tuple[Priority, ...] = tuple(reversed(Priority))
 
-ShedReason = Literal["queue_full", "evicted", "deadline", "wait_limit"]
-SHED_REASONS: tuple[ShedReason, ...] = ("queue_full", "evicted", "deadline", "wait_limit")
-#: The error ``type`` of a shed answer (503): the sender tells it from a replica failure.
-SHED_TYPE = "shed"
-_SHED_RETRY = re.compile(r"; retry after ([0-9]+(?:\.[0-9]+)?) s$")
-
 
 def parse_priority(value: str) -> Priority:
     """``high|normal|low`` (any case) → :class:`Priority`; ValueError naming the choices."""
@@ -52,37 +46,6 @@ def parse_priority(value: str) -> Priority:
         return Priority[value.strip().upper()]
     except KeyError:
         raise ValueError(f"{value!r} is not one of {', '.join(PRIORITY_NAMES)}") from None
-
-
-@dataclass(frozen=True)
-class Shed:
-    """Why a request was refused, and when to come back."""
-
-    reason: ShedReason
-    retry_after_s: float
-    detail: str
-
-    def message(self) -> str:
-        """The error message of the 503; :func:`shed_retry_after` reads it back."""
-        return f"shed ({self.reason}): {self.detail}; retry after {self.retry_after_s:.3f} s"
-
-    @property
-    def retry_after_header(self) -> str:
-        """``Retry-After`` in whole seconds (at least 1)."""
-        return str(max(1, math.ceil(self.retry_after_s)))
-
-
-def shed_retry_after(message: str) -> float | None:
-    """The Retry-After of a shed answer's message; None when the message is not a shed's."""
-    found = _SHED_RETRY.search(message)
-    return float(found.group(1)) if found and message.startswith("shed (") else None
-
-
-def retry_after_in(message: str) -> float | None:
-    """The Retry-After a shed error's message carries (``…; retry after X s``), whether the
-    stage that shed it answered this pod or a stage further on did; None without one."""
-    found = _SHED_RETRY.search(message)
-    return float(found.group(1)) if found else None
 
 
 @dataclass(eq=False)

@@ -22,15 +22,15 @@ from omni_mesh.configs.pipeline import OutputKind, PipelineSpec
 from omni_mesh.data_plane import wire
 from omni_mesh.data_plane.messages import Prompt, Scalar
 from omni_mesh.data_plane.tensors import tensor_from_array
-from omni_mesh.sidecar.admission import openai_priority
+from omni_mesh.sidecar.admission.admit import openai_priority
+from omni_mesh.sidecar.api.choices import choice_prompts, collect_choices, respond_choices
+from omni_mesh.sidecar.api.client_requests import entry, request_frames
+from omni_mesh.sidecar.api.openai_text import finish_reason, sampling_from, usage_of
+from omni_mesh.sidecar.api.openai_types import CompletionRequest
+from omni_mesh.sidecar.api.outputs import FinalOutput, OutputChunk, final_stage
+from omni_mesh.sidecar.api.sinks import SSE_CONTENT_TYPE, sse
 from omni_mesh.sidecar.appkeys import POD
-from omni_mesh.sidecar.choices import choice_prompts, collect_choices, respond_choices
-from omni_mesh.sidecar.client_requests import entry, request_frames
 from omni_mesh.sidecar.errors import ApiError, bad_request, decode_body, error_body
-from omni_mesh.sidecar.openai_text import finish_reason, sampling_from, usage_of
-from omni_mesh.sidecar.openai_types import CompletionRequest
-from omni_mesh.sidecar.outputs import FinalOutput, OutputChunk, final_stage
-from omni_mesh.sidecar.sinks import SSE_CONTENT_TYPE, sse
 
 MAX_COMPLETION_BODY = 1 << 20
 _TOKEN_PROMPT = " "  # the prompt field of a token-id prompt (the engine reads its token_ids)

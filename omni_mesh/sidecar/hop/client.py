@@ -3,7 +3,7 @@
 The sender keeps custody of the input until a replica answers (invariant 3): a hop that fails
 before an answer — connection refused or reset, a 5xx, a replica that vanished, a timeout — is
 replayed on another replica, within the retry budget and the request's deadline. A replica
-whose admission queue sheds the hop (503 of type ``shed``, see ``sidecar/admission.py``) or
+whose admission queue sheds the hop (503 of type ``shed``, see ``sidecar/admission/admit.py``) or
 that is busy with the same work (409) is not a failure: the next one is tried (P2C already
 prefers the least loaded, queued hops included). When every replica sheds, the hop fails at
 once with the largest Retry-After they gave — no sleep-and-retry loop. An empty pool (stages
@@ -33,9 +33,9 @@ from omni_mesh.data_plane.connectors import Connector
 from omni_mesh.data_plane.constants import HOP_FRAMES, MSGPACK
 from omni_mesh.data_plane.messages import HopResult, StageError, StageInput
 from omni_mesh.data_plane.shm import ShmReader
-from omni_mesh.sidecar.hop_answers import error_message, shed_retry_after_of, unseen
-from omni_mesh.sidecar.hop_http import FrameReader, HopConnectionError, HopHttpClient
-from omni_mesh.sidecar.router import Replica, Router
+from omni_mesh.sidecar.hop.answers import error_message, shed_retry_after_of, unseen
+from omni_mesh.sidecar.hop.http import FrameReader, HopConnectionError, HopHttpClient
+from omni_mesh.sidecar.hop.router import Replica, Router
 
 logger = logging.getLogger(__name__)
 

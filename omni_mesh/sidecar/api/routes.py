@@ -31,25 +31,25 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from omni_mesh.configs.pipeline import OutputKind
 from omni_mesh.data_plane import wire
 from omni_mesh.data_plane.messages import Prompt, SamplingParams
-from omni_mesh.sidecar import routes_completions
-from omni_mesh.sidecar.admission import openai_priority
+from omni_mesh.sidecar.admission.admit import openai_priority
+from omni_mesh.sidecar.api import completions as routes_completions
+from omni_mesh.sidecar.api.chat_answer import ChatEvents, chat_completion
+from omni_mesh.sidecar.api.choices import choice_prompts, collect_choices, respond_choices
+from omni_mesh.sidecar.api.client_requests import collect, entry, request_frames
+from omni_mesh.sidecar.api.openai_text import sampling_from
+from omni_mesh.sidecar.api.openai_types import ChatMessage, ChatRequest, ImageRequest, SpeechRequest
+from omni_mesh.sidecar.api.outputs import FinalOutput, final_stage
 from omni_mesh.sidecar.api.realtime import route as realtime_route
-from omni_mesh.sidecar.appkeys import POD
-from omni_mesh.sidecar.chat_answer import ChatEvents, chat_completion
-from omni_mesh.sidecar.choices import choice_prompts, collect_choices, respond_choices
-from omni_mesh.sidecar.client_requests import collect, entry, request_frames
-from omni_mesh.sidecar.errors import ApiError, bad_request, decode_body
-from omni_mesh.sidecar.openai_text import sampling_from
-from omni_mesh.sidecar.openai_types import ChatMessage, ChatRequest, ImageRequest, SpeechRequest
-from omni_mesh.sidecar.outputs import FinalOutput, final_stage
-from omni_mesh.sidecar.pod import Pod
-from omni_mesh.sidecar.sinks import (
+from omni_mesh.sidecar.api.sinks import (
     GenerateEvents,
     Sink,
     SpeechAudio,
     SpeechEvents,
     respond,
 )
+from omni_mesh.sidecar.appkeys import POD
+from omni_mesh.sidecar.errors import ApiError, bad_request, decode_body
+from omni_mesh.sidecar.pod import Pod
 
 MAX_API_BODY = 1 << 20
 

@@ -2,18 +2,17 @@
 
 A pod runs at most ``max_inflight`` requests at once (``api_max_inflight`` on an API server
 without an engine). Past that a request is not refused: it waits in the pod's
-:class:`~omni_mesh.sidecar.admission_queue.AdmissionQueue` (its HTTP connection stays open) and
+:class:`~omni_mesh.sidecar.admission.queue.AdmissionQueue` (its HTTP connection stays open) and
 is admitted when a slot frees, in priority / tenant round-robin / FIFO order — no polling
 anywhere. A request that cannot be served in time is shed: 503 with ``Retry-After`` computed
 from the queue, error type ``shed``, a message saying why (see
-:meth:`~omni_mesh.sidecar.admission_queue.Shed.message`), never started. A sender's hop client
+:meth:`~omni_mesh.sidecar.admission.queue.Shed.message`), never started. A sender's hop client
 tells a shed from a replica failure by that type and tries another replica instead of ejecting
 this one.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 import re
@@ -21,139 +20,20 @@ import time
 from types import TracebackType
 
 from aiohttp import web
-from prometheus_client import Counter
 
 from omni_mesh.data_plane.messages import PriorityClass, StageInput
-from omni_mesh.observability.metrics import SidecarMetrics
-from omni_mesh.sidecar.admission_queue import (
-    PRIORITY_NAMES,
-    SHED_TYPE,
-    AdmissionQueue,
-    Priority,
-    Waiter,
-    parse_priority,
-)
+from omni_mesh.sidecar.admission.gate import AdmissionGate
+from omni_mesh.sidecar.admission.queue import AdmissionQueue, Priority, Waiter, parse_priority
 from omni_mesh.sidecar.errors import ApiError, bad_request
 from omni_mesh.sidecar.pod import Pod
 
 logger = logging.getLogger(__name__)
 
-SHED_HEADER = "X-Omni-Shed"
 PRIORITY_HEADER = "X-Omni-Priority"
 TENANT_HEADER = "X-Omni-Tenant"
 PRIORITY_NAMES_TYPED: tuple[PriorityClass, ...] = ("high", "normal", "low")
 _TENANT = re.compile(r"[\w.:\-]{1,64}")
 _PRIORITIES = tuple(Priority)
-
-
-class AdmissionGate:
-    """The asyncio side of one pod's admission queue: futures for the waiters, a timer per
-    waiter (shed when its deadline can no longer be met), metrics."""
-
-    def __init__(self, queue: AdmissionQueue, metrics: SidecarMetrics, labels: tuple[str, str]):
-        self.queue = queue
-        self.metrics = metrics
-        self.labels = labels
-        self._wakeups: dict[Waiter, asyncio.Future[None]] = {}
-        self._lengths = [metrics.queue_length.labels(*labels, p) for p in PRIORITY_NAMES]
-        self._waits = [metrics.queue_wait.labels(*labels, p) for p in PRIORITY_NAMES]
-        self._admitted = [metrics.admitted.labels(*labels, p) for p in PRIORITY_NAMES]
-        self._shown = [0] * len(PRIORITY_NAMES)  # the queue lengths the gauges show
-        self._sheds: dict[tuple[str, Priority], Counter] = {}  # label children, made once
-
-    def count_shed(self, reason: str, priority: Priority) -> None:
-        """One more request shed for ``reason`` (its label child made on first use)."""
-        child = self._sheds.get((reason, priority))
-        if child is None:
-            child = self.metrics.shed.labels(*self.labels, reason, PRIORITY_NAMES[priority])
-            self._sheds[(reason, priority)] = child
-        child.inc()
-
-    @property
-    def queued(self) -> int:
-        return len(self.queue)
-
-    async def enter(self, priority: Priority, tenant: str, deadline: float) -> Waiter:
-        """A slot for one request (``deadline``: monotonic seconds); :class:`ApiError` 503
-        when it is shed, at once or while it waits."""
-        now = time.monotonic()
-        w = Waiter(priority, tenant, deadline, now)
-        self._settle(self.queue.offer(w, now))
-        if w.state == "queued":
-            await self._wait(w)
-        if w.shed is not None:
-            raise self._shed_error(w)
-        return w
-
-    def leave(self, w: Waiter) -> None:
-        """The work of ``w`` ended: its slot goes to the next waiter."""
-        now = time.monotonic()
-        self._settle(self.queue.release(now, now - w.admitted_at))
-
-    async def _wait(self, w: Waiter) -> None:
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._wakeups[w] = fut
-        try:
-            async with asyncio.timeout_at(self._loop_time(self.queue.hopeless_at(w))):
-                await fut
-        except TimeoutError:
-            if w.state == "queued":  # not admitted in the same instant
-                self._settle([self.queue.expire(w, time.monotonic())])
-        except BaseException:  # cancelled: the client went away
-            if w.state == "queued":
-                self.queue.cancel(w)
-                self._gauges()
-            elif w.state == "admitted":
-                self.leave(w)
-            raise
-        finally:
-            self._wakeups.pop(w, None)
-
-    def _settle(self, changed: list[Waiter]) -> None:
-        """Count and wake the waiters whose state changed."""
-        for w in changed:
-            if w.state == "admitted":
-                self._admitted[w.priority].inc()
-                self._waits[w.priority].observe(w.waited_s)
-            elif w.shed is not None:
-                self.count_shed(w.shed.reason, w.priority)
-            fut = self._wakeups.get(w)
-            if fut is not None and not fut.done():
-                fut.set_result(None)
-        self._gauges()
-
-    def _gauges(self) -> None:
-        """Queue lengths into the gauges; only those that changed (most requests never
-        queue: no gauge is touched for them). A free slot means an empty queue (a slot that
-        frees goes to the next waiter at once)."""
-        queue = self.queue
-        if queue.in_use < queue.slots and not any(self._shown):
-            return
-        for p in _PRIORITIES:
-            n = queue.queued(p)
-            if n != self._shown[p]:
-                self._shown[p] = n
-                self._lengths[p].set(n)
-
-    @staticmethod
-    def _loop_time(monotonic_s: float) -> float:
-        loop = asyncio.get_running_loop()
-        return loop.time() + (monotonic_s - time.monotonic())
-
-    def _shed_error(self, w: Waiter) -> ApiError:
-        assert w.shed is not None
-        logger.debug(  # one line per shed would flood the log under overload: see the metrics
-            "stage=%s shed a %s-priority request: %s",
-            self.labels[1],
-            PRIORITY_NAMES[w.priority],
-            w.shed.message(),
-        )
-        return ApiError(
-            503,
-            w.shed.message(),
-            type_=SHED_TYPE,
-            headers={"Retry-After": w.shed.retry_after_header, SHED_HEADER: w.shed.reason},
-        )
 
 
 #: The fewest slots of an API server by default (``api_max_inflight`` unset).

@@ -3,7 +3,7 @@
 Under overload most arrivals at an API server are refused; reading and decoding each one's
 body first (and building its stage input, a span, an error object) costs the CPU the stages
 need. :class:`EarlyShed` asks the pod's admission queue — without changing it — whether an
-arrival would be shed (:meth:`~omni_mesh.sidecar.admission_queue.AdmissionQueue.refusal`),
+arrival would be shed (:meth:`~omni_mesh.sidecar.admission.queue.AdmissionQueue.refusal`),
 knowing its class from ``X-Omni-Priority``, its tenant from ``X-Omni-Tenant`` or its API key,
 and its deadline from ``X-Omni-Timeout-S`` or the deploy config. The answer is the one the
 body-time path gives (503, error type ``shed``, ``Retry-After``, ``X-Omni-Shed``), counted
@@ -21,10 +21,11 @@ from json.encoder import encode_basestring
 
 from aiohttp import web
 
-from omni_mesh.sidecar.admission import PRIORITY_HEADER, SHED_HEADER, gate_of, request_tenant
-from omni_mesh.sidecar.admission_queue import SHED_TYPE, Priority, parse_priority
+from omni_mesh.sidecar.admission.admit import PRIORITY_HEADER, gate_of, request_tenant
+from omni_mesh.sidecar.admission.queue import Priority, parse_priority
 from omni_mesh.sidecar.deadlines import request_timeout
 from omni_mesh.sidecar.errors import ApiError
+from omni_mesh.sidecar.hop.shed import SHED_HEADER, SHED_TYPE
 from omni_mesh.sidecar.pod import Pod
 
 #: The client routes whose requests are admitted as client requests (each has a body).

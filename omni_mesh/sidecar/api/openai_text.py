@@ -18,8 +18,8 @@ from typing import Any
 import msgspec
 
 from omni_mesh.data_plane.messages import SamplingParams
+from omni_mesh.sidecar.api.outputs import FinalOutput
 from omni_mesh.sidecar.errors import bad_request
-from omni_mesh.sidecar.outputs import FinalOutput
 
 _FIELD = re.compile(r"`\$\.(\w+)")
 #: The request fields that are sampling params (the same names in both routes).

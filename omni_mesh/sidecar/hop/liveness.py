@@ -24,8 +24,8 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
-from omni_mesh.sidecar.hop_http import HopHttpClient
-from omni_mesh.sidecar.timeouts import within
+from omni_mesh.sidecar.hop.http import HopHttpClient
+from omni_mesh.sidecar.hop.timeouts import within
 
 logger = logging.getLogger(__name__)
 

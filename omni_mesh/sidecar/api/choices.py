@@ -26,10 +26,10 @@ from aiohttp import web
 
 from omni_mesh.configs.pipeline import PipelineSpec
 from omni_mesh.data_plane.messages import HopResult, Prompt
-from omni_mesh.sidecar.client_requests import collect
+from omni_mesh.sidecar.api.client_requests import collect
+from omni_mesh.sidecar.api.outputs import ChunkAssembler, FinalOutput, OutputChunk, joined_off_loop
+from omni_mesh.sidecar.api.sinks import _LazyResponse, stream_failed
 from omni_mesh.sidecar.errors import ApiError, from_stage_error
-from omni_mesh.sidecar.outputs import ChunkAssembler, FinalOutput, OutputChunk, joined_off_loop
-from omni_mesh.sidecar.sinks import _LazyResponse, stream_failed
 
 logger = logging.getLogger(__name__)
 

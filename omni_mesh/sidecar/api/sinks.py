@@ -22,6 +22,12 @@ from aiohttp import web
 from omni_mesh.configs.pipeline import PipelineSpec
 from omni_mesh.data_plane import codec, media
 from omni_mesh.data_plane.messages import HopResult
+from omni_mesh.sidecar.api.outputs import (
+    ChunkAssembler,
+    FinalOutput,
+    OutputChunk,
+    joined_off_loop,
+)
 from omni_mesh.sidecar.appkeys import POD
 from omni_mesh.sidecar.errors import (
     ApiError,
@@ -29,14 +35,8 @@ from omni_mesh.sidecar.errors import (
     from_stage_error,
     hop_unavailable_error,
 )
-from omni_mesh.sidecar.hop_client import HopUnavailable
+from omni_mesh.sidecar.hop.client import HopUnavailable
 from omni_mesh.sidecar.middleware import API_ROUTE, API_STARTED, STREAM_FAILED
-from omni_mesh.sidecar.outputs import (
-    ChunkAssembler,
-    FinalOutput,
-    OutputChunk,
-    joined_off_loop,
-)
 
 logger = logging.getLogger(__name__)
 

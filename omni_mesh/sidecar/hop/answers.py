@@ -1,5 +1,5 @@
 """Reading replicas' hop answers: error bodies, shed answers, and the (stage, chunk) outputs a
-replayed stream already passed on. Pure functions, used by :mod:`omni_mesh.sidecar.hop_client`."""
+replayed stream already passed on. Pure functions, used by :mod:`omni_mesh.sidecar.hop.client`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import contextlib
 import msgspec
 
 from omni_mesh.data_plane.messages import HopResult
-from omni_mesh.sidecar.admission_queue import SHED_TYPE, shed_retry_after
+from omni_mesh.sidecar.hop.shed import SHED_TYPE, shed_retry_after
 
 
 def unseen(frame: HopResult, seen: set[tuple[int, int]]) -> HopResult:

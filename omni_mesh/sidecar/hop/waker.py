@@ -1,9 +1,10 @@
 """Waking a stage scaled to zero: while hops wait for a stage whose pool is empty, the pod posts
 ``POST …/stages/{s}/scale/wake {"waiting": N}`` to the control plane, at most once every
 ``every_s`` per stage (the control plane keeps the hint 10 s, or until the stage has a ready
-replica: a hop that keeps waiting keeps re-posting it). The autoscaling policy then asks for at least one replica at once, and the
-actuator (omni-up, KEDA) starts it; the hop waits within its deadline until the replica joins
-the pool (docs/operations.md, "Autoscaling"). A stage that is not autoscaled ignores the hint.
+replica: a hop that keeps waiting keeps re-posting it). The autoscaling policy then asks for
+at least one replica at once, and the actuator (omni-up, KEDA) starts it; the hop waits within
+its deadline until the replica joins the pool (docs/operations.md, "Autoscaling"). A stage
+that is not autoscaled ignores the hint.
 
 :class:`StageWaker` is the hop client's ``on_empty_pool`` callback: synchronous and cheap,
 the posts run as background tasks that :meth:`StageWaker.close` cancels.

@@ -17,12 +17,12 @@ A host that drops off the network silently sends no reset: a request already sen
 for its answer until the deadline. The client therefore exposes the connections in use and how
 long each has waited (:meth:`HopHttpClient.outstanding`), and :meth:`HopHttpClient.abort` fails
 every call in flight to one ``host:port`` with :class:`HopReplicaLost` — what
-:class:`~omni_mesh.sidecar.liveness.HopLiveness` does when that replica fails a health probe.
+:class:`~omni_mesh.sidecar.hop.liveness.HopLiveness` does when that replica fails a health probe.
 TCP keepalive (``keepalive_s``) is the kernel's second line, for idle pooled connections.
 
 This module is the pool, the calls and the streamed answers; the bytes of one connection
 (writing a request, reading a head or a chunk) and the typed errors are
-:mod:`omni_mesh.sidecar.hop_conn`.
+:mod:`omni_mesh.sidecar.hop.conn`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 
 from omni_mesh.data_plane.framing import HEADER_SIZE, FrameDecoder, FrameTooLarge
 from omni_mesh.data_plane.wire import READ_CHUNK, ResponseTooLarge
-from omni_mesh.sidecar.hop_conn import (
+from omni_mesh.sidecar.hop.conn import (
     HEAD_LIMIT,
     HopConn,
     HopConnectionError,
@@ -48,7 +48,7 @@ from omni_mesh.sidecar.hop_conn import (
     send_request,
     set_keepalive,
 )
-from omni_mesh.sidecar.timeouts import within
+from omni_mesh.sidecar.hop.timeouts import within
 
 __all__ = [
     "FrameReader",

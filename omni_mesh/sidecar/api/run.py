@@ -42,13 +42,13 @@ from omni_mesh.data_plane.messages import (
     transfer_key,
 )
 from omni_mesh.data_plane.shm import inline
-from omni_mesh.sidecar.admission import admitted
+from omni_mesh.sidecar.admission.admit import admitted
+from omni_mesh.sidecar.admission.outcomes import counted
+from omni_mesh.sidecar.api.client_requests import entry
+from omni_mesh.sidecar.api.outputs import ENCODED_KINDS, final_output, join_outputs
 from omni_mesh.sidecar.appkeys import POD
-from omni_mesh.sidecar.client_requests import entry
 from omni_mesh.sidecar.deadlines import request_timeout
 from omni_mesh.sidecar.errors import bad_request, decode_body, from_stage_error
-from omni_mesh.sidecar.outcomes import counted
-from omni_mesh.sidecar.outputs import ENCODED_KINDS, final_output, join_outputs
 from omni_mesh.sidecar.pod import Pod
 
 logger = logging.getLogger(__name__)

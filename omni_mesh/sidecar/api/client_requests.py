@@ -17,12 +17,12 @@ from aiohttp import web
 from omni_mesh.configs.pipeline import PipelineSpec
 from omni_mesh.data_plane.messages import HopResult, Prompt, SamplingParams, StageInput
 from omni_mesh.observability.tracing import stage_span
-from omni_mesh.sidecar.admission import admitted, request_class
+from omni_mesh.sidecar.admission.admit import admitted, request_class
+from omni_mesh.sidecar.admission.outcomes import counted
+from omni_mesh.sidecar.api.outputs import ChunkAssembler, FinalOutput, joined_off_loop
 from omni_mesh.sidecar.deadlines import request_timeout
 from omni_mesh.sidecar.errors import bad_request, from_stage_error
 from omni_mesh.sidecar.inputs import BadPrompt, entry_input
-from omni_mesh.sidecar.outcomes import counted
-from omni_mesh.sidecar.outputs import ChunkAssembler, FinalOutput, joined_off_loop
 from omni_mesh.sidecar.pod import Pod
 
 

@@ -3,7 +3,7 @@ errors a call on it raises, writing a request in as few writes as possible, read
 head and its chunked body, and the TCP keepalive that closes an idle one whose peer went silent.
 
 The pool of these connections, the calls and the streamed answers are
-:mod:`omni_mesh.sidecar.hop_http`'s job.
+:mod:`omni_mesh.sidecar.hop.http`'s job.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class HopConnectionError(ConnectionError):
 
 
 class HopReplicaLost(HopConnectionError):
-    """The call was cut by :meth:`~omni_mesh.sidecar.hop_http.HopHttpClient.abort`: its
+    """The call was cut by :meth:`~omni_mesh.sidecar.hop.http.HopHttpClient.abort`: its
     replica stopped answering probes."""
 
 

@@ -11,16 +11,27 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
 
+from omni_mesh.configs.pipeline import PipelineSpec
 from omni_mesh.data_plane.messages import StageInput, StageOutput, transfer_key
 from omni_mesh.observability.tracing import StageSpan, open_stage_span, tracing_on
+from omni_mesh.sidecar.engine_link.client import EngineClient
 
-if TYPE_CHECKING:
-    from omni_mesh.sidecar.runner import StageRunner
+
+class StageOfPod(Protocol):
+    """What the outputs read of the stage that runs them (the pod's ``StageRunner``)."""
+
+    stage_id: int
+    pipeline: PipelineSpec
+    engine: EngineClient
+    on_chunk: Callable[[], None] | None
+
+    def instance_id(self) -> str: ...
 
 
 class EngineOutputs:
@@ -29,7 +40,7 @@ class EngineOutputs:
     released after it, only when an output used them), and next-stage inputs carry this span
     as their parent. A class rather than generators: it runs on every hop."""
 
-    def __init__(self, runner: StageRunner, si: StageInput) -> None:
+    def __init__(self, runner: StageOfPod, si: StageInput) -> None:
         self._runner = runner
         self._si = si
         self._stream = runner.engine.stream(si)

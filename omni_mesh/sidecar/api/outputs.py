@@ -30,7 +30,7 @@ from omni_mesh.data_plane.messages import (
     StageTiming,
 )
 from omni_mesh.data_plane.tensors import array_from_tensor
-from omni_mesh.sidecar.text_logprobs import LOGPROB_FIELDS, TokenLogprobs
+from omni_mesh.sidecar.api.text_logprobs import LOGPROB_FIELDS, TokenLogprobs
 
 
 @dataclass

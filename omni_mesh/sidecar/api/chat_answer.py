@@ -16,10 +16,10 @@ from typing import Any
 
 from omni_mesh.configs.pipeline import OutputKind, PipelineSpec
 from omni_mesh.data_plane import media
+from omni_mesh.sidecar.api.openai_text import finish_reason, usage_of
+from omni_mesh.sidecar.api.outputs import FinalOutput, OutputChunk, final_stage
+from omni_mesh.sidecar.api.sinks import SSE_CONTENT_TYPE, sse
 from omni_mesh.sidecar.errors import ApiError, error_body
-from omni_mesh.sidecar.openai_text import finish_reason, usage_of
-from omni_mesh.sidecar.outputs import FinalOutput, OutputChunk, final_stage
-from omni_mesh.sidecar.sinks import SSE_CONTENT_TYPE, sse
 
 
 def _pick(outputs: list[FinalOutput], kind: OutputKind) -> FinalOutput | None:

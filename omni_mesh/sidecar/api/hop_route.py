@@ -17,11 +17,11 @@ from omni_mesh.data_plane import codec, framing, wire
 from omni_mesh.data_plane.constants import HOP_FRAMES, MSGPACK
 from omni_mesh.data_plane.messages import StageInput, transfer_key
 from omni_mesh.observability.children import labelled
-from omni_mesh.sidecar.admission import admitted
+from omni_mesh.sidecar.admission.admit import admitted
+from omni_mesh.sidecar.admission.outcomes import counted
 from omni_mesh.sidecar.appkeys import POD
 from omni_mesh.sidecar.errors import ApiError, bad_request
-from omni_mesh.sidecar.hop_client import HOP_PATH, HOP_TOKEN_HEADER
-from omni_mesh.sidecar.outcomes import counted
+from omni_mesh.sidecar.hop.client import HOP_PATH, HOP_TOKEN_HEADER
 from omni_mesh.sidecar.pod import Pod
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,3 @@
+"""Admission of work into the pod: the queue's pure logic (``queue``), its asyncio gate
+(``gate``), a request's admission facts and its slot (``admit``), shedding at arrival
+(``early_shed``) and the outcome counters (``outcomes``)."""
