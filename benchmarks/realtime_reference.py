@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from omni_mesh.configs.loader import load_deploy_config
-from omni_mesh.configs.pipeline import get_pipeline
+from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.data_plane.messages import Prompt, StageInput, StageOutput, Tensor
 from omni_mesh.data_plane.tensors import array_from_tensor, tensor_from_array
 from omni_mesh.engines.base import EngineContext

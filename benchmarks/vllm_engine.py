@@ -66,7 +66,7 @@ def parse_plan(text: str) -> list[tuple[int, int]]:
 
 def _engine(deploy: Path) -> Any:
     from omni_mesh.configs.loader import load_deploy_config
-    from omni_mesh.configs.pipeline import get_pipeline
+    from omni_mesh.configs.registry import get_pipeline
     from omni_mesh.engines.vllm.args import build_engine_args, make_vllm_config
 
     config = load_deploy_config(deploy, get_pipeline("tiny-llm")).stage(0)

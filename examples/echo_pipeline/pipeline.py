@@ -8,7 +8,8 @@ it too, so the engine classes and the processor below are found by their ``modul
 
 from __future__ import annotations
 
-from omni_mesh.configs.pipeline import OutputKind, PipelineSpec, StageSpec, register_pipeline
+from omni_mesh.configs.pipeline import OutputKind, PipelineSpec, StageSpec
+from omni_mesh.configs.registry import register_pipeline
 from omni_mesh.engines.base import StageData
 
 _HERE = "examples.echo_pipeline"

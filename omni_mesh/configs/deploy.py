@@ -6,7 +6,9 @@ get. The topology itself is a :class:`~omni_mesh.configs.pipeline.PipelineSpec` 
 YAML). YAML files, platform sections and command-line overrides are merged into these models by
 :mod:`omni_mesh.configs.loader`; nothing else reads raw deploy dicts.
 
-Field types and limits live in :mod:`~omni_mesh.configs.deploy_fields`, cross-field checks in
+A stage's entry (:class:`StageDeployConfig`) and a named connector live in
+:mod:`~omni_mesh.configs.stage_deploy`, field types and limits in
+:mod:`~omni_mesh.configs.deploy_fields`, cross-field checks in
 :mod:`~omni_mesh.configs.deploy_checks` and the error types in :mod:`~omni_mesh.configs.errors`;
 their public names are re-exported here.
 """
@@ -41,11 +43,16 @@ from omni_mesh.configs.deploy_fields import (
     PlatformName,
     PriorityClass,
     RefName,
-    StageSampling,
     edge_stage,
 )
 from omni_mesh.configs.errors import ConfigIssue, DeployConfigError
 from omni_mesh.configs.pipeline import MAX_STAGES, PipelineSpec
+from omni_mesh.configs.stage_deploy import (
+    ConnectorSpec,
+    StageDeployConfig,
+    check_stage_keys,
+    context_flag,
+)
 
 __all__ = [
     "DEFAULT_CONNECTOR",
@@ -79,204 +86,6 @@ __all__ = [
 
 
 # ---- models ---------------------------------------------------------------------------------
-
-
-class ConnectorSpec(BaseModel):
-    """A named connector under ``connectors:``: the class that carries an edge's payloads."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    name: ConnectorClass = Field(description="Connector class that carries the edge's payloads.")
-    extra: dict[str, ExtraValue] = Field(
-        default_factory=dict,
-        max_length=64,
-        description=(
-            "Connector options, checked when a pod starts (the built-in connectors take none)."
-        ),
-    )
-
-
-def check_stage_keys(data: Mapping[Any, Any]) -> dict[Any, Any]:
-    """Refuse pipeline-wide settings inside a stage entry. Any other key that is not a stage
-    field is refused by the model (``extra="forbid"``): free-form engine keys go under an
-    explicit ``engine_extras:`` block (vLLM's arguments under ``engine_args:``)."""
-    misplaced = sorted(str(k) for k in data if k in PIPELINE_ONLY_KEYS)
-    if misplaced:
-        raise ValueError(
-            f"{', '.join(misplaced)}: pipeline-wide setting(s); set them at the top level of "
-            "the deploy config, not inside a stage"
-        )
-    return dict(data)
-
-
-class StageDeployConfig(BaseModel):
-    """How one stage runs: replicas, devices, batch sizes, connectors and engine knobs."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    stage_id: int = Field(ge=0, lt=MAX_STAGES, description="Pipeline stage this entry configures.")
-    num_replicas: int = Field(
-        default=1,
-        ge=0,
-        le=MAX_REPLICAS,
-        description="Replicas in this stage's pool (0 only with autoscale.min_replicas 0).",
-    )
-    devices: DeviceList | None = Field(
-        default=None,
-        description="Device indices for the whole pool, e.g. '0,1,2,3'; null = CPU, no accounting.",
-    )
-    tensor_parallel_size: int = Field(
-        default=1, ge=1, le=MAX_PARALLEL, description="Tensor-parallel ranks per replica."
-    )
-    pipeline_parallel_size: int = Field(
-        default=1, ge=1, le=MAX_PARALLEL, description="Pipeline-parallel ranks per replica."
-    )
-    data_parallel_size: int = Field(
-        default=1, ge=1, le=MAX_PARALLEL, description="Data-parallel ranks (global)."
-    )
-    data_parallel_size_local: int | None = Field(
-        default=None,
-        ge=1,
-        le=MAX_PARALLEL,
-        description="Data-parallel ranks on this node; null = data_parallel_size.",
-    )
-    max_num_seqs: int = Field(
-        default=8, ge=1, le=4096, description="Most requests the engine batches in one step."
-    )
-    max_inflight: int = Field(
-        default=64,
-        ge=1,
-        le=65536,
-        description="Requests a replica's sidecar runs at once; more wait in its admission queue.",
-    )
-    max_queue: int = Field(
-        default=1024,
-        ge=0,
-        le=1_000_000,
-        description="Requests that may wait for a slot (admission queue); more are shed (503).",
-    )
-    max_queue_wait_s: float = Field(
-        default=30.0,
-        gt=0.0,
-        le=3600.0,
-        description="Longest wait in the admission queue before a request is shed (503).",
-    )
-    gpu_memory_utilization: float | None = Field(
-        default=None, gt=0.0, le=1.0, description="Fraction of device memory the engine may use."
-    )
-    max_model_len: int | None = Field(
-        default=None, ge=1, le=1 << 24, description="Longest sequence (prompt + output) in tokens."
-    )
-    enforce_eager: bool | None = Field(
-        default=None, description="Disable graph capture and run eagerly."
-    )
-    dtype: Dtype | None = Field(default=None, description="Weight and activation dtype.")
-    input_connectors: dict[InputKey, RefName] = Field(
-        default_factory=dict,
-        max_length=MAX_STAGES,
-        description="Connector per incoming edge, keyed 'from_stage_N'.",
-    )
-    output_connectors: dict[OutputKey, RefName] = Field(
-        default_factory=dict,
-        max_length=MAX_STAGES,
-        description="Connector per outgoing edge, keyed 'to_stage_N'.",
-    )
-    step_latency_ms: float = Field(
-        default=0.0,
-        ge=0.0,
-        le=MAX_LATENCY_MS,
-        description="Synthetic engine: fixed time per step (a in a + b*batch ms).",
-    )
-    per_item_latency_ms: float = Field(
-        default=0.0,
-        ge=0.0,
-        le=MAX_LATENCY_MS,
-        description="Synthetic engine: time per batched item (b in a + b*batch ms).",
-    )
-    output_bytes: int = Field(
-        default=64,
-        ge=0,
-        le=MAX_OUTPUT_BYTES,
-        description="Synthetic engine: payload bytes each request outputs.",
-    )
-    output_chunks: int = Field(
-        default=1,
-        ge=1,
-        le=1024,
-        description="Synthetic engine: chunks a whole input's output is streamed in (async_chunk).",
-    )
-    autoscale: AutoscaleConfig | None = Field(
-        default=None,
-        description="Per-stage autoscaling policy; num_replicas is then the starting count.",
-    )
-    engine_args: dict[str, Any] = Field(
-        default_factory=dict,
-        max_length=256,
-        description="vLLM stages: engine arguments for vLLM (model, seed, …), checked at start.",
-    )
-    sampling: StageSampling = Field(
-        default_factory=StageSampling,
-        description="vLLM stages: default sampling; a request's own sampling params win.",
-    )
-    engine_extras: dict[str, Any] = Field(
-        default_factory=dict,
-        max_length=256,
-        description="Free-form engine knobs, forwarded to the engine unchanged.",
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _check_keys(cls, data: Any) -> Any:
-        return check_stage_keys(data) if isinstance(data, Mapping) else data
-
-    @model_validator(mode="after")
-    def _check_autoscale(self, info: ValidationInfo) -> Self:
-        scale = self.autoscale
-        if _context(info, "layer"):
-            return self
-        if scale is None:
-            if self.num_replicas == 0:
-                raise ValueError(
-                    f"num_replicas is 0 but stage {self.stage_id} has no autoscale policy: a "
-                    "stage starts at 0 replicas only when autoscale.min_replicas is 0 (the "
-                    "first request wakes it); give it at least 1 replica"
-                )
-            return self
-        if not scale.min_replicas <= self.num_replicas <= scale.max_replicas:
-            raise ValueError(
-                f"num_replicas ({self.num_replicas}) is the starting count of an autoscaled "
-                f"stage and must lie in [autoscale.min_replicas, autoscale.max_replicas] = "
-                f"[{scale.min_replicas}, {scale.max_replicas}]"
-            )
-        return self
-
-    @property
-    def max_pool_size(self) -> int:
-        """The most replicas the pool may have: ``autoscale.max_replicas``, else num_replicas."""
-        return self.autoscale.max_replicas if self.autoscale else self.num_replicas
-
-    @property
-    def world_size(self) -> int:
-        """Devices one replica uses: tp x (local dp, else dp) x pp."""
-        dp = self.data_parallel_size_local or self.data_parallel_size
-        return self.tensor_parallel_size * dp * self.pipeline_parallel_size
-
-    @property
-    def device_ids(self) -> tuple[int, ...]:
-        return tuple(int(d) for d in self.devices.split(",")) if self.devices else ()
-
-    def replica_devices(self, replica: int) -> tuple[int, ...]:
-        """The slice of ``devices`` that replica ``replica`` (0-based) runs on; () on CPU."""
-        if not 0 <= replica < self.max_pool_size:
-            raise ValueError(f"stage {self.stage_id} has no replica {replica}")
-        ws = self.world_size
-        return self.device_ids[replica * ws : (replica + 1) * ws]
-
-    def input_connector(self, from_stage: int) -> str | None:
-        return self.input_connectors.get(f"from_stage_{from_stage}")
-
-    def output_connector(self, to_stage: int) -> str | None:
-        return self.output_connectors.get(f"to_stage_{to_stage}")
 
 
 class PlatformSection(BaseModel):
@@ -382,7 +191,7 @@ class DeployConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _apply_stage_defaults(cls, data: Any, info: ValidationInfo) -> Any:
-        if _context(info, "layer") or not isinstance(data, Mapping):
+        if context_flag(info, "layer") or not isinstance(data, Mapping):
             return data
         defaults = {k: data[k] for k in STAGE_DEFAULT_KEYS if data.get(k) is not None}
         stages = data.get("stages")
@@ -392,7 +201,7 @@ class DeployConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self, info: ValidationInfo) -> Self:
-        if _context(info, "layer") or _context(info, "defer_checks"):
+        if context_flag(info, "layer") or context_flag(info, "defer_checks"):
             _raise_if(duplicate_ids(self.stages, "stages"))
             return self
         _raise_if(self.problems())
@@ -437,10 +246,6 @@ class DeployConfig(BaseModel):
 
 
 # ---- helpers --------------------------------------------------------------------------------
-
-
-def _context(info: ValidationInfo, key: str) -> bool:
-    return isinstance(info.context, Mapping) and bool(info.context.get(key))
 
 
 def _raise_if(issues: list[ConfigIssue]) -> None:

@@ -4,20 +4,40 @@ that are not in its DAG. Each check returns :class:`ConfigIssue` s; none raises.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 from omni_mesh.configs.deploy_fields import edge_stage
 from omni_mesh.configs.errors import ConfigIssue
+from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.configs.stage_deploy import StageDeployConfig
 
-if TYPE_CHECKING:
-    from omni_mesh.configs.deploy import DeployConfig, StageDeployConfig
-    from omni_mesh.configs.pipeline import PipelineSpec
+
+class StageList(Protocol):
+    """A platform section: the stage entries it overrides."""
+
+    @property
+    def stages(self) -> Sequence[StageDeployConfig]: ...
+
+
+class CheckedConfig(Protocol):
+    """What the checks read of a :class:`~omni_mesh.configs.deploy.DeployConfig` (which
+    imports this module, so the checks see the whole config through this protocol)."""
+
+    @property
+    def stages(self) -> Sequence[StageDeployConfig]: ...
+    @property
+    def platforms(self) -> Mapping[str, StageList]: ...
+    @property
+    def connectors(self) -> Mapping[str, object]: ...
+    @property
+    def async_chunk(self) -> bool: ...
+
 
 __all__ = ["config_problems", "disagreement", "duplicate_ids"]
 
 
-def config_problems(cfg: DeployConfig, pipeline: PipelineSpec | None = None) -> list[ConfigIssue]:
+def config_problems(cfg: CheckedConfig, pipeline: PipelineSpec | None = None) -> list[ConfigIssue]:
     """Every cross-field problem of ``cfg``; empty when it is consistent."""
     issues = duplicate_ids(cfg.stages, "stages")
     for name, section in cfg.platforms.items():
@@ -51,7 +71,7 @@ def disagreement(from_stage: int, to_stage: int, out: str, inp: str) -> ConfigIs
 
 
 def _stage_refs(
-    cfg: DeployConfig, s: StageDeployConfig, prefix: str, pipeline: PipelineSpec | None
+    cfg: CheckedConfig, s: StageDeployConfig, prefix: str, pipeline: PipelineSpec | None
 ) -> list[ConfigIssue]:
     where = f"{prefix}[stage_id={s.stage_id}]"
     if pipeline is not None and s.stage_id not in pipeline.stage_ids:
@@ -74,7 +94,7 @@ def _stage_refs(
     return issues
 
 
-def _disagreements(cfg: DeployConfig) -> list[ConfigIssue]:
+def _disagreements(cfg: CheckedConfig) -> list[ConfigIssue]:
     issues: list[ConfigIssue] = []
     by_id = {s.stage_id: s for s in cfg.stages}
     for sender in cfg.stages:

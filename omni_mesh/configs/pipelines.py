@@ -3,213 +3,204 @@ synthetic pipeline used by benchmarks and scale tests."""
 
 from __future__ import annotations
 
-from omni_mesh.configs.pipeline import OutputKind, PipelineSpec, StageSpec, register_pipeline
+from omni_mesh.configs.pipeline import OutputKind, PipelineSpec, StageSpec
 
 _REF = "omni_mesh.engines.reference"
 
-TINY_OMNI = register_pipeline(
-    PipelineSpec(
-        name="tiny-omni",
-        description="Omni speech model: thinker (text + hidden states) -> talker -> code2wav.",
-        prompt_fields=("seed", "voice", "max_tokens"),
-        stages=(
-            StageSpec(
-                stage_id=0,
-                name="thinker",
-                engine=f"{_REF}.thinker:ThinkerEngine",
-                final_output=OutputKind.TEXT,
-            ),
-            StageSpec(
-                stage_id=1,
-                name="talker",
-                engine=f"{_REF}.talker:TalkerEngine",
-                sources=(0,),
-                processor=f"{_REF}.processors:thinker_to_talker",
-            ),
-            StageSpec(
-                stage_id=2,
-                name="code2wav",
-                engine=f"{_REF}.code2wav:Code2WavEngine",
-                sources=(1,),
-                processor=f"{_REF}.processors:talker_to_code2wav",
-                final_output=OutputKind.AUDIO,
-            ),
+TINY_OMNI = PipelineSpec(
+    name="tiny-omni",
+    description="Omni speech model: thinker (text + hidden states) -> talker -> code2wav.",
+    prompt_fields=("seed", "voice", "max_tokens"),
+    stages=(
+        StageSpec(
+            stage_id=0,
+            name="thinker",
+            engine=f"{_REF}.thinker:ThinkerEngine",
+            final_output=OutputKind.TEXT,
         ),
-    )
+        StageSpec(
+            stage_id=1,
+            name="talker",
+            engine=f"{_REF}.talker:TalkerEngine",
+            sources=(0,),
+            processor=f"{_REF}.processors:thinker_to_talker",
+        ),
+        StageSpec(
+            stage_id=2,
+            name="code2wav",
+            engine=f"{_REF}.code2wav:Code2WavEngine",
+            sources=(1,),
+            processor=f"{_REF}.processors:talker_to_code2wav",
+            final_output=OutputKind.AUDIO,
+        ),
+    ),
 )
 
-TINY_TTS = register_pipeline(
-    PipelineSpec(
-        name="tiny-tts",
-        description="Text to speech: talker -> code2wav.",
-        prompt_fields=("seed", "voice", "max_tokens"),
-        stages=(
-            StageSpec(stage_id=0, name="talker", engine=f"{_REF}.talker:TalkerEngine"),
-            StageSpec(
-                stage_id=1,
-                name="code2wav",
-                engine=f"{_REF}.code2wav:Code2WavEngine",
-                sources=(0,),
-                processor=f"{_REF}.processors:talker_to_code2wav",
-                final_output=OutputKind.AUDIO,
-            ),
+TINY_TTS = PipelineSpec(
+    name="tiny-tts",
+    description="Text to speech: talker -> code2wav.",
+    prompt_fields=("seed", "voice", "max_tokens"),
+    stages=(
+        StageSpec(stage_id=0, name="talker", engine=f"{_REF}.talker:TalkerEngine"),
+        StageSpec(
+            stage_id=1,
+            name="code2wav",
+            engine=f"{_REF}.code2wav:Code2WavEngine",
+            sources=(0,),
+            processor=f"{_REF}.processors:talker_to_code2wav",
+            final_output=OutputKind.AUDIO,
         ),
-    )
+    ),
 )
 
-TINY_IMAGE = register_pipeline(
-    PipelineSpec(
-        name="tiny-image",
-        description="Image generation: ar (image tokens) -> dit (diffusion denoising) -> PNG.",
-        prompt_fields=("seed", "size", "steps"),
-        stages=(
-            StageSpec(stage_id=0, name="ar", engine=f"{_REF}.ar:ImageArEngine"),
-            StageSpec(
-                stage_id=1,
-                name="dit",
-                engine=f"{_REF}.dit:DitEngine",
-                sources=(0,),
-                processor=f"{_REF}.processors:ar_to_dit",
-                final_output=OutputKind.IMAGE,
-            ),
+TINY_IMAGE = PipelineSpec(
+    name="tiny-image",
+    description="Image generation: ar (image tokens) -> dit (diffusion denoising) -> PNG.",
+    prompt_fields=("seed", "size", "steps"),
+    stages=(
+        StageSpec(stage_id=0, name="ar", engine=f"{_REF}.ar:ImageArEngine"),
+        StageSpec(
+            stage_id=1,
+            name="dit",
+            engine=f"{_REF}.dit:DitEngine",
+            sources=(0,),
+            processor=f"{_REF}.processors:ar_to_dit",
+            final_output=OutputKind.IMAGE,
         ),
-    )
+    ),
 )
 
 _SYN = "omni_mesh.engines.synthetic:SyntheticEngine"
-SYNTHETIC = register_pipeline(
-    PipelineSpec(
-        name="synthetic",
-        description="Three synthetic stages (latency model a + b*batch ms, sized output).",
-        prompt_fields=("seed",),
-        stages=(
-            StageSpec(stage_id=0, name="s0", engine=_SYN),
-            StageSpec(stage_id=1, name="s1", engine=_SYN, sources=(0,)),
-            StageSpec(
-                stage_id=2, name="s2", engine=_SYN, sources=(1,), final_output=OutputKind.DATA
-            ),
-        ),
-    )
+SYNTHETIC = PipelineSpec(
+    name="synthetic",
+    description="Three synthetic stages (latency model a + b*batch ms, sized output).",
+    prompt_fields=("seed",),
+    stages=(
+        StageSpec(stage_id=0, name="s0", engine=_SYN),
+        StageSpec(stage_id=1, name="s1", engine=_SYN, sources=(0,)),
+        StageSpec(stage_id=2, name="s2", engine=_SYN, sources=(1,), final_output=OutputKind.DATA),
+    ),
 )
 
-SYNTHETIC_DIAMOND = register_pipeline(
-    PipelineSpec(
-        name="synthetic-diamond",
-        description="Synthetic branch + join: s0 -> (s1, s2) -> s3; s3 runs once per request.",
-        prompt_fields=("seed",),
-        stages=(
-            StageSpec(stage_id=0, name="s0", engine=_SYN),
-            StageSpec(stage_id=1, name="s1", engine=_SYN, sources=(0,)),
-            StageSpec(stage_id=2, name="s2", engine=_SYN, sources=(0,)),
-            StageSpec(
-                stage_id=3, name="s3", engine=_SYN, sources=(1, 2), final_output=OutputKind.DATA
-            ),
-        ),
-    )
+SYNTHETIC_DIAMOND = PipelineSpec(
+    name="synthetic-diamond",
+    description="Synthetic branch + join: s0 -> (s1, s2) -> s3; s3 runs once per request.",
+    prompt_fields=("seed",),
+    stages=(
+        StageSpec(stage_id=0, name="s0", engine=_SYN),
+        StageSpec(stage_id=1, name="s1", engine=_SYN, sources=(0,)),
+        StageSpec(stage_id=2, name="s2", engine=_SYN, sources=(0,)),
+        StageSpec(stage_id=3, name="s3", engine=_SYN, sources=(1, 2), final_output=OutputKind.DATA),
+    ),
 )
 
 # ---- vLLM pipelines (the `vllm` extra): tiny Llamas built offline, see engines/vllm ----------
 
 _VLLM = "omni_mesh.engines.vllm"
-TINY_LLM = register_pipeline(
-    PipelineSpec(
-        name="tiny-llm",
-        description="One vLLM stage: a text LLM (tiny Llama by default; engine_args.model).",
-        prompt_fields=("seed", "max_tokens"),
-        stages=(
-            StageSpec(
-                stage_id=0,
-                name="llm",
-                engine=f"{_VLLM}.engine:VllmEngine",
-                final_output=OutputKind.TEXT,
-            ),
+TINY_LLM = PipelineSpec(
+    name="tiny-llm",
+    description="One vLLM stage: a text LLM (tiny Llama by default; engine_args.model).",
+    prompt_fields=("seed", "max_tokens"),
+    stages=(
+        StageSpec(
+            stage_id=0,
+            name="llm",
+            engine=f"{_VLLM}.engine:VllmEngine",
+            final_output=OutputKind.TEXT,
         ),
-    )
+    ),
 )
 
-TINY_OMNI_VLLM = register_pipeline(
-    PipelineSpec(
-        name="tiny-omni-vllm",
-        description="Omni speech on vLLM: thinker -> talker (codec vocabulary) -> code2wav.",
-        prompt_fields=("seed", "voice", "max_tokens"),
-        stages=(
-            StageSpec(
-                stage_id=0,
-                name="thinker",
-                engine=f"{_VLLM}.engine:VllmEngine",
-                final_output=OutputKind.TEXT,
-            ),
-            StageSpec(
-                stage_id=1,
-                name="talker",
-                engine=f"{_VLLM}.engine:VllmEngine",
-                sources=(0,),
-                processor=f"{_VLLM}.processors:thinker_to_talker",
-            ),
-            StageSpec(
-                stage_id=2,
-                name="code2wav",
-                engine=f"{_REF}.code2wav:Code2WavEngine",
-                sources=(1,),
-                processor=f"{_VLLM}.processors:talker_to_code2wav",
-                final_output=OutputKind.AUDIO,
-            ),
+TINY_OMNI_VLLM = PipelineSpec(
+    name="tiny-omni-vllm",
+    description="Omni speech on vLLM: thinker -> talker (codec vocabulary) -> code2wav.",
+    prompt_fields=("seed", "voice", "max_tokens"),
+    stages=(
+        StageSpec(
+            stage_id=0,
+            name="thinker",
+            engine=f"{_VLLM}.engine:VllmEngine",
+            final_output=OutputKind.TEXT,
         ),
-    )
+        StageSpec(
+            stage_id=1,
+            name="talker",
+            engine=f"{_VLLM}.engine:VllmEngine",
+            sources=(0,),
+            processor=f"{_VLLM}.processors:thinker_to_talker",
+        ),
+        StageSpec(
+            stage_id=2,
+            name="code2wav",
+            engine=f"{_REF}.code2wav:Code2WavEngine",
+            sources=(1,),
+            processor=f"{_VLLM}.processors:talker_to_code2wav",
+            final_output=OutputKind.AUDIO,
+        ),
+    ),
 )
 
 # ---- real architectures on transformers: one Hugging Face folder, each stage loads its part ----
 
 _HF = "omni_mesh.engines.hf"
-QWEN3_OMNI = register_pipeline(
-    PipelineSpec(
-        name="qwen3-omni",
-        description="Qwen3-Omni-MoE: thinker (text + audio in) -> talker (+ code predictor) -> "
-        "code2wav (tiny-qwen3-omni by default; engine_extras.model).",
-        prompt_fields=("seed", "voice", "max_tokens"),
-        input_audio=True,
-        stages=(
-            StageSpec(
-                stage_id=0,
-                name="thinker",
-                engine=f"{_HF}.qwen3_omni_thinker:Qwen3OmniThinkerEngine",
-                final_output=OutputKind.TEXT,
-            ),
-            StageSpec(
-                stage_id=1,
-                name="talker",
-                engine=f"{_HF}.qwen3_omni_talker:Qwen3OmniTalkerEngine",
-                sources=(0,),
-                processor=f"{_HF}.qwen3_omni_processors:thinker_to_talker",
-            ),
-            StageSpec(
-                stage_id=2,
-                name="code2wav",
-                engine=f"{_HF}.qwen3_omni_code2wav:Qwen3OmniCode2WavEngine",
-                sources=(1,),
-                processor=f"{_HF}.qwen3_omni_processors:talker_to_code2wav",
-                final_output=OutputKind.AUDIO,
-            ),
+QWEN3_OMNI = PipelineSpec(
+    name="qwen3-omni",
+    description="Qwen3-Omni-MoE: thinker (text + audio in) -> talker (+ code predictor) -> "
+    "code2wav (tiny-qwen3-omni by default; engine_extras.model).",
+    prompt_fields=("seed", "voice", "max_tokens"),
+    input_audio=True,
+    stages=(
+        StageSpec(
+            stage_id=0,
+            name="thinker",
+            engine=f"{_HF}.qwen3_omni_thinker:Qwen3OmniThinkerEngine",
+            final_output=OutputKind.TEXT,
         ),
-    )
+        StageSpec(
+            stage_id=1,
+            name="talker",
+            engine=f"{_HF}.qwen3_omni_talker:Qwen3OmniTalkerEngine",
+            sources=(0,),
+            processor=f"{_HF}.qwen3_omni_processors:thinker_to_talker",
+        ),
+        StageSpec(
+            stage_id=2,
+            name="code2wav",
+            engine=f"{_HF}.qwen3_omni_code2wav:Qwen3OmniCode2WavEngine",
+            sources=(1,),
+            processor=f"{_HF}.qwen3_omni_processors:talker_to_code2wav",
+            final_output=OutputKind.AUDIO,
+        ),
+    ),
 )
 
-CSM_TTS = register_pipeline(
-    PipelineSpec(
-        name="csm-tts",
-        description="CSM text to speech: talker (backbone + depth decoder) -> code2wav (Mimi "
-        "decoder) (tiny-csm by default; engine_extras.model).",
-        prompt_fields=("seed", "voice", "max_tokens"),
-        stages=(
-            StageSpec(stage_id=0, name="talker", engine=f"{_HF}.csm_talker:CsmTalkerEngine"),
-            StageSpec(
-                stage_id=1,
-                name="code2wav",
-                engine=f"{_HF}.csm_code2wav:CsmCode2WavEngine",
-                sources=(0,),
-                processor=f"{_HF}.csm_processors:talker_to_code2wav",
-                final_output=OutputKind.AUDIO,
-            ),
+CSM_TTS = PipelineSpec(
+    name="csm-tts",
+    description="CSM text to speech: talker (backbone + depth decoder) -> code2wav (Mimi "
+    "decoder) (tiny-csm by default; engine_extras.model).",
+    prompt_fields=("seed", "voice", "max_tokens"),
+    stages=(
+        StageSpec(stage_id=0, name="talker", engine=f"{_HF}.csm_talker:CsmTalkerEngine"),
+        StageSpec(
+            stage_id=1,
+            name="code2wav",
+            engine=f"{_HF}.csm_code2wav:CsmCode2WavEngine",
+            sources=(0,),
+            processor=f"{_HF}.csm_processors:talker_to_code2wav",
+            final_output=OutputKind.AUDIO,
         ),
-    )
+    ),
+)
+
+#: Registered from the start (omni_mesh.configs.registry), in this order.
+BUILTIN_PIPELINES: tuple[PipelineSpec, ...] = (
+    TINY_OMNI,
+    TINY_TTS,
+    TINY_IMAGE,
+    SYNTHETIC,
+    SYNTHETIC_DIAMOND,
+    TINY_LLM,
+    TINY_OMNI_VLLM,
+    QWEN3_OMNI,
+    CSM_TTS,
 )

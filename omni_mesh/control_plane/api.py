@@ -13,7 +13,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from redis.exceptions import RedisError
 
-from omni_mesh.configs.pipeline import UnknownPipelineError, get_pipeline
+from omni_mesh.configs.pipeline import UnknownPipelineError
+from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.control_plane import appkeys, routes_scale, routes_sessions, watch
 from omni_mesh.control_plane.autoscaler import refresh_gauges
 from omni_mesh.control_plane.errors import ConflictError, NotFoundError

@@ -21,7 +21,7 @@ import re
 from aiohttp import web
 from pydantic import BaseModel
 
-from omni_mesh.configs.pipeline import list_pipelines
+from omni_mesh.configs.registry import list_pipelines
 from omni_mesh.control_plane import appkeys
 from omni_mesh.control_plane.errors import (
     ApiError,

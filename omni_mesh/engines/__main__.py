@@ -15,11 +15,7 @@ import socket
 import sys
 
 from omni_mesh.configs.deploy import StageDeployConfig
-from omni_mesh.configs.pipeline import (
-    get_pipeline,
-    load_pipeline_modules,
-    pipeline_modules_from,
-)
+from omni_mesh.configs.registry import get_pipeline, load_pipeline_modules, pipeline_modules_from
 from omni_mesh.data_plane.channel import BlockingChannel
 from omni_mesh.engines.base import EngineContext
 from omni_mesh.engines.process import EngineProc, remove_own_tmp

@@ -48,10 +48,9 @@ from omni_mesh.configs.autoscale import AutoscaleConfig
 from omni_mesh.configs.cli_flags import env_overrides
 from omni_mesh.configs.deploy import MAX_REPLICAS, DeployConfig, DeployConfigError
 from omni_mesh.configs.loader import load_deploy_config
-from omni_mesh.configs.pipeline import (
+from omni_mesh.configs.pipeline import PipelineError, PipelineSpec
+from omni_mesh.configs.registry import (
     PIPELINE_MODULES_ENV,
-    PipelineError,
-    PipelineSpec,
     get_pipeline,
     load_pipeline_modules,
     pipeline_modules_from,

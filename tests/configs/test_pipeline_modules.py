@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_mesh.configs.pipeline import (
+from omni_mesh.configs.registry import (
     PipelineModuleError,
     load_pipeline_modules,
     pipeline_modules_from,
@@ -20,7 +20,8 @@ from tests.procs import clean_env
 pytestmark = pytest.mark.unit
 
 PIPELINE_SRC = """
-from omni_mesh.configs.pipeline import OutputKind, PipelineSpec, StageSpec, register_pipeline
+from omni_mesh.configs.pipeline import OutputKind, PipelineSpec, StageSpec
+from omni_mesh.configs.registry import register_pipeline
 register_pipeline(PipelineSpec(name="{name}", stages=(StageSpec(
     stage_id=0, name="only", engine="omni_mesh.engines.synthetic:SyntheticEngine",
     final_output=OutputKind.DATA),)))
@@ -67,7 +68,7 @@ def test_entry_point_group_registers_installed_pipelines(tmp_path: Path) -> None
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: installed-pipes\nVersion: 1.0\n")
     (info / "entry_points.txt").write_text("[omni_mesh.pipelines]\none = installed_pipes\n")
     code = textwrap.dedent("""
-        from omni_mesh.configs.pipeline import get_pipeline, load_pipeline_modules
+        from omni_mesh.configs.registry import get_pipeline, load_pipeline_modules
         print(load_pipeline_modules(), get_pipeline("installed-one").stage(0).name)
     """)
     done = _run(code, tmp_path)

@@ -12,9 +12,8 @@ from omni_mesh.configs.pipeline import (
     StageSpec,
     UnknownPipelineError,
     UnknownStageError,
-    get_pipeline,
-    list_pipelines,
 )
+from omni_mesh.configs.registry import get_pipeline, list_pipelines
 
 pytestmark = pytest.mark.unit
 

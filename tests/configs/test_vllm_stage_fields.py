@@ -8,7 +8,7 @@ import json
 import pytest
 
 from omni_mesh.configs.loader import DeployConfigError, load_deploy_config
-from omni_mesh.configs.pipeline import get_pipeline
+from omni_mesh.configs.registry import get_pipeline
 
 from .helpers import WriteYaml
 

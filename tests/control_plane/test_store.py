@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import redis.asyncio
 
-from omni_mesh.configs.pipeline import get_pipeline
+from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.control_plane.keys import KeySchema
 from omni_mesh.control_plane.schema import InstanceState, LoadReport, RegisterRequest
 from omni_mesh.control_plane.store import InstanceStore, StateAction

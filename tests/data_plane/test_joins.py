@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from omni_mesh.configs.pipeline import get_pipeline
+from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.data_plane.codec import encode
 from omni_mesh.data_plane.joins import JoinInputError, join_input, split_join
 from omni_mesh.data_plane.messages import Payload, StageInput, Tensor

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from omni_mesh.configs.deploy import StageDeployConfig
-from omni_mesh.configs.pipeline import get_pipeline
+from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.data_plane.messages import StageInput, StageOutput
 from omni_mesh.engines.base import (
     EngineContext,

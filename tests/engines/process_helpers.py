@@ -8,7 +8,7 @@ from typing import Any
 
 from omni_mesh.configs.deploy import StageDeployConfig
 from omni_mesh.configs.loader import load_deploy_config
-from omni_mesh.configs.pipeline import get_pipeline
+from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.data_plane.messages import StageInput, StageOutput
 from omni_mesh.data_plane.shm import SHM_DIR
 from omni_mesh.sidecar.engine_link.client import EngineClient

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from omni_mesh.configs.deploy import StageDeployConfig
-from omni_mesh.configs.pipeline import get_pipeline
+from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.data_plane.messages import Payload, StageInput, StageOutput
 from omni_mesh.data_plane.tensors import array_from_tensor, tensor_from_array
 from omni_mesh.engines.base import (

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from omni_mesh.configs.deploy import StageDeployConfig
-from omni_mesh.configs.pipeline import OutputKind, PipelineSpec, StageSpec, register_pipeline
+from omni_mesh.configs.pipeline import OutputKind, PipelineSpec, StageSpec
+from omni_mesh.configs.registry import register_pipeline
 from omni_mesh.data_plane.joins import join_input
 from omni_mesh.data_plane.messages import Payload, StageInput, Tensor
 from omni_mesh.data_plane.tensors import array_from_tensor, tensor_from_array

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from omni_mesh.configs.deploy import StageDeployConfig
-from omni_mesh.configs.pipeline import get_pipeline
+from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.data_plane.messages import SamplingParams
 from omni_mesh.engines.base import (
     EngineContext,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from omni_mesh.configs.deploy import StageDeployConfig
-from omni_mesh.configs.pipeline import get_pipeline
+from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.engines.base import EngineContext, EngineRequest, StageData
 from omni_mesh.engines.synthetic import SyntheticEngine, chunk_bytes, synthetic_bytes
 

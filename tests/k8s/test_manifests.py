@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from omni_mesh.configs.loader import load_deploy_config
-from omni_mesh.configs.pipeline import get_pipeline
+from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.configs.settings import ControlPlaneSettings
 from omni_mesh.control_plane.cli import build_parser as cp_parser
 from omni_mesh.control_plane.schema import DrainRequest

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from omni_mesh.configs.pipeline import get_pipeline
+from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.control_plane.cli import build_parser as cp_parser
 from omni_mesh.sidecar.cli_stage import parser as stage_parser
 from omni_mesh.sidecar.cli_stage import settings_from_args

@@ -96,7 +96,7 @@ def test_secret_mismatch_is_a_clear_400(tts: Topology, tmp_path: Path) -> None:
     """An envelope sealed by another deployment (another secret) is refused, not run."""
     import base64
 
-    from omni_mesh.configs.pipeline import get_pipeline
+    from omni_mesh.configs.registry import get_pipeline
     from omni_mesh.data_plane.envelope import seal
     from omni_mesh.data_plane.messages import Payload, StageInput
 

@@ -16,7 +16,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from omni_mesh.configs.pipeline import OutputKind, PipelineSpec, StageSpec, get_pipeline
+from omni_mesh.configs.pipeline import OutputKind, PipelineSpec, StageSpec
+from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.data_plane import media
 from omni_mesh.data_plane.messages import (
     NextInput,

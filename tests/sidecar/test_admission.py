@@ -12,7 +12,7 @@ from aiohttp.test_utils import make_mocked_request
 from prometheus_client import CollectorRegistry, Gauge
 
 from omni_mesh.configs.deploy import DeployConfig
-from omni_mesh.configs.pipeline import get_pipeline
+from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.data_plane.messages import StageInput
 from omni_mesh.observability.metrics import (
     SC_IN_FLIGHT,

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from omni_mesh.configs.pipeline import OutputKind, get_pipeline
+from omni_mesh.configs.pipeline import OutputKind
+from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.data_plane import media
 from omni_mesh.data_plane.messages import HopResult, Payload, RunOutputBin, StageError
 from omni_mesh.data_plane.tensors import payload_from_arrays

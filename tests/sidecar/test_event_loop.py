@@ -24,7 +24,8 @@ import uvloop
 from aiohttp import web
 from blockbuster import BlockBuster, BlockBusterFunction, BlockingError, blockbuster_ctx
 
-from omni_mesh.configs.pipeline import PipelineSpec, get_pipeline
+from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.data_plane import media
 from omni_mesh.data_plane.messages import HopResult
 from omni_mesh.data_plane.tensors import payload_from_arrays

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from omni_mesh.configs.pipeline import OutputKind, PipelineSpec, StageSpec, get_pipeline
+from omni_mesh.configs.pipeline import OutputKind, PipelineSpec, StageSpec
+from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.data_plane.messages import (
     HopResult,
     Payload,

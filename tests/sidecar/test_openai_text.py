@@ -10,7 +10,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from omni_mesh.configs.pipeline import OutputKind, get_pipeline
+from omni_mesh.configs.pipeline import OutputKind
+from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.data_plane.messages import Prompt, SamplingParams, Scalar
 from omni_mesh.data_plane.tensors import payload_from_arrays
 from omni_mesh.sidecar.api.chat_answer import chat_completion

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_mesh.configs.pipeline import get_pipeline
+from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.data_plane import codec
 from omni_mesh.data_plane.messages import Payload, StageInput
 from tests.procs import (

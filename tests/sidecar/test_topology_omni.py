@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from omni_mesh.configs.pipeline import get_pipeline
+from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.data_plane.messages import Prompt
 from omni_mesh.run_client.client import FixedUrls, RunClient
 from tests.sidecar.topology import Topology, post_json, shm_segments

@@ -22,7 +22,7 @@ import openai
 import pytest
 
 import omni_mesh
-from omni_mesh.configs.pipeline import get_pipeline
+from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.data_plane import media
 from omni_mesh.data_plane.messages import Prompt
 from omni_mesh.run_client.client import FixedUrls, RunClient

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from omni_mesh.configs.loader import load_deploy_config
-from omni_mesh.configs.pipeline import get_pipeline
+from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.engines.base import EngineConfigError
 from omni_mesh.engines.vllm.args import build_engine_args
 from tests.procs import clean_env, free_port

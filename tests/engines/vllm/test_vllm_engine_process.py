@@ -21,7 +21,7 @@ import pytest
 import pytest_asyncio
 
 from omni_mesh.configs.loader import load_deploy_config
-from omni_mesh.configs.pipeline import get_pipeline
+from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.data_plane.messages import (
     Payload,
     SamplingParams,

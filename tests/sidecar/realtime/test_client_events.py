@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from omni_mesh.configs.pipeline import get_pipeline
+from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.sidecar.api.realtime import client_events as ce
 from omni_mesh.sidecar.api.realtime.config import (
     apply_update,
