@@ -100,3 +100,29 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return found
+
+
+def wrong_way(
+    graph: dict[str, set[str]], name: str, directions: dict[str, set[str]], roots: set[str]
+) -> list[str]:
+    """The imports of package ``name`` that go against ``directions`` (part -> the parts it
+    may import; a part is a subpackage, everything else at the top level is ``"shared"``; an
+    entry may also name one module, ``"admission.gate"``). Nothing may import a root (the
+    modules that put the package together)."""
+
+    def part_of(module: str) -> str:
+        first = module.removeprefix(name).lstrip(".").split(".")[0]
+        return first if first in directions else "shared"
+
+    wrong = []
+    for module, imported in sorted(graph.items()):
+        if module in roots or module == name:
+            continue
+        part = part_of(module)
+        for other in sorted(imported):
+            there = part_of(other)
+            if other in roots:
+                wrong.append(f"{module} -> {other} (a root)")
+            elif there != part and not {there, other.removeprefix(f"{name}.")} & directions[part]:
+                wrong.append(f"{module} ({part}) -> {other} ({there})")
+    return wrong

@@ -15,19 +15,20 @@ from prometheus_client import CollectorRegistry
 from redis.exceptions import RedisError
 
 from omni_mesh.configs.settings import ControlPlaneSettings
-from omni_mesh.control_plane import api, appkeys
-from omni_mesh.control_plane.hub import ChangeHub
-from omni_mesh.control_plane.keys import KeySchema
-from omni_mesh.control_plane.middleware import (
+from omni_mesh.control_plane.api import appkeys
+from omni_mesh.control_plane.api import routes as api
+from omni_mesh.control_plane.api.hub import ChangeHub
+from omni_mesh.control_plane.api.middleware import (
     auth_middleware,
     error_middleware,
     metrics_middleware,
 )
+from omni_mesh.control_plane.liveness.suspects import SuspectChecker
+from omni_mesh.control_plane.liveness.sweeper import Sweeper
 from omni_mesh.control_plane.redis_conn import close_redis, connect_redis, refuse_cluster
 from omni_mesh.control_plane.schema import MAX_BODY_BYTES
-from omni_mesh.control_plane.store import InstanceStore
-from omni_mesh.control_plane.suspect import SuspectChecker
-from omni_mesh.control_plane.sweeper import Sweeper
+from omni_mesh.control_plane.store.instances import InstanceStore
+from omni_mesh.control_plane.store.keys import KeySchema
 from omni_mesh.observability.metrics import ControlPlaneMetrics
 
 logger = logging.getLogger(__name__)

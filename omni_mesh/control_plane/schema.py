@@ -1,5 +1,5 @@
 """Every message of the control-plane HTTP API: one typed model per body, shared by the server
-(``api.py``, ``watch.py``) and the client that sidecars use (``client/``).
+(``api/``) and the client that sidecars use (``client/``).
 
 Requests are strict (no type coercion, unknown fields rejected) and bounded; responses ignore
 fields they do not know, so an older client keeps working against a newer server. The API is

@@ -15,8 +15,8 @@ from omni_mesh.configs.autoscale import AutoscaleConfig
 from omni_mesh.configs.deploy import DeployConfigError, StageDeployConfig
 from omni_mesh.configs.loader import load_deploy_config
 from omni_mesh.configs.registry import get_pipeline
-from omni_mesh.control_plane import autoscale as policy_mod
-from omni_mesh.control_plane.autoscale import (
+from omni_mesh.control_plane.autoscaling import policy as policy_mod
+from omni_mesh.control_plane.autoscaling.policy import (
     MAX_HISTORY,
     decide,
     initial_decision,

@@ -9,11 +9,11 @@ import redis.asyncio
 from prometheus_client import CollectorRegistry
 
 from omni_mesh.configs.autoscale import AutoscaleConfig
-from omni_mesh.control_plane.autoscale import initial_decision
-from omni_mesh.control_plane.autoscaler import Autoscaler, refresh_gauges
-from omni_mesh.control_plane.keys import KeySchema
+from omni_mesh.control_plane.autoscaling.autoscaler import Autoscaler, refresh_gauges
+from omni_mesh.control_plane.autoscaling.policy import initial_decision
 from omni_mesh.control_plane.schema import LoadReport, RegisterRequest, ScaleInputs
-from omni_mesh.control_plane.store import InstanceStore
+from omni_mesh.control_plane.store.instances import InstanceStore
+from omni_mesh.control_plane.store.keys import KeySchema
 from omni_mesh.observability.metrics import ControlPlaneMetrics
 
 pytestmark = pytest.mark.unit

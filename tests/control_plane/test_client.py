@@ -19,7 +19,7 @@ from omni_mesh.control_plane.client import (
     PoolWatcher,
     RegisterRequest,
 )
-from omni_mesh.control_plane.keys import KeySchema
+from omni_mesh.control_plane.store.keys import KeySchema
 from tests.procs import ControlPlaneProcess, RedisServer, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]

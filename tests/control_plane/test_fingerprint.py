@@ -12,9 +12,9 @@ import redis.asyncio
 from omni_mesh.configs.deploy import DeployConfig
 from omni_mesh.configs.fingerprint import pipeline_fingerprint
 from omni_mesh.configs.registry import get_pipeline
-from omni_mesh.control_plane.keys import KeySchema
 from omni_mesh.control_plane.schema import LoadReport, RegisterRequest
-from omni_mesh.control_plane.store import InstanceStore, SettingsConflict
+from omni_mesh.control_plane.store.instances import InstanceStore, SettingsConflict
+from omni_mesh.control_plane.store.keys import KeySchema
 
 pytestmark = pytest.mark.unit
 

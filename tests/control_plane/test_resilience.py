@@ -17,6 +17,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from omni_mesh.control_plane.api.logthrottle import ThrottledLog
+from omni_mesh.control_plane.api.middleware import error_middleware
 from omni_mesh.control_plane.cli import url_problem
 from omni_mesh.control_plane.client import ControlPlaneClient, ControlPlaneUnavailableError
 from omni_mesh.control_plane.client.http import describe_transport_error
@@ -27,8 +29,6 @@ from omni_mesh.control_plane.embedded_redis import (
     sweep_stale_dirs,
 )
 from omni_mesh.control_plane.errors import EndpointFailure
-from omni_mesh.control_plane.logthrottle import ThrottledLog
-from omni_mesh.control_plane.middleware import error_middleware
 from omni_mesh.control_plane.server import ServeError, supervise_embedded_redis
 from tests.procs import free_port
 
@@ -64,7 +64,7 @@ async def test_a_bug_is_a_logged_json_500(
         raise ZeroDivisionError("oops")
 
     client = await serve(buggy)
-    with caplog.at_level(logging.ERROR, logger="omni_mesh.control_plane.middleware"):
+    with caplog.at_level(logging.ERROR, logger="omni_mesh.control_plane.api.middleware"):
         resp = await client.post("/x", data=b"{}")
         assert resp.status == 500
         assert resp.content_type == "application/json"

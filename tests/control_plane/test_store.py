@@ -8,9 +8,9 @@ import pytest
 import redis.asyncio
 
 from omni_mesh.configs.registry import get_pipeline
-from omni_mesh.control_plane.keys import KeySchema
 from omni_mesh.control_plane.schema import InstanceState, LoadReport, RegisterRequest
-from omni_mesh.control_plane.store import InstanceStore, StateAction
+from omni_mesh.control_plane.store.instances import InstanceStore, StateAction
+from omni_mesh.control_plane.store.keys import KeySchema
 
 pytestmark = pytest.mark.unit
 

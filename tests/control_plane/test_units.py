@@ -6,8 +6,8 @@ import pytest
 from pydantic import ValidationError
 
 from omni_mesh.configs.settings import ControlPlaneClientSettings, ControlPlaneSettings, LogLevel
+from omni_mesh.control_plane.api.inputs import describe_validation_error
 from omni_mesh.control_plane.client import Backoff
-from omni_mesh.control_plane.inputs import describe_validation_error
 from omni_mesh.control_plane.schema import (
     InstanceInfo,
     InstanceState,

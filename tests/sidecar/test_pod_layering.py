@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import omni_mesh.sidecar
-from tests.layering import circles, module_graph, ours_outside
+from tests.layering import circles, module_graph, ours_outside, wrong_way
 
 pytestmark = pytest.mark.unit
 
@@ -48,11 +48,6 @@ DIRECTIONS: dict[str, set[str]] = {
 }
 
 
-def part_of(module: str) -> str:
-    rest = module.removeprefix(NAME).lstrip(".").split(".")
-    return rest[0] if rest[0] in DIRECTIONS else "shared"
-
-
 @pytest.mark.parametrize(
     "path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE))
 )
@@ -65,23 +60,7 @@ def test_no_circle_between_the_pods_files() -> None:
 
 
 def test_the_pods_parts_import_one_way() -> None:
-    graph = module_graph(PACKAGE, NAME)
-    wrong = []
-    for module, imported in sorted(graph.items()):
-        if module in ROOTS or module == NAME:
-            continue
-        part = part_of(module)
-        for other in sorted(imported):
-            there = part_of(other)
-            if other in ROOTS:
-                wrong.append(f"{module} -> {other} (a composition root)")
-            elif (
-                there != part
-                and there not in DIRECTIONS[part]
-                and (other.removeprefix(f"{NAME}.") not in DIRECTIONS[part])
-            ):
-                wrong.append(f"{module} ({part}) -> {other} ({there})")
-    assert wrong == []
+    assert wrong_way(module_graph(PACKAGE, NAME), NAME, DIRECTIONS, ROOTS) == []
 
 
 def test_the_parts_are_folders_and_the_top_level_is_the_lifecycle() -> None:
@@ -102,3 +81,11 @@ def test_the_checks_see_a_circle_and_a_wrong_way_arrow(tmp_path: Path) -> None:
     graph = module_graph(tmp_path, "pkg")
     assert graph["pkg.c"] == {"pkg.b"}
     assert circles(graph) == [["pkg.a", "pkg.b"]]
+    (tmp_path / "low").mkdir()
+    (tmp_path / "low" / "__init__.py").write_text("")
+    (tmp_path / "low" / "x.py").write_text("from pkg import c\n")
+    graph = module_graph(tmp_path, "pkg")
+    assert wrong_way(graph, "pkg", {"low": set()}, set()) == ["pkg.low.x (low) -> pkg.c (shared)"]
+    assert wrong_way(graph, "pkg", {"low": {"shared"}}, {"pkg.c"}) == [
+        "pkg.low.x -> pkg.c (a root)"
+    ]

@@ -17,8 +17,6 @@ from typing import Any
 from pydantic import JsonValue
 from redis.asyncio import Redis
 
-from omni_mesh.control_plane import session_scripts as scripts
-from omni_mesh.control_plane.keys import SESSION_ITEM_PREFIX, KeySchema
 from omni_mesh.control_plane.session_schema import (
     MAX_SESSION_BYTES,
     MAX_SESSION_ITEMS,
@@ -30,6 +28,8 @@ from omni_mesh.control_plane.session_schema import (
     SessionSummary,
     SessionTouchResult,
 )
+from omni_mesh.control_plane.store import session_scripts as scripts
+from omni_mesh.control_plane.store.keys import SESSION_ITEM_PREFIX, KeySchema
 
 logger = logging.getLogger(__name__)
 

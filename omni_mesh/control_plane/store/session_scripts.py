@@ -1,4 +1,4 @@
-"""Lua scripts of the realtime-session state (``session_store.py``), each one atomic.
+"""Lua scripts of the realtime-session state (``sessions.py``), each one atomic.
 
 A session hash carries the fields of ``keys.SESSION_FIELDS`` and one ``item:{id}`` field per
 item. Every write sets the key's PX expiry and the session's score in its pipeline's

@@ -1,7 +1,7 @@
 """HTTP handlers of the control plane (DESIGN §6): registration, heartbeats, discovery, operator
-actions, suspect reports (probed in ``suspect.py``), health and metrics. The long-poll/SSE
-watch lives in ``watch.py``, the stage scale resource (autoscaling) in ``routes_scale.py``,
-realtime sessions in ``routes_sessions.py``.
+actions, suspect reports (probed in ``liveness/suspects.py``), health and metrics. The
+long-poll/SSE watch lives in ``watch.py``, the stage scale resource (autoscaling) in ``scale.py``,
+realtime sessions in ``sessions.py``.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from redis.exceptions import RedisError
 
 from omni_mesh.configs.pipeline import UnknownPipelineError
 from omni_mesh.configs.registry import get_pipeline
-from omni_mesh.control_plane import appkeys, routes_scale, routes_sessions, watch
-from omni_mesh.control_plane.autoscaler import refresh_gauges
-from omni_mesh.control_plane.errors import ConflictError, NotFoundError
-from omni_mesh.control_plane.inputs import (
+from omni_mesh.control_plane.api import appkeys, watch
+from omni_mesh.control_plane.api import scale as routes_scale
+from omni_mesh.control_plane.api import sessions as routes_sessions
+from omni_mesh.control_plane.api.inputs import (
     bool_param,
     instance_id_param,
     int_param,
@@ -26,7 +26,9 @@ from omni_mesh.control_plane.inputs import (
     lookup_stage,
     read_model,
 )
-from omni_mesh.control_plane.logthrottle import REDIS_UNAVAILABLE
+from omni_mesh.control_plane.api.logthrottle import REDIS_UNAVAILABLE
+from omni_mesh.control_plane.autoscaling.autoscaler import refresh_gauges
+from omni_mesh.control_plane.errors import ConflictError, NotFoundError
 from omni_mesh.control_plane.schema import (
     MAX_STAGE_ID,
     DrainRequest,
@@ -44,7 +46,7 @@ from omni_mesh.control_plane.schema import (
     SuspectRequest,
     SuspectResult,
 )
-from omni_mesh.control_plane.store import SettingsConflict, StateAction
+from omni_mesh.control_plane.store.instances import SettingsConflict, StateAction
 from omni_mesh.observability.metrics import CP_INSTANCE_STATES
 
 logger = logging.getLogger(__name__)

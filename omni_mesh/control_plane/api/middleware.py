@@ -18,9 +18,9 @@ from aiohttp.typedefs import Handler, Middleware
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from omni_mesh.control_plane.api.inputs import body_unreadable
+from omni_mesh.control_plane.api.logthrottle import REDIS_UNAVAILABLE
 from omni_mesh.control_plane.errors import ApiError, ServiceUnavailableError, UnauthorizedError
-from omni_mesh.control_plane.inputs import body_unreadable
-from omni_mesh.control_plane.logthrottle import REDIS_UNAVAILABLE
 from omni_mesh.control_plane.schema import ErrorBody, ErrorDetail
 from omni_mesh.observability.metrics import ControlPlaneMetrics
 

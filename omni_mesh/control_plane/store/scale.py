@@ -15,9 +15,9 @@ from pydantic import BaseModel, ValidationError
 from redis.asyncio import Redis
 
 from omni_mesh.configs.autoscale import AutoscaleConfig
-from omni_mesh.control_plane import scripts
-from omni_mesh.control_plane.keys import KeySchema
 from omni_mesh.control_plane.schema import ScaleDecision
+from omni_mesh.control_plane.store import scripts
+from omni_mesh.control_plane.store.keys import KeySchema
 
 logger = logging.getLogger(__name__)
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from aiohttp import web
 
 from omni_mesh.configs.settings import ControlPlaneSettings
-from omni_mesh.control_plane.hub import ChangeHub
-from omni_mesh.control_plane.keys import KeySchema
-from omni_mesh.control_plane.store import InstanceStore
-from omni_mesh.control_plane.suspect import SuspectChecker
-from omni_mesh.control_plane.sweeper import Sweeper
+from omni_mesh.control_plane.api.hub import ChangeHub
+from omni_mesh.control_plane.liveness.suspects import SuspectChecker
+from omni_mesh.control_plane.liveness.sweeper import Sweeper
+from omni_mesh.control_plane.store.instances import InstanceStore
+from omni_mesh.control_plane.store.keys import KeySchema
 from omni_mesh.observability.metrics import ControlPlaneMetrics
 
 SETTINGS = web.AppKey("settings", ControlPlaneSettings)

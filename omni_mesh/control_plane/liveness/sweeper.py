@@ -1,6 +1,6 @@
 """The liveness sweeper: isolates instances whose lease lapsed and evicts long-dead records;
-after each sweep it runs the autoscaling policy (``autoscaler.py``), so the lock holder alone
-decides desired replica counts.
+after each sweep it runs the autoscaling policy (``autoscaling/autoscaler.py``), so the lock
+holder alone decides desired replica counts.
 
 It runs in exactly one omni-cp at a time: the holder of a Redis lock (``SET NX PX``). Each tick
 the holder's sweep script renews the lock and refuses to act if the lock is no longer the
@@ -21,9 +21,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from omni_mesh.control_plane.autoscaler import Autoscaler
+from omni_mesh.control_plane.autoscaling.autoscaler import Autoscaler
 from omni_mesh.control_plane.schema import REASON_LEASE_EXPIRED
-from omni_mesh.control_plane.store import InstanceStore, SweepResult
+from omni_mesh.control_plane.store.instances import InstanceStore, SweepResult
 from omni_mesh.control_plane.tasks import stop_task
 from omni_mesh.observability.metrics import ControlPlaneMetrics
 

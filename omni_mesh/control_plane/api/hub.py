@@ -17,7 +17,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from omni_mesh.control_plane.keys import KeySchema
+from omni_mesh.control_plane.store.keys import KeySchema
 from omni_mesh.control_plane.tasks import stop_task
 
 logger = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from omni_mesh.control_plane.schema import REASON_UNREACHABLE, InstanceInfo, ProbeOutcome
-from omni_mesh.control_plane.store import InstanceStore
+from omni_mesh.control_plane.store.instances import InstanceStore
 from omni_mesh.observability.metrics import ControlPlaneMetrics
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,8 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from omni_mesh.configs.registry import list_pipelines
-from omni_mesh.control_plane import appkeys
+from omni_mesh.control_plane.api import appkeys
+from omni_mesh.control_plane.api.inputs import lookup_pipeline, read_model
 from omni_mesh.control_plane.errors import (
     ApiError,
     BadRequestError,
@@ -31,7 +32,6 @@ from omni_mesh.control_plane.errors import (
     PayloadTooLargeError,
     SessionFencedError,
 )
-from omni_mesh.control_plane.inputs import lookup_pipeline, read_model
 from omni_mesh.control_plane.session_schema import (
     MAX_SESSION_BODY_BYTES,
     MAX_SESSION_BYTES,
@@ -45,7 +45,7 @@ from omni_mesh.control_plane.session_schema import (
     SessionReleaseRequest,
     SessionTouchRequest,
 )
-from omni_mesh.control_plane.session_store import (
+from omni_mesh.control_plane.store.sessions import (
     SessionBadOrder,
     SessionExists,
     SessionFencedOut,

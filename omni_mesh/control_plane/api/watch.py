@@ -24,9 +24,9 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from omni_mesh.configs.pipeline import PipelineSpec
-from omni_mesh.control_plane import appkeys
+from omni_mesh.control_plane.api import appkeys
+from omni_mesh.control_plane.api.inputs import float_param, int_param, lookup_pipeline
 from omni_mesh.control_plane.errors import BadRequestError
-from omni_mesh.control_plane.inputs import float_param, int_param, lookup_pipeline
 from omni_mesh.control_plane.schema import PipelineSnapshot
 
 logger = logging.getLogger(__name__)

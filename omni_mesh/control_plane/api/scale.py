@@ -5,7 +5,7 @@
     DELETE /v1/pipelines/{p}/stages/{s}/scale        stop autoscaling the stage
     POST   /v1/pipelines/{p}/stages/{s}/scale/wake   requests wait for a stage at zero
 
-Decisions are made by the sweeper-lock holder (``autoscaler.py``), not here.
+Decisions are made by the sweeper-lock holder (``autoscaling/autoscaler.py``), not here.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import logging
 
 from aiohttp import web
 
-from omni_mesh.control_plane import appkeys
-from omni_mesh.control_plane.autoscale import initial_decision, stage_inputs
+from omni_mesh.control_plane.api import appkeys
+from omni_mesh.control_plane.api.inputs import int_param, lookup_pipeline, lookup_stage, read_model
+from omni_mesh.control_plane.autoscaling.policy import initial_decision, stage_inputs
 from omni_mesh.control_plane.errors import NotFoundError
-from omni_mesh.control_plane.inputs import int_param, lookup_pipeline, lookup_stage, read_model
 from omni_mesh.control_plane.schema import (
     MAX_STAGE_ID,
     ScalePolicyRequest,

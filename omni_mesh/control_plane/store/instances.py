@@ -19,9 +19,6 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 
 from omni_mesh.configs.pipeline import PipelineSpec
-from omni_mesh.control_plane import scripts
-from omni_mesh.control_plane.keys import RECORD_SCHEMA_VERSION, KeySchema
-from omni_mesh.control_plane.scale_store import ScaleStore
 from omni_mesh.control_plane.schema import (
     REASON_UNREACHABLE,
     InstanceInfo,
@@ -32,7 +29,10 @@ from omni_mesh.control_plane.schema import (
     PoolSnapshot,
     RegisterRequest,
 )
-from omni_mesh.control_plane.session_store import SessionStore
+from omni_mesh.control_plane.store import scripts
+from omni_mesh.control_plane.store.keys import RECORD_SCHEMA_VERSION, KeySchema
+from omni_mesh.control_plane.store.scale import ScaleStore
+from omni_mesh.control_plane.store.sessions import SessionStore
 
 #: A heartbeat arriving sooner than this after a probe isolated its instance (``unreachable``)
 #: does not readmit it: it may have been sent just before the process died.

@@ -1,4 +1,4 @@
-"""The autoscaling loop around the pure policy (``autoscale.py``): run by the sweeper-lock holder
+"""The autoscaling loop around the pure policy (``policy.py``): run by the sweeper-lock holder
 after each sweep, it reads every autoscaled stage's policy, last decision and ready replicas,
 decides, and stores the decision (only while it holds the lock, checked in Redis). Also the
 scrape-time refresh of the autoscaling gauges, which every omni-cp serves from Redis.
@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import logging
 
-from omni_mesh.control_plane.autoscale import decide, stage_inputs
-from omni_mesh.control_plane.scale_store import ScaleStore, StageScale
+from omni_mesh.control_plane.autoscaling.policy import decide, stage_inputs
 from omni_mesh.control_plane.schema import ScaleDecision, ScaleDirection
-from omni_mesh.control_plane.store import InstanceStore
+from omni_mesh.control_plane.store.instances import InstanceStore
+from omni_mesh.control_plane.store.scale import ScaleStore, StageScale
 from omni_mesh.observability.metrics import AutoscaleMetrics
 
 logger = logging.getLogger(__name__)
