@@ -98,7 +98,7 @@ class Prompt(Struct, forbid_unknown_fields=True):
     size: Annotated[int, Meta(ge=16, le=512)] | None = None
     steps: Annotated[int, Meta(ge=1, le=200)] | None = None
     request_id: RequestId | None = None
-    priority: PriorityClass | None = None  # overrides the X-Omni-Priority header
+    priority: PriorityClass | None = None  # the body's class; an X-Omni-Priority header wins
 
 
 # ---- the hop ---------------------------------------------------------------------------------

@@ -149,13 +149,6 @@ def request_class(
     return priority, request_tenant(request)
 
 
-def openai_priority(request: web.Request, field: PriorityClass | None) -> PriorityClass | None:
-    """The priority the OpenAI routes' optional ``priority`` body field asks for, unless the
-    ``X-Omni-Priority`` header is given: on these routes the header wins (a gateway in front
-    sets it, while the field comes from the client's SDK ``extra_body``)."""
-    return None if PRIORITY_HEADER in request.headers else field
-
-
 def request_tenant(request: web.Request) -> str:
     """A client request's tenant: ``X-Omni-Tenant`` (400 when malformed), else a hash of its
     API key, else anonymous ('')."""

@@ -22,7 +22,6 @@ from omni_mesh.configs.pipeline import OutputKind, PipelineSpec
 from omni_mesh.data_plane import wire
 from omni_mesh.data_plane.messages import Prompt, Scalar
 from omni_mesh.data_plane.tensors import tensor_from_array
-from omni_mesh.sidecar.admission.admit import openai_priority
 from omni_mesh.sidecar.api.choices import choice_prompts, collect_choices, respond_choices
 from omni_mesh.sidecar.api.client_requests import entry, request_frames
 from omni_mesh.sidecar.api.openai_text import finish_reason, sampling_from, usage_of
@@ -156,7 +155,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     sampling = sampling_from(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
     token_ids = None if isinstance(req.prompt, str) else req.prompt
     text = _TOKEN_PROMPT if token_ids else str(req.prompt)
-    prompt = Prompt(prompt=text, seed=req.seed, priority=openai_priority(request, req.priority))
+    prompt = Prompt(prompt=text, seed=req.seed, priority=req.priority)
     streams = []
     for choice in choice_prompts(prompt, req.n):
         si = entry(pod, request, choice, sampling, param="prompt")

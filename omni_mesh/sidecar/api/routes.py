@@ -31,7 +31,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from omni_mesh.configs.pipeline import OutputKind
 from omni_mesh.data_plane import wire
 from omni_mesh.data_plane.messages import Prompt, SamplingParams
-from omni_mesh.sidecar.admission.admit import openai_priority
 from omni_mesh.sidecar.api import completions as routes_completions
 from omni_mesh.sidecar.api.chat_answer import ChatEvents, chat_completion
 from omni_mesh.sidecar.api.choices import choice_prompts, collect_choices, respond_choices
@@ -136,8 +135,7 @@ async def speech(request: web.Request) -> web.StreamResponse:
     if audio_stage is None:
         raise bad_request(f"pipeline {pod.pipeline.name!r} produces no audio", "model")
     fields = _voice_field(pod, req.voice)
-    priority = openai_priority(request, req.priority)
-    prompt = Prompt(prompt=req.input, seed=req.seed, priority=priority, **fields)
+    prompt = Prompt(prompt=req.input, seed=req.seed, priority=req.priority, **fields)
     si = entry(pod, request, prompt)
     sink: Sink
     if req.stream_format == "sse":
@@ -238,9 +236,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
     max_tokens = req.max_completion_tokens or req.max_tokens
     if max_tokens is not None and "max_tokens" in pod.pipeline.prompt_fields:
         fields["max_tokens"] = max_tokens
-    priority = openai_priority(request, req.priority)
     last_user, messages = _conversation(req, pod.pipeline.input_audio)
-    prompt = Prompt(prompt=last_user, seed=req.seed, priority=priority, **fields)
+    prompt = Prompt(prompt=last_user, seed=req.seed, priority=req.priority, **fields)
     top_logprobs = _chat_logprobs(req)
     sampling = sampling_from(req, max_tokens=None, logprobs=top_logprobs)
     if req.stream_options is not None and not req.stream:
@@ -298,8 +295,7 @@ async def images(request: web.Request) -> web.Response:
     data = []
     for i in range(req.n):
         seed = None if req.seed is None else req.seed + i
-        priority = openai_priority(request, req.priority)
-        prompt = Prompt(prompt=req.prompt, seed=seed, size=size, priority=priority)
+        prompt = Prompt(prompt=req.prompt, seed=seed, size=size, priority=req.priority)
         image = _pick(await generate_outputs(pod, request, prompt), OutputKind.IMAGE)
         assert image is not None and image.data is not None
         data.append({"b64_json": base64.b64encode(image.data).decode()})
