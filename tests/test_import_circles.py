@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.layering import circles, module_graph
+from tests.layering import circles, module_graph, wrong_way
 
 pytestmark = pytest.mark.unit
 
@@ -26,3 +26,20 @@ def test_no_circle_between_a_packages_files(name: str) -> None:
     package = importlib.import_module(name)
     assert package.__file__ is not None
     assert circles(module_graph(Path(package.__file__).parent, name)) == []
+
+
+def test_the_checks_see_a_circle_and_a_wrong_way_import(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text("from pkg import b\n")
+    (tmp_path / "b.py").write_text("import pkg.a\n")
+    (tmp_path / "c.py").write_text("from pkg.b import x\n")
+    graph = module_graph(tmp_path, "pkg")
+    assert graph["pkg.c"] == {"pkg.b"}
+    assert circles(graph) == [["pkg.a", "pkg.b"]]
+    (tmp_path / "low").mkdir()
+    (tmp_path / "low" / "__init__.py").write_text("")
+    (tmp_path / "low" / "x.py").write_text("from pkg import c\n")
+    graph = module_graph(tmp_path, "pkg")
+    assert wrong_way(graph, "pkg", {"low": set()}, set()) == ["pkg.low.x (low) -> pkg.c (shared)"]
+    assert wrong_way(graph, "pkg", {"low": {"shared"}}, {"pkg.c"}) == [
+        "pkg.low.x -> pkg.c (a root)"
+    ]

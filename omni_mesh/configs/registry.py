@@ -12,14 +12,14 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 
-from omni_mesh.configs import pipelines as builtin
+from omni_mesh.configs import pipelines
 from omni_mesh.configs.pipeline import PipelineError, PipelineSpec, UnknownPipelineError
-from omni_mesh.configs.pipelines import BUILTIN_PIPELINES
 
 # ---- registry --------------------------------------------------------------------------------
 
-_REGISTRY: dict[str, PipelineSpec] = {}
-_ORIGIN: dict[str, str] = {}  # pipeline name -> the module whose code registered it
+_REGISTRY: dict[str, PipelineSpec] = {p.name: p for p in pipelines.BUILTIN_PIPELINES}
+#: pipeline name -> the module whose code registered it
+_ORIGIN: dict[str, str] = dict.fromkeys(_REGISTRY, pipelines.__name__)
 
 
 def register_pipeline(spec: PipelineSpec, *, replace: bool = False) -> PipelineSpec:
@@ -29,11 +29,6 @@ def register_pipeline(spec: PipelineSpec, *, replace: bool = False) -> PipelineS
     _REGISTRY[spec.name] = spec
     _ORIGIN[spec.name] = str(sys._getframe(1).f_globals.get("__name__", ""))
     return spec
-
-
-for _builtin in BUILTIN_PIPELINES:
-    _REGISTRY[_builtin.name] = _builtin
-    _ORIGIN[_builtin.name] = builtin.__name__
 
 
 def get_pipeline(name: str) -> PipelineSpec:
