@@ -39,8 +39,7 @@ class Shed:
 
 def shed_retry_after(message: str) -> float | None:
     """The Retry-After of a shed answer's message; None when the message is not a shed's."""
-    found = _SHED_RETRY.search(message)
-    return float(found.group(1)) if found and message.startswith("shed (") else None
+    return retry_after_in(message) if message.startswith("shed (") else None
 
 
 def retry_after_in(message: str) -> float | None:
