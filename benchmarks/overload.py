@@ -77,24 +77,62 @@ def deploy_yaml(wait_s: float) -> str:
     return DEPLOY.format(timeout=TIMEOUT_S, wait=wait_s, seqs=SEQS, inflight=2 * SEQS, step=STEP_MS)
 
 
-async def shed_reasons(url: str) -> dict[str, float]:
-    """The API server's ``omni_stage_shed_total`` by reason (where the queue forms)."""
+async def api_counters(url: str) -> dict[str, float]:
+    """The API server's ``omni_stage_shed_total`` by reason (``shed:<reason>``, where the
+    queue forms) and its collector's passes by generation (``gc:<gen>:count``, and
+    ``gc:<gen>:le:<bound>`` from ``omni_process_gc_pause_seconds``)."""
     async with aiohttp.ClientSession() as sess, sess.get(url + "/metrics") as resp:
         text = await resp.text()
     out: dict[str, float] = {}
     for line in text.splitlines():
+        value = float(line.rsplit(" ", 1)[-1]) if line and not line.startswith("#") else 0.0
         if line.startswith("omni_stage_shed_total{"):
-            reason = line.split('reason="', 1)[1].split('"', 1)[0]
-            out[reason] = out.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
+            key = "shed:" + line.split('reason="', 1)[1].split('"', 1)[0]
+            out[key] = out.get(key, 0.0) + value
+        elif line.startswith("omni_process_gc_pause_seconds_"):
+            gen = line.split('generation="', 1)[1].split('"', 1)[0]
+            if line.startswith("omni_process_gc_pause_seconds_count{"):
+                out[f"gc:{gen}:count"] = value
+            elif line.startswith("omni_process_gc_pause_seconds_bucket{"):
+                bound = line.split('le="', 1)[1].split('"', 1)[0]
+                out[f"gc:{gen}:le:{bound}"] = value
     return out
 
 
+def _gc_figures(delta: dict[str, float]) -> tuple[list[int], float]:
+    """Passes longer than 10 ms by generation, and the upper bound of the longest pass (s)."""
+    slow, longest = [0, 0, 0], 0.0
+    for gen in range(3):
+        count = delta.get(f"gc:{gen}:count", 0.0)
+        slow[gen] = int(count - delta.get(f"gc:{gen}:le:0.01", count))
+        bounds = sorted(
+            (float(k.rsplit(":", 1)[1]), v)
+            for k, v in delta.items()
+            if k.startswith(f"gc:{gen}:le:") and not k.endswith("+Inf")
+        )
+        below = 0.0
+        for bound, n in bounds:
+            if n > below:  # a pass ended in this bucket
+                longest = max(longest, bound)
+            below = n
+        if count > below:
+            longest = math.inf
+    return slow, longest
+
+
 async def _measured(url: str, load: Awaitable[Run]) -> Run:
-    before = await shed_reasons(url)
+    before = await api_counters(url)
     run = await load
-    after = await shed_reasons(url)
-    run.reasons = {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
+    after = await api_counters(url)
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    run.reasons = {k[5:]: v for k, v in delta.items() if k.startswith("shed:") and v > 0}
+    run.gc_slow, run.gc_longest = _gc_figures(delta)
     return run
+
+
+def _gc_cell(r: Run) -> str:
+    slow = " / ".join(str(n) for n in r.gc_slow)
+    return f"{slow} (≤ {r.gc_longest * 1000:g} ms)" if r.gc_longest else slow
 
 
 def _reasons(r: Run) -> str:
@@ -187,6 +225,7 @@ def _open_row(r: Run, capacity: float) -> list[str]:
         f"{percentile(at_once, 99) * 1000:.1f} / {max(at_once) * 1000:.1f}" if at_once else "-",
         f"{len(late)} (max {max(late) * 1000:,.0f} ms)" if late else "0",
         _reasons(r),
+        _gc_cell(r),
         str(r.lost),
     ]
 
@@ -286,6 +325,7 @@ async def bench(opts: Options) -> Report:
                 "shed at arrival p99 / max ms",
                 "shed from the queue",
                 "API sheds by reason",
+                "API GC passes > 10 ms, gen 0 / 1 / 2 (longest)",
                 "lost",
             ],
             [_open_row(r, capacity) for r in opened],

@@ -34,6 +34,8 @@ class Run:
     reasons: dict[str, float] = field(default_factory=dict)  # the API server's sheds by reason
     generator: str = ""  # open loop: what the generator cost and how late it sent
     queue_sheds: list[float] = field(default_factory=list)  # open loop: shed after waiting
+    gc_slow: list[int] = field(default_factory=list)  # API server's GC passes > 10 ms by gen
+    gc_longest: float = 0.0  # upper bound of its longest GC pass, seconds
 
     def _in_window(self, statuses: tuple[int, ...]) -> list[float]:
         end = self.window_s

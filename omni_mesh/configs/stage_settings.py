@@ -136,6 +136,14 @@ class StageSettings(BaseSettings):
         description="TCP keepalive: an idle hop connection whose peer went silent is closed "
         "after about this long; 0 keeps the kernel's defaults.",
     )
+    gc_busy_pass_s: float = Field(
+        default=60.0,
+        ge=0,
+        le=3600,
+        description="Full garbage-collector passes run when the pod is idle, or after this "
+        "long busy (their survivors then frozen until the next idle moment); 0 leaves them to "
+        "CPython's automatic thresholds.",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         default="INFO", description="Logging level."
     )

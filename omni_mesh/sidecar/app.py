@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import signal
 import time
@@ -47,6 +46,7 @@ from omni_mesh.sidecar.api.realtime.cp_store import ControlPlaneSessionStore
 from omni_mesh.sidecar.api.realtime.route import REALTIME
 from omni_mesh.sidecar.appkeys import POD
 from omni_mesh.sidecar.engine_link.client import EngineClient
+from omni_mesh.sidecar.gc_pacer import GcPacer, PacerSettings
 from omni_mesh.sidecar.hop.client import HOP_TOKEN_HEADER, HopClient, HopStats
 from omni_mesh.sidecar.hop.http import HopHttpClient
 from omni_mesh.sidecar.hop.liveness import HopLiveness, LivenessConfig
@@ -316,6 +316,11 @@ async def serve(pod: Pod) -> int:
     runner = web.AppRunner(
         app, handler_cancellation=True, access_log=None, read_bufsize=READ_BUFSIZE
     )
+    pacer = GcPacer(
+        lambda: _activity(pod),
+        pod.metrics.gc,
+        PacerSettings(busy_pass_s=pod.settings.gc_busy_pass_s),
+    )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, pod.stop, 0)
@@ -330,7 +335,7 @@ async def serve(pod: Pod) -> int:
             backlog=LISTEN_BACKLOG,
         )
         await site.start()
-        freeze_startup_objects()
+        pacer.start()
         register = asyncio.create_task(_register(app, pod), name="register")
         logger.info(
             "listening pipeline=%s stage=%d on %s (%s)",
@@ -347,16 +352,14 @@ async def serve(pod: Pod) -> int:
             await register
         await _drain(app, pod)
     finally:
+        await pacer.stop()
         await runner.cleanup()
     return pod.exit_code
 
 
-def freeze_startup_objects() -> None:
-    """Collect once, then keep everything start-up made (modules, the app, the engine client)
-    out of every later garbage collection: under load a collection otherwise re-scans them
-    about once per 20 hops (~40% of the GC time per hop)."""
-    gc.collect()
-    gc.freeze()
+def _activity(pod: Pod) -> tuple[int, int]:
+    queued = pod.gate.queued if pod.gate is not None else 0
+    return pod.in_flight + queued, pod.admitted
 
 
 async def _until_stopped(pod: Pod, work: Awaitable[None]) -> bool:

@@ -47,6 +47,7 @@ class Pod:
     ready: bool = False  # listening and registered (or no control plane configured)
     draining: bool = False
     in_flight: int = 0
+    admitted: int = 0  # requests admitted since start (the GC pacer's sign of activity)
     gate: AdmissionGate | None = None  # the admission queue (admission.admit.gate_of)
     exit_code: int = 0
     stop_event: asyncio.Event = field(default_factory=asyncio.Event)

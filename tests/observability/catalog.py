@@ -52,7 +52,12 @@ class Series:
 
 
 def _metric_objects() -> Iterator[MetricWrapperBase]:
-    for owner in (metrics.ControlPlaneMetrics, metrics.AutoscaleMetrics, metrics.SidecarMetrics):
+    for owner in (
+        metrics.ControlPlaneMetrics,
+        metrics.AutoscaleMetrics,
+        metrics.SidecarMetrics,
+        metrics.ProcessGcMetrics,
+    ):
         instance = owner(CollectorRegistry())
         for value in vars(instance).values():
             if isinstance(value, MetricWrapperBase):

@@ -106,6 +106,7 @@ class Admission:
         self._waiter = await gate.enter(priority, tenant, deadline)
         self._gate = gate
         pod.in_flight += 1
+        pod.admitted += 1
 
     async def __aexit__(
         self,

@@ -1,0 +1,141 @@
+"""Warm standby replicas in the store and the autoscaler (the session Redis): a standby is
+listed but never routed to, keeps its standby state through a lapsed lease, and the autoscaler
+promotes one in the tick that finds the pool short of its desired count."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio
+from prometheus_client import CollectorRegistry
+
+from omni_mesh.configs.autoscale import AutoscaleConfig
+from omni_mesh.control_plane.autoscaling.autoscaler import Autoscaler, refresh_gauges
+from omni_mesh.control_plane.autoscaling.policy import initial_decision
+from omni_mesh.control_plane.schema import InstanceState, LoadReport, RegisterRequest, ScaleInputs
+from omni_mesh.control_plane.store.instances import InstanceStore, StateAction
+from omni_mesh.control_plane.store.keys import KeySchema
+from omni_mesh.observability.metrics import ControlPlaneMetrics
+
+pytestmark = pytest.mark.unit
+
+KEYS = KeySchema()
+PIPELINE = "synthetic"
+
+
+def make_store(client: redis.asyncio.Redis, lease_ttl_ms: int = 3000) -> InstanceStore:
+    return InstanceStore(client, KEYS, lease_ttl_ms=lease_ttl_ms, evict_after_ms=60_000)
+
+
+def request(stage_id: int, port: int, *, standby: bool) -> RegisterRequest:
+    return RegisterRequest(
+        pipeline=PIPELINE,
+        stage_id=stage_id,
+        address=f"http://127.0.0.1:{port}",
+        capacity=4,
+        standby=standby,
+    )
+
+
+async def states(store: InstanceStore, stage_id: int) -> dict[str, InstanceState]:
+    pool = await store.pool(PIPELINE, stage_id, healthy_only=False)
+    return {i.instance_id: i.state for i in pool.instances}
+
+
+async def routed(store: InstanceStore, stage_id: int) -> set[str]:
+    pool = await store.pool(PIPELINE, stage_id, healthy_only=True)
+    return {i.instance_id for i in pool.instances}
+
+
+async def test_a_standby_is_listed_but_routed_only_once_promoted(
+    redis_client: redis.asyncio.Redis,
+) -> None:
+    store = make_store(redis_client)
+    serving = await store.register(request(1, 9801, standby=False))
+    standby = await store.register(request(1, 9802, standby=True))
+    assert await states(store, 1) == {
+        serving.instance_id: InstanceState.HEALTHY,
+        standby.instance_id: InstanceState.STANDBY,
+    }
+    assert await routed(store, 1) == {serving.instance_id}
+    before = (await store.pool(PIPELINE, 1, healthy_only=True)).version
+
+    promoted = await store.set_state(standby.instance_id, StateAction.PROMOTE)
+    assert promoted is not None and promoted.changed and promoted.state is InstanceState.HEALTHY
+    after = await store.pool(PIPELINE, 1, healthy_only=True)
+    assert after.version > before  # watchers hear of it like any pool change
+    assert {i.instance_id for i in after.instances} == {serving.instance_id, standby.instance_id}
+    again = await store.set_state(standby.instance_id, StateAction.PROMOTE)
+    assert again is not None and not again.changed
+    # Promoting what is not a standby changes nothing (a draining replica stays draining).
+    await store.set_state(serving.instance_id, StateAction.DRAIN, "leaving")
+    kept = await store.set_state(serving.instance_id, StateAction.PROMOTE)
+    assert kept is not None and not kept.changed and kept.state is InstanceState.DRAINING
+
+
+async def test_a_standby_back_from_a_lapsed_lease_is_a_standby_again(
+    redis_client: redis.asyncio.Redis,
+) -> None:
+    store = make_store(redis_client, lease_ttl_ms=100)
+    standby = await store.register(request(2, 9811, standby=True))
+    promoted = await store.register(request(2, 9812, standby=True))
+    await store.set_state(promoted.instance_id, StateAction.PROMOTE)
+    await asyncio.sleep(0.2)
+    await redis_client.set(KEYS.sweeper_lock, "holder")
+    swept = await store.sweep("holder", lock_ttl_ms=2000, limit=100)
+    assert {e.instance_id for e in swept.events} == {standby.instance_id, promoted.instance_id}
+    assert set((await states(store, 2)).values()) == {InstanceState.ISOLATED}
+
+    ack = await store.heartbeat(standby.instance_id, LoadReport(capacity=4))
+    assert ack is not None and ack.state is InstanceState.STANDBY and ack.revived
+    ack = await store.heartbeat(promoted.instance_id, LoadReport(capacity=4))
+    assert ack is not None and ack.state is InstanceState.HEALTHY  # promoted stays promoted
+    assert await routed(store, 2) == {promoted.instance_id}
+    # An operator's readmit of an isolated standby also returns it to standby.
+    await store.set_state(standby.instance_id, StateAction.ISOLATE, "operator")
+    back = await store.set_state(standby.instance_id, StateAction.READMIT)
+    assert back is not None and back.state is InstanceState.STANDBY
+
+
+async def test_the_autoscaler_promotes_a_standby_in_the_tick_that_needs_it(
+    redis_client: redis.asyncio.Redis,
+) -> None:
+    store = make_store(redis_client)
+    metrics = ControlPlaneMetrics(CollectorRegistry())
+    autoscaler = Autoscaler(store, store.scale, metrics.autoscale)
+    await redis_client.set(KEYS.sweeper_lock, "holder")
+    policy = AutoscaleConfig(
+        min_replicas=1,
+        max_replicas=4,
+        target_utilization=0.5,
+        scale_up_window_s=0.0,
+        cooldown_s=0.0,
+        standby_replicas=2,
+    )
+    now = await store.scale.now_ms()
+    await store.scale.put_policy(PIPELINE, 3, policy, initial_decision(policy, ScaleInputs(), now, 1))
+    serving = await store.register(request(3, 9821, standby=False))
+    first = await store.register(request(3, 9822, standby=True))
+    second = await store.register(request(3, 9823, standby=True))
+    await store.heartbeat(serving.instance_id, LoadReport(in_flight=4, capacity=4))
+
+    [decision] = await autoscaler.tick("holder")
+    assert (decision.previous, decision.desired) == (1, 2)
+    assert decision.inputs.ready == 1 and decision.inputs.standby == 2
+    # The oldest standby serves from this tick on; the other one waits.
+    assert await routed(store, 3) == {serving.instance_id, first.instance_id}
+    assert (await states(store, 3))[second.instance_id] is InstanceState.STANDBY
+    labels = {"pipeline": PIPELINE, "stage": "3"}
+    registry = metrics.registry
+    assert registry.get_sample_value("omni_cp_standby_promotions_total", labels) == 1.0
+
+    # A serving replica lost: the desired count holds, and the last standby takes its place.
+    await store.deregister(serving.instance_id)
+    await store.heartbeat(first.instance_id, LoadReport(in_flight=1, capacity=4))
+    [held] = await autoscaler.tick("holder")
+    assert held.desired == 2 and held.inputs.ready == 1
+    assert await routed(store, 3) == {first.instance_id, second.instance_id}
+    assert registry.get_sample_value("omni_cp_standby_promotions_total", labels) == 2.0
+    await refresh_gauges(store.scale, metrics.autoscale)
+    assert registry.get_sample_value("omni_cp_standby_replicas", labels) == 1.0  # at deciding
