@@ -70,6 +70,14 @@ class AutoscaleConfig(BaseModel):
         le=MAX_WINDOW_S,
         description="Least time between two changes of the desired count, seconds.",
     )
+    standby_replicas: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_REPLICAS,
+        description="Warm replicas kept started, loaded and registered as standby (never "
+        "routed to) beyond the desired count; the autoscaler promotes one in well under a "
+        "second when the stage needs a replica, and omni-up starts its replacement.",
+    )
     target_latency_ms: float | None = Field(
         default=None,
         gt=0.0,

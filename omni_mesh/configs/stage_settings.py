@@ -33,6 +33,11 @@ class StageSettings(BaseSettings):
     api_only: bool = Field(
         default=False, description="Serve the client API with no engine; route into stage-0 pool."
     )
+    standby: bool = Field(
+        default=False,
+        description="Register as a warm standby: loaded and heartbeating, never routed to until "
+        "the autoscaler promotes it (omni-up starts these for standby_replicas).",
+    )
     control_plane: Annotated[tuple[str, ...], NoDecode] = Field(
         default=(),
         description="Control plane base URLs, repeated or comma-separated (several: failover).",

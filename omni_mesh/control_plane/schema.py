@@ -65,6 +65,7 @@ class InstanceState(StrEnum):
     """Routing state of an instance. Only ``healthy`` instances are handed to routers."""
 
     HEALTHY = "healthy"
+    STANDBY = "standby"  # warm (started, loaded, heartbeating); the autoscaler promotes it
     ISOLATED = "isolated"  # lease lapsed (lease_expired), probe failed (unreachable), or operator
     DRAINING = "draining"  # finishing its work; receives no new requests
 
@@ -134,6 +135,11 @@ class RegisterRequest(_Request):
         default="stage",
         description="stage: joins the stage's pool; api: an API server running no stage "
         "(--api-only), listed by status but never routed to.",
+    )
+    standby: bool = Field(
+        default=False,
+        description="Join as a warm standby (state standby: listed, never routed to) that the "
+        "autoscaler promotes to healthy when the stage needs a replica.",
     )
     settings: dict[SettingName, SettingValue] = Field(
         default_factory=dict,
@@ -244,6 +250,7 @@ class ScaleInputs(_Response):
     kv_cache_usage: float | None = Field(default=None, description="Highest KV-cache use, 0..1.")
     latency_ms: float | None = Field(default=None, description="Estimated queue + step time, ms.")
     wake_waiting: int = Field(default=0, description="Requests waiting for a stage at zero.")
+    standby: int = Field(default=0, description="Warm standby replicas (not in the pool).")
 
 
 class ScaleDecision(_Response):

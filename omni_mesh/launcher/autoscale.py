@@ -36,7 +36,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 from omni_mesh.configs.autoscale import AutoscaleConfig
-from omni_mesh.control_plane.client import ControlPlaneClient, ControlPlaneError, ScaleStatus
+from omni_mesh.control_plane.client import (
+    ControlPlaneClient,
+    ControlPlaneError,
+    InstanceState,
+    ScaleStatus,
+)
 from omni_mesh.launcher.supervisor import Child, RestartPolicy, Supervisor
 
 if TYPE_CHECKING:  # local_deploy runs the actuator
@@ -173,6 +178,9 @@ class StageActuator:
                 self._reconcile(pool, status.desired, status)
 
     def _reconcile(self, pool: StagePool, desired: int, status: ScaleStatus) -> None:
+        if pool.policy.standby_replicas:
+            self._reconcile_standby(pool, desired, status)
+            return
         live = pool.live()
         have = len(live)
         if desired == have:
@@ -184,7 +192,44 @@ class StageActuator:
             return
         # Newest first, those still starting before those serving.
         order = sorted(live, key=lambda c: (c.ready, -c.started_at))
-        leaving = order[: have - desired]
+        self._retire(pool, order[: have - desired], why)
+
+    def _reconcile_standby(self, pool: StagePool, desired: int, status: ScaleStatus) -> None:
+        """A stage with warm standbys runs ``desired`` serving replicas and
+        ``standby_replicas`` more. The control plane promotes standbys into the pool when it
+        needs replicas (at once); here every replica starts as a standby, so a promoted one is
+        replaced in the background, and the surplus leaves: serving replicas above the
+        desired count first (drained), then the newest starting or standby ones."""
+        live = pool.live()
+        states = self._states(pool)
+        if states is None:
+            return
+        serving: list[Child] = []
+        spare: list[Child] = []
+        for child in sorted(live, key=lambda c: -c.started_at):  # newest first
+            state = states.get(_port(child.ready_url or ""))
+            (spare if state in (None, InstanceState.STANDBY) else serving).append(child)
+        spare.sort(key=lambda c: c.ready)  # still starting before loaded standbys
+        target = desired + pool.policy.standby_replicas
+        leaving = serving[: max(0, len(serving) - desired)]
+        remaining = len(live) - len(leaving)
+        leaving += spare[: max(0, remaining - target)]
+        why = _reason(status, len(serving), desired) + f" standby={len(spare)}"
+        for _ in range(target - remaining):
+            self._start_replica(pool, why, standby=True)
+        if leaving:
+            self._retire(pool, leaving, why)
+
+    def _states(self, pool: StagePool) -> dict[int | None, InstanceState] | None:
+        """The control plane's state of every registered replica of the stage, by port."""
+        try:
+            snapshot = self._run(self._client.instances(self._pipeline, pool.stage_id, all=True))
+        except ControlPlaneError as exc:
+            self._warn(pool, f"cannot list its replicas: {exc}")
+            return None
+        return {_port(i.address): i.state for i in snapshot.instances}
+
+    def _retire(self, pool: StagePool, leaving: list[Child], why: str) -> None:
         drained = self._drain(pool, leaving, why)
         due = time.monotonic() + DRAIN_NOTICE_S
         for child in leaving:
@@ -223,12 +268,12 @@ class StageActuator:
             drained.append(child)
         return drained
 
-    def _start_replica(self, pool: StagePool, why: str) -> None:
+    def _start_replica(self, pool: StagePool, why: str, *, standby: bool = False) -> None:
         plan = self._plan_replica(pool.stage_id, pool.next_replica)
         pool.next_replica += 1
         child = self._sup.start(
             plan.name,
-            plan.argv,
+            (*plan.argv, "--standby") if standby else plan.argv,
             env=self._env,
             ready_url=plan.ready_url,
             stop_rank=plan.stop_rank,
@@ -237,8 +282,9 @@ class StageActuator:
         )
         pool.children.append(child)
         logger.info(
-            "autoscale stage=%d starting process=%s pid=%d on %s: %s",
+            "autoscale stage=%d starting %sprocess=%s pid=%d on %s: %s",
             pool.stage_id,
+            "standby " if standby else "",
             plan.name,
             child.pid,
             plan.url,

@@ -59,9 +59,11 @@ CP_STAGE_QUEUED = "omni_cp_stage_queued"
 CP_STAGE_LATENCY = "omni_cp_stage_estimated_latency_seconds"
 CP_STAGE_KV_CACHE = "omni_cp_stage_kv_cache_usage"
 CP_SCALE_DECISIONS = "omni_cp_scale_decisions"
+CP_STANDBY_REPLICAS = "omni_cp_standby_replicas"
+CP_STANDBY_PROMOTIONS = "omni_cp_standby_promotions"
 
 # Label values of the "state" label (mirrors control_plane.schema.InstanceState).
-CP_INSTANCE_STATES: tuple[str, ...] = ("healthy", "isolated", "draining")
+CP_INSTANCE_STATES: tuple[str, ...] = ("healthy", "standby", "isolated", "draining")
 
 
 class ControlPlaneMetrics:
@@ -209,6 +211,19 @@ class AutoscaleMetrics:
             [*stage, "direction", "reason"],
             registry=registry,
         )
+        self.standby = Gauge(
+            CP_STANDBY_REPLICAS,
+            "Warm standby replicas of an autoscaled stage (not routed to) when it was last "
+            "decided.",
+            stage,
+            registry=registry,
+        )
+        self.promotions = Counter(
+            CP_STANDBY_PROMOTIONS,
+            "Standby replicas this omni-cp (lock holder) promoted into their stage's pool.",
+            stage,
+            registry=registry,
+        )
 
     def stage_gauges(self) -> tuple[Gauge, ...]:
         """Every per-stage gauge (cleared and set again on each scrape)."""
@@ -220,6 +235,7 @@ class AutoscaleMetrics:
             self.queued,
             self.latency,
             self.kv_cache,
+            self.standby,
         )
 
 

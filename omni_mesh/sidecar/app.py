@@ -240,6 +240,7 @@ async def _control_plane_ctx(app: web.Application) -> AsyncIterator[None]:
         host_id=pod.settings.host_id,
         labels={"role": "api-only" if api_only else "api" if pod.serves_api else "headless"},
         role="api" if api_only else "stage",
+        standby=pod.settings.standby and not api_only,
         settings=pipeline_fingerprint(pod.pipeline, pod.deploy),
     )
     # Registered by serve() once the site listens: never advertise a closed port.

@@ -114,7 +114,9 @@ async def test_the_autoscaler_promotes_a_standby_in_the_tick_that_needs_it(
         standby_replicas=2,
     )
     now = await store.scale.now_ms()
-    await store.scale.put_policy(PIPELINE, 3, policy, initial_decision(policy, ScaleInputs(), now, 1))
+    await store.scale.put_policy(
+        PIPELINE, 3, policy, initial_decision(policy, ScaleInputs(), now, 1)
+    )
     serving = await store.register(request(3, 9821, standby=False))
     first = await store.register(request(3, 9822, standby=True))
     second = await store.register(request(3, 9823, standby=True))

@@ -9,8 +9,13 @@ from __future__ import annotations
 import logging
 
 from omni_mesh.control_plane.autoscaling.policy import decide, stage_inputs
-from omni_mesh.control_plane.schema import ScaleDecision, ScaleDirection
-from omni_mesh.control_plane.store.instances import InstanceStore
+from omni_mesh.control_plane.schema import (
+    InstanceInfo,
+    InstanceState,
+    ScaleDecision,
+    ScaleDirection,
+)
+from omni_mesh.control_plane.store.instances import InstanceStore, StateAction
 from omni_mesh.control_plane.store.scale import ScaleStore, StageScale
 from omni_mesh.observability.metrics import AutoscaleMetrics
 
@@ -36,8 +41,12 @@ class Autoscaler:
             scale = await self._scale.stage(pipeline, stage_id)
             if scale is None:
                 continue
-            pool = await self._store.pool(pipeline, stage_id, healthy_only=True)
-            inputs = stage_inputs(pool.instances, scale.wake_waiting)
+            pool = await self._store.pool(pipeline, stage_id, healthy_only=False)
+            ready = [i for i in pool.instances if i.state is InstanceState.HEALTHY]
+            standby = [i for i in pool.instances if i.state is InstanceState.STANDBY]
+            inputs = stage_inputs(ready, scale.wake_waiting).model_copy(
+                update={"standby": len(standby)}
+            )
             decision = decide(scale.policy, inputs, scale.decision, now_ms).model_copy(
                 update={"leader": token[:8]}
             )
@@ -50,7 +59,31 @@ class Autoscaler:
                 decisions.append(decision)
                 if inputs.ready > 0 and scale.wake_waiting > 0:  # the waiters are served
                     await self._scale.clear_wake(pipeline, stage_id)
+                await self._promote(scale, inputs.ready, decision.desired, standby)
         return decisions
+
+    async def _promote(
+        self, scale: StageScale, ready: int, desired: int, standby: list[InstanceInfo]
+    ) -> None:
+        """Promote the oldest standbys into a pool with fewer ready replicas than desired:
+        they serve from the next pool change their senders see, milliseconds from now.
+        omni-up starts their replacements (as standbys) in the background."""
+        for info in standby[: max(0, desired - ready)]:
+            result = await self._store.set_state(info.instance_id, StateAction.PROMOTE)
+            if result is None or not result.changed:
+                continue  # gone, or no longer a standby (drained, isolated) since the read
+            self._metrics.promotions.labels(scale.pipeline, str(scale.stage_id)).inc()
+            logger.info(
+                "autoscale promoted standby pipeline=%s stage=%s instance=%s address=%s "
+                "(ready=%d desired=%d standby=%d before)",
+                scale.pipeline,
+                scale.stage_id,
+                info.instance_id,
+                info.address,
+                ready,
+                desired,
+                len(standby),
+            )
 
     def _record(self, scale: StageScale, d: ScaleDecision) -> None:
         labels = (scale.pipeline, str(scale.stage_id))
@@ -95,3 +128,4 @@ async def refresh_gauges(scale_store: ScaleStore, metrics: AutoscaleMetrics) -> 
             metrics.latency.labels(*labels).set(d.inputs.latency_ms / 1000.0)
         if d.inputs.kv_cache_usage is not None:
             metrics.kv_cache.labels(*labels).set(d.inputs.kv_cache_usage)
+        metrics.standby.labels(*labels).set(d.inputs.standby)

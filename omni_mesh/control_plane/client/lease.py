@@ -141,7 +141,7 @@ class InstanceLease:
     def _accept(self, registration: Registration) -> None:
         self.registration = registration
         self.registered = True
-        self.state = InstanceState.HEALTHY
+        self.state = InstanceState.STANDBY if self.request.standby else InstanceState.HEALTHY
         self.registrations += 1
         self._backoff.reset()
         self._log_up()
@@ -201,6 +201,10 @@ class InstanceLease:
                     ack.reason or "-",
                 )
             self.state = ack.state
+            if ack.state is InstanceState.HEALTHY and self.request.standby:
+                # Promoted: should this pod ever register again (Redis lost its data), it
+                # comes back serving, not as a standby.
+                self.request = self.request.model_copy(update={"standby": False})
 
     def _refused(self, exc: ControlPlaneRequestError) -> bool:
         """A 409 (this pod disagrees with its pipeline's pods: a configuration error) after the

@@ -47,6 +47,7 @@ class StateAction(StrEnum):
     ISOLATE = "isolate"
     READMIT = "readmit"
     DRAIN = "drain"
+    PROMOTE = "promote"  # a warm standby joins its pool (the autoscaler's, or an operator's)
 
 
 class SettingsConflict(Exception):
@@ -210,6 +211,7 @@ class InstanceStore:
                 k.instance_prefix,
                 RECORD_SCHEMA_VERSION,
                 json.dumps(request.settings, separators=(",", ":"), sort_keys=True),
+                InstanceState.STANDBY.value if request.standby else InstanceState.HEALTHY.value,
             ],
         )
         if _text(res[0]) == "conflict":

@@ -39,7 +39,9 @@ end
 # KEYS: inst, pool (its stage pool, or the pipeline's API servers), leases, version, epoch,
 #       pipelines, evict, fingerprint, every pool of the pipeline (stages, API servers)
 # ARGV: id, pipeline, stage_id, address, host_id, capacity, labels_json, load_json,
-#       lease_ttl_ms, channel, instance_prefix, record_schema, settings_json
+#       lease_ttl_ms, channel, instance_prefix, record_schema, settings_json, state (healthy, or
+#       standby: a warm replica that stays out of the pool until promoted; its record keeps
+#       standby=1 until then, so a lapsed lease or a readmit returns it to standby)
 # Returns {epoch, version, now_ms, {superseded ids}}, or {'conflict', setting, theirs, ours} when
 # a pipeline-wide setting disagrees with the fingerprint of the pipeline's live instances (any
 # instance whose lease has not lapsed, but the one this registration replaces). With no live
@@ -95,7 +97,8 @@ end
 local epoch = next_counter(KEYS[5], now_us)
 redis.call('HSET', KEYS[1],
   'schema', ARGV[12], 'pipeline', ARGV[2], 'stage_id', ARGV[3], 'address', ARGV[4],
-  'host_id', ARGV[5], 'capacity', ARGV[6], 'labels', ARGV[7], 'state', 'healthy',
+  'host_id', ARGV[5], 'capacity', ARGV[6], 'labels', ARGV[7], 'state', ARGV[14],
+  'standby', ARGV[14] == 'standby' and '1' or '0',
   'reason', '', 'epoch', ms(epoch), 'registered_at_ms', ms(now),
   'last_heartbeat_ms', ms(now), 'load', ARGV[8], 'pool', KEYS[2], 'settings', ARGV[13])
 redis.call('SADD', KEYS[2], ARGV[1])
@@ -113,7 +116,8 @@ return {ms(epoch), ms(version), ms(now), superseded}
 # had lapsed, or it is readmitted) with a pipeline-wide setting that disagrees with the
 # pipeline's fingerprint (replaced while it was away: nothing is changed, the lease is not
 # renewed), else {1, epoch, state, reason, revived, previous_reason}. An instance isolated only
-# because its lease lapsed is healthy again, and so is one isolated because a probe could not
+# because its lease lapsed is healthy again (standby, if it was never promoted), and so is one
+# isolated because a probe could not
 # reach it, once ``readmit_grace_ms`` have passed since (a heartbeat sent just before the process
 # died may arrive after the isolation: it must not readmit a dead instance). Operator isolation
 # and draining are kept.
@@ -125,7 +129,7 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
 end
 local now, now_us = clock()
 local f = redis.call('HMGET', KEYS[1], 'state', 'reason', 'epoch', 'pipeline', 'isolated_at_ms',
-  'settings')
+  'settings', 'standby')
 local state, reason, revived = f[1], f[2], 0
 local readmit = false
 if state == 'isolated' then
@@ -156,9 +160,10 @@ redis.call('HSET', KEYS[1], 'last_heartbeat_ms', ms(now), 'load', ARGV[2])
 redis.call('ZADD', KEYS[2], ms(now + tonumber(ARGV[3])), ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
 if readmit then
-  redis.call('HSET', KEYS[1], 'state', 'healthy', 'reason', '')
+  local home = f[7] == '1' and 'standby' or 'healthy'
+  redis.call('HSET', KEYS[1], 'state', home, 'reason', '')
   bump(ARGV[4] .. f[4], ARGV[5] .. f[4], now_us)
-  state, reason, revived = 'healthy', '', 1
+  state, reason, revived = home, '', 1
 end
 return {1, f[3], state, reason, revived, f[2]}
 """
@@ -185,9 +190,11 @@ return {1, f[1], f[2], ms(version)}
 )
 
 # KEYS: inst, leases
-# ARGV: id, action (isolate | readmit | drain), reason, version_prefix, channel_prefix
+# ARGV: id, action (isolate | readmit | drain | promote), reason, version_prefix, channel_prefix
 # Returns {0} when unknown, else {1, state, reason, changed}. Readmitting an instance whose
 # lease has lapsed leaves it isolated with reason lease_expired: its next heartbeat readmits it.
+# A readmitted standby that was never promoted is a standby again. Promote turns a standby into
+# a healthy instance for good; it changes nothing in any other state.
 SET_STATE = (
     _PRELUDE
     + """
@@ -195,17 +202,23 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
   return {0}
 end
 local now, now_us = clock()
-local f = redis.call('HMGET', KEYS[1], 'state', 'reason', 'pipeline')
+local f = redis.call('HMGET', KEYS[1], 'state', 'reason', 'pipeline', 'standby')
 local action = ARGV[2]
 local state, reason
 if action == 'isolate' then
   state, reason = 'isolated', ARGV[3]
 elseif action == 'drain' then
   state, reason = 'draining', ARGV[3]
+elseif action == 'promote' then
+  state, reason = f[1], f[2]
+  if f[1] == 'standby' then
+    state, reason = 'healthy', ''
+    redis.call('HSET', KEYS[1], 'standby', '0')
+  end
 else
   local lease = redis.call('ZSCORE', KEYS[2], ARGV[1])
   if lease and tonumber(lease) > now then
-    state, reason = 'healthy', ''
+    state, reason = f[4] == '1' and 'standby' or 'healthy', ''
   else
     state, reason = 'isolated', 'lease_expired'
   end
