@@ -32,6 +32,7 @@ SEQS = 2  # per step and replica: 10 requests/s per replica
 INFLIGHT = 16  # per replica: beyond SEQS, requests queue in its engine (FIFO, counted as queued)
 LOW_RPS, HIGH_RPS = 3.0, 16.0
 MIN_REPLICAS, MAX_REPLICAS = 1, 4
+STANDBY = 2  # warm standby replicas of the deployment that has them (the step needs ~3)
 TARGET_P99_S = 1.0
 RECOVERY_BOUND_S = 10.0
 MAX_OUTSTANDING = 200  # arrivals beyond this many unanswered requests are dropped (failed)
@@ -75,6 +76,7 @@ AUTOSCALE = """\
       max_scale_up_step: 4
       max_scale_down_step: {max}
       cooldown_s: 2.0
+      standby_replicas: {standby}
 """
 
 
@@ -151,11 +153,17 @@ class Trace:
 
 
 def profile(opts: Options) -> list[Phase]:
+    """Warm, the step, then a square wave whose low phase is twice its high one (load that
+    peaks a third of the time, as a day's traffic does: the fair test of what autoscaling
+    saves; with equal halves every replica start eats into a short low phase)."""
     warm, step = opts.pickf(10.0, 5.0), opts.pickf(40.0, 20.0)
-    half, cycles = opts.pickf(30.0, 10.0), opts.pick(3, 1)
+    high, cycles = opts.pickf(30.0, 10.0), opts.pick(2, 1)
     phases = [Phase("warm", warm, LOW_RPS), Phase("step", step, HIGH_RPS)]
     for i in range(cycles):
-        phases += [Phase(f"wave-low-{i}", half, LOW_RPS), Phase(f"wave-high-{i}", half, HIGH_RPS)]
+        phases += [
+            Phase(f"wave-low-{i}", 2 * high, LOW_RPS),
+            Phase(f"wave-high-{i}", high, HIGH_RPS),
+        ]
     return phases
 
 
@@ -217,12 +225,19 @@ class Deployment:
         return n
 
     def ready(self) -> int:
+        return len(self._instances(all_states=False))
+
+    def standby(self) -> int:
+        return sum(1 for i in self._instances(all_states=True) if i.get("state") == "standby")
+
+    def _instances(self, *, all_states: bool) -> list[dict[str, object]]:
         url = f"http://127.0.0.1:{self.cp_port}/v1/pipelines/{PIPELINE}/stages/1/instances"
         try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                return len(json.loads(resp.read())["instances"])
+            with urllib.request.urlopen(url + ("?all=1" if all_states else ""), timeout=1) as r:
+                found: list[dict[str, object]] = json.loads(r.read())["instances"]
+                return found
         except (OSError, ValueError, KeyError):
-            return -1
+            return []
 
 
 async def drive(dep: Deployment, trace: Trace) -> None:
@@ -273,7 +288,9 @@ async def drive(dep: Deployment, trace: Trace) -> None:
         sampler.cancel()
 
 
-_STARTED = re.compile(r"^(\S+ \S+) omni-up INFO autoscale stage=1 starting process=", re.M)
+_STARTED = re.compile(
+    r"^(\S+ \S+) omni-up INFO autoscale stage=1 starting (?:standby )?process=", re.M
+)
 _READY = re.compile(r"process=stage1-\S+ pid=\d+ is ready ([0-9.]+)s after its start")
 
 
@@ -319,15 +336,17 @@ async def run(tmp: Path, label: str, yaml_text: str, replicas: int, opts: Option
     return trace
 
 
-async def cold_start(tmp: Path, reps: int) -> tuple[list[float], list[float]]:
-    """Latency of one request that finds stage 1 at zero, and of the same with a replica warm."""
-    policy = AUTOSCALE.format(min=0, max=1, down_window=1.0)
+async def cold_start(tmp: Path, reps: int, standby: int = 0) -> tuple[list[float], list[float]]:
+    """Latency of one request that finds stage 1 at zero (with ``standby`` warm standbys),
+    and of the same with a replica serving."""
+    policy = AUTOSCALE.format(min=0, max=1, down_window=1.0, standby=standby)
     cold: list[float] = []
     warm: list[float] = []
-    with Deployment(tmp, deploy_yaml(start=1, autoscale=policy), "1:1:1", "cold") as dep:
+    label = f"cold-standby-{standby}"
+    with Deployment(tmp, deploy_yaml(start=1, autoscale=policy), "1:1:1", label) as dep:
         async with aiohttp.ClientSession() as sess:
             for i in range(reps):
-                await _until_zero(dep)
+                await _until_zero(dep, standby)
                 for bucket in (cold, warm):
                     t0 = time.monotonic()
                     async with sess.post(
@@ -340,9 +359,10 @@ async def cold_start(tmp: Path, reps: int) -> tuple[list[float], list[float]]:
     return cold, warm
 
 
-async def _until_zero(dep: Deployment, timeout_s: float = 60.0) -> None:
+async def _until_zero(dep: Deployment, standby: int, timeout_s: float = 60.0) -> None:
+    """Until stage 1 serves with no replica, and its ``standby`` standbys are registered."""
     deadline = time.monotonic() + timeout_s
-    while dep.stage1() or dep.ready():
+    while dep.stage1() > standby or dep.ready() or dep.standby() < standby:
         if time.monotonic() > deadline:
             raise RuntimeError("cold start: stage 1 did not scale to zero")
         await asyncio.sleep(0.2)
