@@ -190,6 +190,10 @@ class ReadmitRequest(_Request):
     """``POST /v1/instances/{id}/readmit``: back into the pool (no fields; body optional)."""
 
 
+class PromoteRequest(_Request):
+    """``POST /v1/instances/{id}/promote``: a warm standby joins its pool now (no fields)."""
+
+
 class SuspectRequest(_Request):
     """``POST /v1/instances/{id}/suspect``: a sender could not connect to the instance.
 

@@ -211,6 +211,26 @@ def test_scale_down_waits_for_the_scale_down_window_and_steps_one_at_a_time() ->
     assert decisions[10].direction is ScaleDirection.DOWN
 
 
+def test_after_the_load_stops_the_pool_steps_down_once_per_cooldown_not_per_window() -> None:
+    """Kubernetes HPA's stabilization with the default knobs (60 s window, 5 s cooldown, one
+    replica per step): three idle vLLM replicas (their engines' own figures: nothing running
+    or waiting, an empty KV cache, the last step's time still reported) go to 2 once the
+    window has seen only lower recommendations, and to 1 a cooldown later."""
+    p = AutoscaleConfig(min_replicas=1, max_replicas=4)
+    assert (p.scale_down_window_s, p.cooldown_s, p.max_scale_down_step) == (60.0, 5.0, 1)
+    idle = {"running": 0.0, "waiting": 0.0, "max_num_seqs": 8.0, "kv_cache_usage": 0.0,
+            "step_ms": 40.0, "batch_size": 8.0}  # fmt: skip
+    d = initial_decision(p, ScaleInputs(), T0, replicas=3)
+    changes: list[tuple[float, int]] = []
+    for k in range(1, 4 * 90):  # a decision per sweep (250 ms) for 90 s after the load
+        now = T0 + k * 250
+        ready = [replica(0, capacity=64, engine=idle, n=i) for i in range(d.desired)]
+        d = decide(p, stage_inputs(ready), d, now)
+        if d.direction is ScaleDirection.DOWN:
+            changes.append(((now - T0) / 1000, d.desired))
+    assert changes == [(60.25, 2), (65.25, 1)]
+
+
 def test_step_limits_and_max() -> None:
     p = policy(max_replicas=5, max_scale_up_step=2, scale_up_window_s=0.0)
     start = initial_decision(p, loaded(1, 0.5), T0, replicas=1)

@@ -1,6 +1,6 @@
 """Warm standby replicas in the store and the autoscaler (the session Redis): a standby is
 listed but never routed to, keeps its standby state through a lapsed lease, and the autoscaler
-promotes one in the tick that finds the pool short of its desired count."""
+promotes one in the tick that finds the pool short of its desired count; an operator can too."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from prometheus_client import CollectorRegistry
 from omni_mesh.configs.autoscale import AutoscaleConfig
 from omni_mesh.control_plane.autoscaling.autoscaler import Autoscaler, refresh_gauges
 from omni_mesh.control_plane.autoscaling.policy import initial_decision
+from omni_mesh.control_plane.client import ControlPlaneClient
 from omni_mesh.control_plane.schema import InstanceState, LoadReport, RegisterRequest, ScaleInputs
+from omni_mesh.control_plane.status import render_status
 from omni_mesh.control_plane.store.instances import InstanceStore, StateAction
 from omni_mesh.control_plane.store.keys import KeySchema
 from omni_mesh.observability.metrics import ControlPlaneMetrics
@@ -141,3 +143,29 @@ async def test_the_autoscaler_promotes_a_standby_in_the_tick_that_needs_it(
     assert registry.get_sample_value("omni_cp_standby_promotions_total", labels) == 2.0
     await refresh_gauges(store.scale, metrics.autoscale)
     assert registry.get_sample_value("omni_cp_standby_replicas", labels) == 1.0  # at deciding
+
+
+async def test_an_operator_promotes_a_standby_over_the_api(
+    fast_client: ControlPlaneClient,
+) -> None:
+    """Through a real omni-cp: a standby registration shows in ``?all=1`` (state standby) and in
+    ``omni-cp status`` but not in the pool; ``POST …/promote`` puts it there; a heartbeat then
+    answers healthy."""
+    req = request(2, 9841, standby=True).model_copy(update={"pipeline": "tiny-omni"})
+    reg = await fast_client.register(req)
+    try:
+        listed = await fast_client.instances("tiny-omni", 2, all=True)
+        assert [(i.instance_id, i.state) for i in listed.instances] == [
+            (reg.instance_id, InstanceState.STANDBY)
+        ]
+        assert (await fast_client.instances("tiny-omni", 2)).instances == ()
+        table = render_status(await fast_client.pipelines(), pipeline="tiny-omni")
+        assert any(reg.instance_id in line and " standby " in line for line in table.splitlines())
+        info = await fast_client.promote(reg.instance_id)
+        assert info.state is InstanceState.HEALTHY
+        pool = await fast_client.instances("tiny-omni", 2)
+        assert [i.instance_id for i in pool.instances] == [reg.instance_id]
+        ack = await fast_client.heartbeat(reg.instance_id, LoadReport(capacity=4))
+        assert ack.state is InstanceState.HEALTHY
+    finally:
+        await fast_client.deregister(reg.instance_id)

@@ -40,6 +40,7 @@ from omni_mesh.control_plane.schema import (
     PipelineList,
     PipelineStatus,
     ProbeOutcome,
+    PromoteRequest,
     ReadmitRequest,
     RegisterRequest,
     Registration,
@@ -223,6 +224,13 @@ async def readmit(request: web.Request) -> web.Response:
     return await _change_state(request, StateAction.READMIT, "")
 
 
+async def promote(request: web.Request) -> web.Response:
+    """A standby into its pool at once (what the autoscaler does when the pool is short);
+    any other state is left as it is."""
+    await read_model(request, PromoteRequest, allow_empty=True)
+    return await _change_state(request, StateAction.PROMOTE, "")
+
+
 async def suspect(request: web.Request) -> web.Response:
     """A sender could not connect to the instance: probe it here, isolate it if it is dead."""
     instance_id = instance_id_param(request)
@@ -305,6 +313,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/instances/{id}/isolate", isolate)
     app.router.add_post("/v1/instances/{id}/readmit", readmit)
     app.router.add_post("/v1/instances/{id}/drain", drain)
+    app.router.add_post("/v1/instances/{id}/promote", promote)
     app.router.add_post("/v1/instances/{id}/suspect", suspect)
     app.router.add_get("/v1/pipelines", pipelines)
     app.router.add_get("/v1/pipelines/{pipeline}/stages/{stage_id}/instances", pool_instances)

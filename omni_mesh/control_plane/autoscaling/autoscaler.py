@@ -43,7 +43,10 @@ class Autoscaler:
                 continue
             pool = await self._store.pool(pipeline, stage_id, healthy_only=False)
             ready = [i for i in pool.instances if i.state is InstanceState.HEALTHY]
-            standby = [i for i in pool.instances if i.state is InstanceState.STANDBY]
+            standby = sorted(  # oldest first (the epoch orders two of the same millisecond)
+                (i for i in pool.instances if i.state is InstanceState.STANDBY),
+                key=lambda i: (i.registered_at_ms, i.epoch),
+            )
             inputs = stage_inputs(ready, scale.wake_waiting).model_copy(
                 update={"standby": len(standby)}
             )

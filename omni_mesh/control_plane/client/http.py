@@ -131,6 +131,11 @@ class ControlPlaneClient:
         path = f"/v1/instances/{instance_id}/readmit"
         return _parse(InstanceInfo, await self._call("POST", path, instance=True))
 
+    async def promote(self, instance_id: str) -> InstanceInfo:
+        """Put a warm standby into its pool now (unchanged in any other state)."""
+        path = f"/v1/instances/{instance_id}/promote"
+        return _parse(InstanceInfo, await self._call("POST", path, instance=True))
+
     async def suspect(
         self, instance_id: str, reason: str, *, reporter: str | None = None
     ) -> SuspectResult:
