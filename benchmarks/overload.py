@@ -217,7 +217,8 @@ def _open_row(r: Run, capacity: float) -> list[str]:
     late = r.queue_sheds
     at_once = _at_arrival(r)
     return [
-        f"{offered / capacity:.1f}x ({fmt_num(offered)}/s)",
+        f"{offered / capacity:.1f}x ({fmt_num(offered)}/s)"
+        + (", CPython's GC" if r.label.endswith("CPython's GC") else ""),
         fmt_num(r.goodput),
         _ms(percentile(ok, 50)),
         _ms(percentile(ok, 99)),
