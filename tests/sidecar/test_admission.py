@@ -59,6 +59,7 @@ class FakePod:
     engine: FakeEngine | None = field(default_factory=FakeEngine)
     draining: bool = False
     in_flight: int = 0
+    admitted: int = 0
     gate: AdmissionGate | None = None
     settings: FakeSettings = field(default_factory=lambda: FakeSettings())
     deploy: DeployConfig = field(default_factory=DeployConfig)
@@ -110,6 +111,7 @@ async def test_admitted_counts_in_flight_and_releases_on_exit(pod: FakePod) -> N
         async with admitted(pod, "r2", "run"):  # type: ignore[arg-type]
             assert pod.in_flight == 2
     assert pod.in_flight == 0 and pod.sample(SC_IN_FLIGHT) == 0
+    assert pod.admitted == 2  # the GC pacer's sign of activity: every admission counts
     with pytest.raises(RuntimeError):
         async with admitted(pod, "r3", "hop"):  # type: ignore[arg-type]
             raise RuntimeError("handler failed")
