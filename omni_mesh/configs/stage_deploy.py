@@ -28,6 +28,19 @@ from omni_mesh.configs.deploy_fields import (
 from omni_mesh.configs.pipeline import MAX_STAGES
 
 
+class PrefillPool(BaseModel):
+    """``prefill:`` of a stage entry: the stage is split into a prefill pool (this block) and a
+    decode pool (the entry's own ``num_replicas``). A request's prompt is prefilled on a
+    prefill replica; its KV cache moves engine to engine (vLLM's ``NixlConnector``) to the
+    decode replica that generates the tokens (docs/operations.md, "Prefill/decode split")."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_replicas: int = Field(
+        default=1, ge=1, le=MAX_REPLICAS, description="Replicas in the stage's prefill pool."
+    )
+
+
 class ConnectorSpec(BaseModel):
     """A named connector under ``connectors:``: the class that carries an edge's payloads."""
 
@@ -156,6 +169,11 @@ class StageDeployConfig(BaseModel):
         default=None,
         description="Per-stage autoscaling policy; num_replicas is then the starting count.",
     )
+    prefill: PrefillPool | None = Field(
+        default=None,
+        description="vLLM stages: split prefill from decode; this block sizes the prefill "
+        "pool, num_replicas the decode pool (KV moved over NIXL).",
+    )
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
         max_length=256,
@@ -181,6 +199,12 @@ class StageDeployConfig(BaseModel):
         scale = self.autoscale
         if context_flag(info, "layer"):
             return self
+        if self.prefill is not None and scale is not None:
+            raise ValueError(
+                f"stage {self.stage_id}: prefill: (a split stage) and autoscale: together are "
+                "not supported yet: size the prefill pool and the decode pool (num_replicas) "
+                "by hand"
+            )
         if scale is None:
             if self.num_replicas == 0:
                 raise ValueError(

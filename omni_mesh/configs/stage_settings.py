@@ -38,6 +38,10 @@ class StageSettings(BaseSettings):
         description="Register as a warm standby: loaded and heartbeating, never routed to until "
         "the autoscaler promotes it (omni-up starts these for standby_replicas).",
     )
+    role: Literal["both", "prefill", "decode"] = Field(
+        default="both",
+        description="A split stage's pool (deploy prefill:): prefill or decode; both = unsplit.",
+    )
     control_plane: Annotated[tuple[str, ...], NoDecode] = Field(
         default=(),
         description="Control plane base URLs, repeated or comma-separated (several: failover).",

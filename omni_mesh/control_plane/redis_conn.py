@@ -179,7 +179,7 @@ def connect_redis(url: str) -> Redis:
         pool = BlockingConnectionPool.from_url(url, **pool_kwargs, **_client_kwargs())
         return Redis.from_pool(pool)  # closing the client closes its pool
     target = parse_sentinel_url(url)
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(  # type: ignore[no-untyped-call,unused-ignore]
         list(target.sentinels),
         sentinel_kwargs={
             "socket_connect_timeout": 0.5,

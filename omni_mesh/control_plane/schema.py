@@ -103,6 +103,11 @@ def validate_address(value: str) -> str:
     return value.rstrip("/")
 
 
+#: The registration label naming a split stage's pool: ``prefill`` or ``decode`` (the
+#: deploy config's ``prefill:``; routers send prefill requests only to the prefill pool).
+KV_ROLE_LABEL = "kv_role"
+
+
 class LoadReport(_Request):
     """Load of one instance, carried by each heartbeat. Updating it does not bump the version."""
 

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from omni_mesh.control_plane.schema import InstanceInfo, PipelineList
+from omni_mesh.control_plane.schema import KV_ROLE_LABEL, InstanceInfo, PipelineList
 from omni_mesh.control_plane.session_schema import SessionCounts
 
 COLUMNS = (
     "PIPELINE",
     "STAGE",
-    "ROLE",  # headless (stage only), api (stage + client API), api-only (client API, no engine)
+    # headless (stage only), api (stage + client API), api-only (client API, no engine); a split
+    # stage's replicas add their pool: headless/prefill, headless/decode
+    "ROLE",
     "INSTANCE",
     "STATE",
     "ADDRESS",
@@ -40,7 +42,7 @@ def _row(info: InstanceInfo, desired: int | None) -> tuple[str, ...]:
     return (
         info.pipeline,
         str(info.stage_id),
-        info.labels.get("role", "-"),
+        _role(info),
         info.instance_id,
         info.state.value,
         info.address,
@@ -50,6 +52,12 @@ def _row(info: InstanceInfo, desired: int | None) -> tuple[str, ...]:
         info.reason or "-",
         "-" if desired is None else str(desired),
     )
+
+
+def _role(info: InstanceInfo) -> str:
+    role = info.labels.get("role", "-")
+    pool = info.labels.get(KV_ROLE_LABEL)
+    return f"{role}/{pool}" if pool else role
 
 
 def _empty_stage_row(pipeline: str, stage_id: int, desired: int) -> tuple[str, ...]:

@@ -128,6 +128,9 @@ class StageInput(Struct, kw_only=True):
     # The final outputs the client wants (stage ids; () = every one): a stage hands inputs on
     # only to the stages that lead to one of them (a text-only chat skips the audio stages).
     final_stages: tuple[int, ...] = ()
+    # A split stage's KV hand-off (``data_plane/kv_transfer.py``): "" runs as ever; a prefill
+    # request; or the params of a prefill answer, for the decode replica to pull the KV with.
+    kv_transfer: str = ""
 
 
 def is_whole(si: StageInput) -> bool:
@@ -176,6 +179,7 @@ class StageOutput(Struct, kw_only=True):
     error: StageError | None = None
     engine_ms: float = 0.0
     queue_ms: float = 0.0
+    kv_transfer: str = ""  # a prefill request's answer: where its KV blocks wait
 
 
 class HopResult(Struct, kw_only=True):
@@ -197,6 +201,9 @@ class HopResult(Struct, kw_only=True):
     #: inline: a source of a join does not hop to it but hands its input back up, frame by
     #: frame, to the runner of the join's collector stage, which hands the join off once.
     joins: list[StageInput] = []
+    #: The answer of a prefill replica (``data_plane/kv_transfer.py``): vLLM's params of the
+    #: prompt's KV blocks, for the decode replica; the only thing such an answer carries.
+    kv_transfer: str = ""
 
 
 # ---- sidecar ⇄ engine ------------------------------------------------------------------------
@@ -251,6 +258,13 @@ class EngineStats(Struct):
     waiting: int  # requests queued inside the engine
     kv_cache_usage: float  # fraction of the KV cache in use, 0..1
     tokens_per_s: float  # generated tokens per second since the previous report
+    # A split stage's KV transfers (``engines/vllm/kv_split.py``), totals since the engine
+    # started: pulls and their bytes, pulls that failed (prefilled locally instead), and
+    # prefilled KV freed unpulled when its lease ran out.
+    kv_pulled: int = 0
+    kv_pulled_bytes: int = 0
+    kv_pull_failed: int = 0
+    kv_expired: int = 0
 
 
 class Stats(Struct, tag="stats"):

@@ -31,7 +31,7 @@ import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -82,6 +82,7 @@ class EngineRequest:
     sampling: SamplingParams | None = None
     chunk: int = 0
     last: bool = True
+    kv_transfer: str = ""  # a split stage's KV hand-off (data_plane/kv_transfer.py)
 
     @property
     def whole(self) -> bool:
@@ -106,6 +107,7 @@ class EngineResult:
     error: str | None = None
     last: bool = True
     forward: bool = True
+    kv_transfer: str = ""  # a prefill request's answer: vLLM's params of its KV blocks
 
 
 @dataclass(frozen=True)
@@ -122,8 +124,18 @@ class EngineContext:
 class StageEngine(ABC):
     """Base class of every stage engine."""
 
+    #: Whether the engine runs a split stage's prefill and decode requests (deploy
+    #: ``prefill:``, ``data_plane/kv_transfer.py``): the vLLM engine does.
+    splits_prefill: ClassVar[bool] = False
+
     def __init__(self, ctx: EngineContext) -> None:
         self.ctx = ctx
+        if ctx.config.prefill is not None and not self.splits_prefill:
+            raise EngineConfigError(
+                f"stage {ctx.stage.stage_id} ({ctx.stage.name}): prefill: splits a stage into "
+                f"prefill and decode pools, which {type(self).__name__} does not do (vLLM "
+                "stages do)"
+            )
 
     @abstractmethod
     def load(self) -> None:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from omni_mesh.configs.pipeline import PipelineSpec, StageSpec
+from omni_mesh.data_plane.kv_transfer import is_prefill
 from omni_mesh.data_plane.messages import (
     Payload,
     StageError,
@@ -327,6 +328,7 @@ class EngineCore:
             sampling=si.sampling,
             chunk=si.chunk,
             last=si.last,
+            kv_transfer=si.kv_transfer,
         )
 
     def _to_output(
@@ -344,6 +346,16 @@ class EngineCore:
         ``next_chunk`` (None: the result builds none)."""
         if result.error is not None:
             return self._error(si, "bad_input", result.error, chunk)
+        if is_prefill(si.kv_transfer):  # a split stage's prefill: where its KV waits, only
+            return StageOutput(
+                request_id=si.request_id,
+                stage_id=self.stage.stage_id,
+                chunk=chunk,
+                last=last,
+                engine_ms=engine_ms,
+                queue_ms=queue_ms,
+                kv_transfer=result.kv_transfer,
+            )
         owner = transfer_key(si)  # the sidecar releases the slots by the work's key
         # One slot per array, however many consumers. The arrays are kept alive with their
         # tensors: a freed array's id() may be reused by the next processor's new array.

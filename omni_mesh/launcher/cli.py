@@ -149,6 +149,7 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str]) -> UpConfig:
         drain_timeout_s=settings.drain_timeout_s,
         autoscale=autoscale,
         stage_flags=tuple(stage_flags),
+        prefill=split_stages(pipeline, deploy),
     )
 
 
@@ -223,6 +224,19 @@ def autoscaled_stages(
                 f"{count} is outside that range"
             )
         out[stage_id] = scale
+    return out
+
+
+def split_stages(pipeline: PipelineSpec, deploy: DeployConfig | None) -> dict[int, int]:
+    """The stages split into prefill and decode pools (``prefill:``) and their prefill pools'
+    sizes."""
+    if deploy is None:
+        return {}
+    out = {}
+    for stage_id in sorted(pipeline.stage_ids):
+        pool = deploy.stage(stage_id).prefill
+        if pool is not None:
+            out[stage_id] = pool.num_replicas
     return out
 
 

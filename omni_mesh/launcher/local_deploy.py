@@ -96,6 +96,9 @@ class UpConfig:
     scale_poll_s: float = 0.5  # how often the actuator reads the desired counts
     # Flags every omni-stage gets as given (--async-chunk, --pipeline-module M, …).
     stage_flags: tuple[str, ...] = ()
+    # Split stages (the deploy config's ``prefill:``) and the size of their prefill pools;
+    # their count in ``replicas`` is the decode pool's.
+    prefill: Mapping[int, int] = field(default_factory=dict)
 
     @property
     def replica_spec(self) -> str:
@@ -137,7 +140,11 @@ def plan_stages(config: UpConfig, cp_url: str) -> list[Planned]:
     the API server 0, the stage with the k-th smallest id k + 1."""
     plans = []
     for stage_id, count in zip(sorted(config.pipeline.stage_ids), config.replicas, strict=True):
-        plans += [plan_replica(config, cp_url, stage_id, replica) for replica in range(count)]
+        split = stage_id in config.prefill
+        role = "decode" if split else ""
+        for n in range(config.prefill.get(stage_id, 0)):
+            plans.append(plan_replica(config, cp_url, stage_id, n, role="prefill"))
+        plans += [plan_replica(config, cp_url, stage_id, n, role=role) for n in range(count)]
     entry = str(config.pipeline.entry_stage_id)
     api = ("--stage-id", entry, "--api-only", "--host", config.host, "--port", str(config.port))
     url = _url(config.host, config.port)
@@ -145,16 +152,21 @@ def plan_stages(config: UpConfig, cp_url: str) -> list[Planned]:
     return plans
 
 
-def plan_replica(config: UpConfig, cp_url: str, stage_id: int, replica: int) -> Planned:
-    """Replica number ``replica`` of ``stage_id``: a headless ``omni-stage`` on a free port."""
+def plan_replica(
+    config: UpConfig, cp_url: str, stage_id: int, replica: int, *, role: str = ""
+) -> Planned:
+    """Replica number ``replica`` of ``stage_id``: a headless ``omni-stage`` on a free port;
+    ``role``: of a split stage's prefill or decode pool."""
     name = config.pipeline.stage(stage_id).name
     port = free_port(LOCALHOST)
-    argv = ("--stage-id", str(stage_id), "--headless", "--host", LOCALHOST, "--port", str(port))
+    argv: tuple[str, ...] = ("--stage-id", str(stage_id), "--headless", "--host", LOCALHOST)
+    argv += ("--port", str(port), *(("--role", role) if role else ()))
+    pool = f"{name}-{role}" if role else name
     return Planned(
-        f"stage{stage_id}-{name}-{replica}",
+        f"stage{stage_id}-{pool}-{replica}",
         (*_stage_cmd(config, cp_url), *argv),
         _url(LOCALHOST, port),
-        f"stage {stage_id} {name} #{replica}",
+        f"stage {stage_id} {pool} #{replica}",
         stop_rank=stage_rank(config, stage_id),
         stage_id=stage_id,
     )

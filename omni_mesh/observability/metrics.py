@@ -304,6 +304,9 @@ SC_REQUEST_DURATION = "omni_stage_request_duration_seconds"
 SC_IN_FLIGHT = "omni_stage_in_flight"
 SC_REJECTED = "omni_stage_rejected"
 SC_HOP_RETRIES = "omni_stage_hop_retries"
+SC_KV_HANDOFFS = "omni_stage_kv_handoffs"
+SC_KV_TRANSFERS = "omni_stage_kv_transfers"
+SC_KV_TRANSFER_BYTES = "omni_stage_kv_transfer_bytes"
 SC_HANDOFF_BYTES = "omni_stage_handoff_bytes"
 SC_HANDOFF_DURATION = "omni_stage_handoff_duration_seconds"
 SC_ENGINE_QUEUE = "omni_stage_engine_queued"
@@ -384,6 +387,28 @@ class SidecarMetrics:
             SC_HOP_RETRIES,
             "Hops replayed on another replica after a failure before an answer.",
             ["pipeline", "from_stage", "to_stage"],
+            registry=registry,
+        )
+        self.kv_handoffs = Counter(
+            SC_KV_HANDOFFS,
+            "Hops to a split stage by how its prompt was prefilled: remote (on a prefill "
+            "replica, the KV pulled by the decode replica) or local (no prefill replica could: "
+            "the decode replica prefilled).",
+            ["pipeline", "from_stage", "to_stage", "outcome"],
+            registry=registry,
+        )
+        self.kv_transfers = Counter(
+            SC_KV_TRANSFERS,
+            "A split stage's KV transfers seen by this replica's engine: pulled (a decode "
+            "replica read a prefill replica's KV), failed (the pull failed: the decode replica "
+            "prefilled for itself), expired (a prefill replica freed KV nobody pulled).",
+            ["pipeline", "stage", "outcome"],
+            registry=registry,
+        )
+        self.kv_transfer_bytes = Counter(
+            SC_KV_TRANSFER_BYTES,
+            "Bytes of KV cache a decode replica's engine pulled from prefill replicas.",
+            ["pipeline", "stage"],
             registry=registry,
         )
         self.handoff_bytes = Counter(

@@ -24,6 +24,7 @@ from omni_mesh.configs.fingerprint import pipeline_fingerprint
 from omni_mesh.configs.pipeline import PipelineSpec
 from omni_mesh.configs.stage_settings import StageSettings
 from omni_mesh.control_plane.client import (
+    KV_ROLE_LABEL,
     ControlPlaneClient,
     ControlPlaneError,
     InstanceLease,
@@ -68,6 +69,15 @@ LISTEN_BACKLOG = 4096
 HOP_IDLE_PER_HOST = 1024
 
 
+def _labels(pod: Pod, api_only: bool) -> dict[str, str]:
+    """The pod's labels in the control plane: how it serves, and a split stage's pool."""
+    labels = {"role": "api-only" if api_only else "api" if pod.serves_api else "headless"}
+    if not api_only and pod.stage_config.prefill is not None:
+        role = pod.settings.role
+        labels[KV_ROLE_LABEL] = "decode" if role == "both" else role
+    return labels
+
+
 class WatchedPools:
     """Adapts the control plane's watch cache to the router's :class:`PoolView`."""
 
@@ -85,6 +95,7 @@ class WatchedPools:
                 host_id=i.host_id or "",
                 capacity=i.capacity,
                 reported_in_flight=i.load.in_flight if i.load is not None else 0,
+                kv_role=i.labels.get(KV_ROLE_LABEL, ""),
             )
             for i in self.watcher.healthy(stage_id)
         )
@@ -153,6 +164,8 @@ def _record_hop(metrics: SidecarMetrics, pipeline: str, si: StageInput, stats: H
     labelled(metrics.handoff_duration, *labels).observe(stats.seconds)
     if stats.retries:
         labelled(metrics.hop_retries, *labels).inc(stats.retries)
+    for outcome in stats.kv_handoffs:
+        labelled(metrics.kv_handoffs, *labels, outcome).inc()
 
 
 async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -238,7 +251,7 @@ async def _control_plane_ctx(app: web.Application) -> AsyncIterator[None]:
         address=pod.settings.address,
         capacity=(api_only and pod.settings.api_max_inflight) or pod.stage_config.max_inflight,
         host_id=pod.settings.host_id,
-        labels={"role": "api-only" if api_only else "api" if pod.serves_api else "headless"},
+        labels=_labels(pod, api_only),
         role="api" if api_only else "stage",
         standby=pod.settings.standby and not api_only,
         settings=pipeline_fingerprint(pod.pipeline, pod.deploy),

@@ -96,6 +96,14 @@ class StageRunner:
         async with self._engine_outputs(si) as stream:
             yield [out async for out in stream]
 
+    async def prefill(self, si: StageInput) -> AsyncGenerator[HopResult, None]:
+        """A split stage's prefill request (``data_plane/kv_transfer.py``): run the local
+        engine only and answer, in one frame, where the prompt's KV waits (nothing goes on
+        to the next stages: the decode replica's run does that)."""
+        async with self.executed(si) as outputs:
+            out = outputs[-1]
+        yield HopResult(request_id=si.request_id, error=out.error, kv_transfer=out.kv_transfer)
+
     async def run_stream(self, si: StageInput) -> AsyncGenerator[HopResult, None]:
         """The orchestrated path from this stage on, as frames (the last has ``more=False``;
         an error frame is the last). Close it (``aclosing``) to abandon the request."""

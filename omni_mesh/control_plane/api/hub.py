@@ -100,4 +100,4 @@ class ChangeHub:
                 if pipeline is not None:
                     self.notify(pipeline)
         finally:
-            await pubsub.aclose()  # type: ignore[no-untyped-call]  # redis-py leaves it untyped
+            await pubsub.aclose()  # type: ignore[no-untyped-call,unused-ignore]  # redis-py leaves it untyped

@@ -28,6 +28,7 @@ from omni_mesh.control_plane.errors import (
     SessionNotFound,
 )
 from omni_mesh.control_plane.schema import (
+    KV_ROLE_LABEL,
     HeartbeatAck,
     InstanceInfo,
     InstanceState,
@@ -54,6 +55,7 @@ from omni_mesh.control_plane.session_schema import (
 )
 
 __all__ = [
+    "KV_ROLE_LABEL",
     "Backoff",
     "ChangeListener",
     "ControlPlaneAuthError",

@@ -43,6 +43,12 @@ from typing import Any
 import numpy as np
 
 from omni_mesh.configs.pipeline import OutputKind
+from omni_mesh.data_plane.kv_transfer import (
+    KvTransferError,
+    decode_params,
+    is_prefill,
+    prefill_params,
+)
 from omni_mesh.data_plane.messages import EngineStats
 from omni_mesh.engines.base import (
     EngineConfigError,
@@ -54,6 +60,7 @@ from omni_mesh.engines.base import (
 )
 from omni_mesh.engines.model_cache import default_cache_dir
 from omni_mesh.engines.vllm.args import build_engine_args, make_vllm_config
+from omni_mesh.engines.vllm.kv_split import KvTransferCounts, with_kv_connector
 from omni_mesh.engines.vllm.stream import VllmStream, pass_fields
 
 logger = logging.getLogger(__name__)
@@ -95,6 +102,8 @@ def _extra_bool(ctx: EngineContext, key: str, default: bool) -> bool:
 class VllmEngine(StageEngine):
     """A stage engine backed by vLLM (see the module docstring)."""
 
+    splits_prefill = True
+
     def __init__(self, ctx: EngineContext) -> None:
         super().__init__(ctx)
         self.chunk_tokens = _extra_int(ctx, "chunk_tokens", DEFAULT_CHUNK_TOKENS, 1, 4096)
@@ -114,12 +123,15 @@ class VllmEngine(StageEngine):
         self._streams: dict[str, VllmStream] = {}
         self._serial = 0
         self._tokens = 0  # generated since the last stats report
+        self.kv_counts = KvTransferCounts()  # a split stage's transfers
         self._stats_t = time.monotonic()
 
     # ---- lifecycle -----------------------------------------------------------------------
 
     def load(self) -> None:
         args = build_engine_args(self.ctx.config, self.cache_dir)
+        if self.ctx.config.prefill is not None:
+            args = with_kv_connector(args)
         if self.ctx.config.world_size == 1:
             # vLLM reads this to choose its executor (on CPU: the in-process one only when it
             # is "0"); one replica is one process, whatever the environment says.
@@ -136,6 +148,8 @@ class VllmEngine(StageEngine):
             multiprocess_mode=False,
         )
         self._tokenizer = None if args.get("skip_tokenizer_init") else self._llm.get_tokenizer()
+        if self.ctx.config.prefill is not None:
+            self.kv_counts.install()
         logger.info(
             "vLLM engine ready stage=%d model=%s max_num_seqs=%d",
             self.ctx.stage.stage_id,
@@ -194,22 +208,59 @@ class VllmEngine(StageEngine):
         now = time.monotonic()
         rate = self._tokens / max(1e-6, now - self._stats_t)
         self._tokens, self._stats_t = 0, now
+        kv = self.kv_counts
         return EngineStats(
             running=int(running),
             waiting=int(waiting),
             kv_cache_usage=float(scheduler.get_kv_cache_usage()),
             tokens_per_s=rate,
+            kv_pulled=kv.pulled,
+            kv_pulled_bytes=kv.pulled_bytes,
+            kv_pull_failed=kv.failed,
+            kv_expired=kv.expired,
         )
 
     # ---- requests ------------------------------------------------------------------------
 
     def _add(self, request: EngineRequest) -> VllmStream:
-        from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
         prompt = self._prompt(request)
         params = self._sampling(request)
         params.output_kind = RequestOutputKind.DELTA
+        prefill = is_prefill(request.kv_transfer)
+        local = params
+        if prefill:  # a split stage's prefill: the prompt's KV, kept for the decode replica
+            params.max_tokens = 1
+            params.extra_args = {"kv_transfer_params": prefill_params()}
+        elif request.kv_transfer:  # a decode: pull the KV the prefill replica computed
+            try:
+                pulled = decode_params(request.kv_transfer)
+            except KvTransferError as exc:
+                raise EngineInputError(f"stage {self.ctx.stage.stage_id}: {exc}") from None
+            local = params.clone()  # for a failed pull: the same request, prefilled here
+            params.extra_args = {"kv_transfer_params": pulled}
+        vid = self._submit(request, prompt, params)
+        stream = VllmStream(
+            engine=self,
+            vid=vid,
+            request=request,
+            streaming=self.ctx.async_chunk and request.whole and not prefill,
+            chunk_tokens=self.chunk_tokens,
+            first_chunk_tokens=self.first_chunk_tokens,
+            context_tokens=self.context_tokens,
+            text_final=self.text_final,
+            fields=pass_fields(request.data),
+        )
+        if local is not params:
+            stream.local_retry = (prompt, local)
+        self._streams[vid] = stream
+        return stream
+
+    def _submit(self, request: EngineRequest, prompt: Any, params: Any) -> str:
+        """Add one request to vLLM under a fresh id; that id."""
+        from vllm.exceptions import VLLMClientError
+
         self._serial += 1
         vid = f"{request.request_id}/{request.chunk}#{self._serial}"
         try:
@@ -218,19 +269,24 @@ class VllmEngine(StageEngine):
             raise EngineInputError(
                 f"stage {self.ctx.stage.stage_id}: {' '.join(str(exc).split())}"
             ) from None
-        stream = VllmStream(
-            engine=self,
-            vid=vid,
-            request=request,
-            streaming=self.ctx.async_chunk and request.whole,
-            chunk_tokens=self.chunk_tokens,
-            first_chunk_tokens=self.first_chunk_tokens,
-            context_tokens=self.context_tokens,
-            text_final=self.text_final,
-            fields=pass_fields(request.data),
+        return vid
+
+    def prefill_locally(self, stream: VllmStream, request: EngineRequest) -> None:
+        """A decode request whose KV pull failed (vLLM failed it before its first token: the
+        prefill replica died, or its lease ran out): the same request again, prefilled here,
+        so the answer is the one a pull would have given. Counted as a failed pull."""
+        assert stream.local_retry is not None
+        prompt, params = stream.local_retry
+        stream.local_retry = None
+        self._streams.pop(stream.vid, None)
+        self.kv_counts.failed += 1
+        stream.vid = self._submit(request, prompt, params)
+        self._streams[stream.vid] = stream
+        logger.warning(
+            "KV pull failed stage=%d id=%s: prefilling here",
+            self.ctx.stage.stage_id,
+            request.request_id,
         )
-        self._streams[vid] = stream
-        return stream
 
     def abort(self, vid: str) -> None:
         """Abort ``vid`` inside vLLM now (frees its KV blocks); called by a closed stream."""

@@ -77,6 +77,10 @@ class VllmStream:
         self._top: list[list[float]] = []
         self._top_tokens: list[list[str]] = []
         self._history: list[int] = []  # tokens already handed out (left context)
+        self.kv_transfer = ""  # a prefill request's answer: vLLM's params of its KV blocks
+        self.request = request
+        # A decode request's (prompt, sampling params) without the pull, for a failed pull.
+        self.local_retry: tuple[Any, Any] | None = None
 
     def feed(self, out: Any) -> int:
         """Take one vLLM ``RequestOutput`` (a delta); the number of new tokens."""
@@ -94,10 +98,21 @@ class VllmStream:
             if self.echo and self._prompt_final is None:
                 self._prompt_final = self._prompt_part(out)
         self.generated += len(ids)
+        if out.finished and self._pull_failed(completion.finish_reason):
+            self.engine.prefill_locally(self, self.request)
+            return 0
         if out.finished:
             self.finished = True
             self.finish_reason = completion.finish_reason
+            params = getattr(out, "kv_transfer_params", None)
+            if params:
+                self.kv_transfer = json.dumps(params, separators=(",", ":"))
         return len(ids)
+
+    def _pull_failed(self, finish_reason: str | None) -> bool:
+        """vLLM ended a decode request with an error before its first token: its KV load
+        failed (``kv_load_failure_policy: fail``)."""
+        return self.local_retry is not None and finish_reason == "error" and not self.generated
 
     def __iter__(self) -> VllmStream:
         return self
@@ -180,6 +195,7 @@ class VllmStream:
             output=StageData(fields={**fields, **usage}, arrays=arrays),
             final=final,
             last=last,
+            kv_transfer=self.kv_transfer if last else "",
         )
 
 

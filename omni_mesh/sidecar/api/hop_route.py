@@ -15,6 +15,7 @@ from aiohttp import web
 
 from omni_mesh.data_plane import codec, framing, wire
 from omni_mesh.data_plane.constants import HOP_FRAMES, MSGPACK
+from omni_mesh.data_plane.kv_transfer import is_prefill
 from omni_mesh.data_plane.messages import StageInput, transfer_key
 from omni_mesh.observability.children import labelled
 from omni_mesh.sidecar.admission.admit import admitted
@@ -71,7 +72,7 @@ async def _answer(request: web.Request, pod: Pod, si: StageInput) -> tuple[web.S
     labels = (pod.pipeline.name, str(pod.stage_id))
     response: web.StreamResponse | None = None
     outcome = "ok"
-    frames = pod.runner.run_stream(si)
+    frames = pod.runner.prefill(si) if is_prefill(si.kv_transfer) else pod.runner.run_stream(si)
     try:
         try:
             async for frame in frames:

@@ -31,6 +31,7 @@ import msgspec
 from omni_mesh.data_plane import codec, wire
 from omni_mesh.data_plane.connectors import Connector
 from omni_mesh.data_plane.constants import HOP_FRAMES, MSGPACK
+from omni_mesh.data_plane.kv_transfer import PREFILL_REQUEST
 from omni_mesh.data_plane.messages import HopResult, StageError, StageInput
 from omni_mesh.data_plane.shm import ShmReader
 from omni_mesh.sidecar.hop.answers import error_message, shed_retry_after_of, unseen
@@ -80,6 +81,9 @@ class HopStats:
     waited_full: int = 0
     shed: int = 0  # answers of replicas whose admission queue shed the hop
     tried: list[str] = field(default_factory=list)
+    # A split stage's KV hand-offs: "remote" (prefilled on a prefill replica, the KV pulled by
+    # the decode replica) or "local" (no prefill replica could: the decode replica prefilled).
+    kv_handoffs: list[str] = field(default_factory=list)
 
 
 def now_ms() -> int:
@@ -143,6 +147,8 @@ class Answer:
 
 
 BodyFor = Callable[[Replica, int], bytes]
+#: ``body_for(replica, attempt, kv_transfer)`` of a hop whose KV hand-off the caller sets.
+_KvBodyFor = Callable[[Replica, int, str], bytes]
 
 
 class PoolChanges(Protocol):
@@ -192,14 +198,22 @@ class HopClient:
         t0 = time.monotonic()
         connector = self.connector_for(si.from_stage, si.stage_id)
         seen: set[tuple[int, int]] = set()
+        kv = ""  # a split stage's: where the prompt's KV waits (data_plane/kv_transfer.py)
 
-        def body_for(replica: Replica, attempt: int) -> bytes:
+        def body_for(replica: Replica, attempt: int, kv_transfer: str = "") -> bytes:
             same_host = replica.host_id == self.router.host_id
             payload = connector.prepare(si.payload, same_host=same_host, reader=self.reader)
-            return codec.encode(msgspec.structs.replace(si, payload=payload, attempt=attempt))
+            new = msgspec.structs.replace(
+                si, payload=payload, attempt=attempt, kv_transfer=kv_transfer or kv
+            )
+            return codec.encode(new)
 
         try:
             while True:
+                # 0) A split stage: the prompt is prefilled on a prefill replica first (again
+                #    on a replay: the KV went to the replica that failed).
+                if self.router.is_split(si.stage_id):
+                    kv = await self._prefilled(si, budget, body_for)
                 # 1) A replica answers (replayed on replica failures inside call()).
                 answer = await self.call(
                     si.stage_id,
@@ -229,6 +243,42 @@ class HopClient:
             budget.stats.seconds = time.monotonic() - t0
             if self.on_hop is not None:
                 self.on_hop(si, budget.stats)
+
+    async def _prefilled(self, si: StageInput, budget: HopBudget, body_for: _KvBodyFor) -> str:
+        """A split stage's prefill (``data_plane/kv_transfer.py``): a prefill replica computes
+        the prompt's KV and says where it waits; those params go to the decode replica. When
+        no prefill replica can (none, all failed or shed, a bad answer), "" : the decode
+        replica prefills for itself. Each outcome is counted in ``budget.stats``."""
+        stats = budget.stats
+        if self.router.candidates(si.stage_id, set(), prefill=True):
+            try:
+                answer = await self.call(
+                    si.stage_id,
+                    HOP_PATH,
+                    lambda replica, attempt: body_for(replica, attempt, PREFILL_REQUEST),
+                    content_type=MSGPACK,
+                    budget=budget,
+                    prefill=True,
+                )
+            except HopUnavailable as exc:
+                if exc.code == "deadline":
+                    raise
+                why = str(exc)
+            else:
+                result = _hop_result(si, answer)
+                if result.kv_transfer and result.error is None:
+                    stats.kv_handoffs.append("remote")
+                    return result.kv_transfer
+                why = result.error.message if result.error else "an answer without KV params"
+            logger.warning(
+                "request_id=%s stage=%d: prefill replica unavailable, the decode replica "
+                "prefills: %s",
+                si.request_id,
+                si.stage_id,
+                why,
+            )
+        stats.kv_handoffs.append("local")
+        return ""
 
     def _stream_broke(
         self,
@@ -277,6 +327,7 @@ class HopClient:
         deadline_ms: int = 0,
         prefer_same_host: bool = False,
         stream_type: str | None = None,
+        prefill: bool = False,
     ) -> Answer:
         """POST to ``path`` on a replica of ``stage_id``. A replica failure (connection
         refused/reset, 502/503/504, a timeout before the deadline, an unreadable answer) is
@@ -286,7 +337,8 @@ class HopClient:
 
         ``budget`` is the hop's (a fresh one for ``deadline_ms`` when not given). An answer
         of ``stream_type`` comes back unread (:attr:`Answer.frames`), its replica still
-        counted in flight: the caller reads the frames and calls ``router.end``."""
+        counted in flight: the caller reads the frames and calls ``router.end``. ``prefill``:
+        to a split stage's prefill pool, never waited for (see :meth:`_prefilled`)."""
         budget = budget or HopBudget(stage_id, deadline_ms, self.retries)
         busy: set[str] = set()
         sheds: dict[str, float] = {}  # replica → the Retry-After it gave
@@ -294,10 +346,14 @@ class HopClient:
         while True:
             remaining_s = budget.remaining_s()
             skip = busy | sheds.keys()
-            replica = self.router.pick(stage_id, exclude=skip, prefer_same_host=prefer_same_host)
+            replica = self.router.pick(
+                stage_id, exclude=skip, prefer_same_host=prefer_same_host, prefill=prefill
+            )
             if replica is None:
                 if sheds:
                     raise _every_replica_shed(stage_id, sheds)
+                if prefill:  # no prefill replica left to try: the decode replica prefills
+                    raise HopUnavailable(stage_id, f"stage {stage_id}: no prefill replica left")
                 await self._wait_for_a_replica(stage_id, budget, wait, remaining_s, busy)
                 busy.clear()
                 continue

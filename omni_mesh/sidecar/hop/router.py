@@ -28,6 +28,7 @@ class Replica:
     host_id: str
     capacity: int
     reported_in_flight: int = 0
+    kv_role: str = ""  # a split stage's pool: "prefill" or "decode" ("" = unsplit)
 
 
 class PoolView(Protocol):
@@ -61,11 +62,15 @@ class Router:
         self._ejected: dict[str, float] = {}
         self._reported: set[str] = set()  # ejected for a connection-level failure, told so
 
-    def candidates(self, stage_id: int, exclude: set[str]) -> list[Replica]:
+    def candidates(
+        self, stage_id: int, exclude: set[str], *, prefill: bool = False
+    ) -> list[Replica]:
+        """The replicas a hop may go to: a split stage's prefill pool when ``prefill``, else
+        every other replica (a prefill replica takes only prefill requests)."""
         now = time.monotonic()
         out = []
         for r in self.pools.replicas(stage_id):
-            if r.instance_id in exclude:
+            if r.instance_id in exclude or (r.kv_role == "prefill") != prefill:
                 continue
             until = self._ejected.get(r.instance_id)
             if until is not None:
@@ -76,8 +81,10 @@ class Router:
             out.append(r)
         return out
 
-    def pick(self, stage_id: int, *, exclude: set[str], prefer_same_host: bool) -> Replica | None:
-        pool = self.candidates(stage_id, exclude)
+    def pick(
+        self, stage_id: int, *, exclude: set[str], prefer_same_host: bool, prefill: bool = False
+    ) -> Replica | None:
+        pool = self.candidates(stage_id, exclude, prefill=prefill)
         if prefer_same_host:
             local = [r for r in pool if r.host_id == self.host_id]
             pool = local or pool
@@ -87,6 +94,11 @@ class Router:
             return pool[0]
         a, b = self._rng.sample(pool, 2)
         return a if self._load(a) <= self._load(b) else b
+
+    def is_split(self, stage_id: int) -> bool:
+        """Whether ``stage_id``'s pools are split into prefill and decode (its replicas say
+        so when they register): a hop there goes to a prefill replica first."""
+        return any(r.kv_role for r in self.pools.replicas(stage_id))
 
     def _load(self, r: Replica) -> float:
         # What we have in flight there is exact and fresh; what it reported (at most one

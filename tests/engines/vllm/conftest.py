@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from omni_mesh.engines.vllm.tiny_models import TINY_MODELS
+from tests.engines.vllm.servers import Server, tiny_llm
 
 _BUILD = (
     "import sys; from pathlib import Path; "
@@ -62,3 +63,13 @@ def vllm_env() -> Iterator[dict[str, str]]:
             else:
                 os.environ[key] = value
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_llm_server(
+    vllm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """One unsplit ``tiny-llm`` for the session (``servers.py``): the OpenAI-route tests and
+    the prefill/decode split's reference answers use the same deployment."""
+    with tiny_llm(tmp_path_factory.mktemp("vllm-tiny-llm")) as server:
+        yield server

@@ -7,71 +7,29 @@ the stage's ``sampling`` defaults apply to what a request leaves unset; bad samp
 vLLM (the pod's running-requests gauge falls back to 0). Chat templates the whole conversation
 (``usage`` and the answer those of ``apply_chat_template``); logprobs with alternatives in vLLM's
 shapes, streamed and not; ``n`` seeded choices; ``echo`` with the prompt's logprobs. One
-``omni-up`` for the module, streaming (``async_chunk``, a chunk per token), its stage's default
-temperature 0 (greedy) and ``chat_template`` on."""
+``omni-up`` (``tiny_llm_server`` in conftest, shared with test_vllm_pd_split.py), streaming
+(``async_chunk``, a chunk per token), its stage's default temperature 0 (greedy) and
+``chat_template`` on."""
 
 from __future__ import annotations
 
 import json
-import sys
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
 
-from omni_mesh.configs.loader import bundled_deploy_path
 from omni_mesh.engines.vllm.tiny_models import ensure_tiny_model
-from tests.procs import ManagedProcess, clean_env, free_port, wait_until
+from tests.engines.vllm.servers import MODEL, Server
+from tests.procs import wait_until
 from tests.sidecar.topology import post_json
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
-MODEL = "tiny-llm"
-RUNNING = "omni_stage_engine_running_requests"
-
-
-class Server:
-    def __init__(self, proc: ManagedProcess, url: str, stage_url: str) -> None:
-        self.proc = proc
-        self.url = url  # the API server
-        self.stage_url = stage_url  # the vLLM stage's pod
-        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-
-    def running(self) -> float:
-        """The vLLM engine's running batch, from the pod's /metrics (its last stats report)."""
-        with urllib.request.urlopen(f"{self.stage_url}/metrics", timeout=5) as resp:
-            for line in resp.read().decode().splitlines():
-                if line.startswith(RUNNING + "{"):
-                    return float(line.rsplit(" ", 1)[1])
-        return -1.0
-
 
 @pytest.fixture(scope="module")
-def server(vllm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log_dir: Path = tmp_path_factory.mktemp("vllm-openai")
-    overlay = log_dir / "tiny-llm.yaml"
-    overlay.write_text(
-        f"base_config: {bundled_deploy_path(MODEL)}\n"
-        "async_chunk: true\n"
-        "stages:\n"
-        "  - stage_id: 0\n"
-        "    max_model_len: 2048\n"
-        "    sampling: {temperature: 0.0, max_tokens: 16}\n"
-        "    engine_extras: {chunk_tokens: 1, chat_template: true}\n"
-    )
-    port = free_port()
-    argv = [sys.executable, "-m", "omni_mesh.launcher.cli", "--pipeline", MODEL,
-            "--port", str(port), "--deploy-config", str(overlay)]  # fmt: skip
-    proc = ManagedProcess(argv, name="omni-up", env=clean_env(), log_dir=log_dir).start()
-    try:
-        proc.wait_for_output(r"omni-up ready", timeout=200)
-        stage_url = proc.wait_for_output(r"stage 0 \S+ #0\s+(http://\S+)")[1]
-        yield Server(proc, f"http://127.0.0.1:{port}", stage_url)
-    finally:
-        proc.interrupt(timeout=60)
+def server(tiny_llm_server: Server) -> Server:
+    return tiny_llm_server
 
 
 def test_completion_fields_usage_and_length(server: Server) -> None:

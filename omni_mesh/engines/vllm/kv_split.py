@@ -1,0 +1,90 @@
+"""vLLM's side of a split stage (deploy ``prefill:``): every replica, prefill or decode, runs
+vLLM's ``NixlConnector`` (``kv_role: kv_both``: which role a request plays is said per request
+by its ``kv_transfer_params``, see ``data_plane/kv_transfer.py``), so a decode replica can also
+prefill for itself when no prefill replica can.
+
+The connector's side channel (where a decode engine asks a prefill engine for its blocks'
+layout) listens on ``VLLM_NIXL_SIDE_CHANNEL_HOST:VLLM_NIXL_SIDE_CHANNEL_PORT``. The port is a
+free one picked here unless the environment names one (one engine per process, several per
+host); the host is the environment's, else loopback: on several hosts set it to the address
+other hosts reach this pod on (the Kubernetes manifests use the pod IP). A stage's own
+``engine_args.kv_transfer_config`` wins over all of this.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+DEFAULT_HOST = "127.0.0.1"
+
+
+def kv_connector_config(device_type: str) -> dict[str, Any]:
+    """vLLM's ``kv_transfer_config`` for a split stage's replica on ``device_type``."""
+    config: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    if device_type == "cpu":
+        config["kv_buffer_device"] = "cpu"  # the CPU platform's KV lives in host memory
+    return config
+
+
+def with_kv_connector(args: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """``args`` with the connector set (unless the stage sets its own), and the side channel's
+    host and port in ``env`` (``os.environ`` by default: vLLM reads them there)."""
+    env_map: Any = os.environ if env is None else env
+    env_map.setdefault(HOST_ENV, DEFAULT_HOST)
+    if not env_map.get(PORT_ENV):
+        env_map[PORT_ENV] = str(free_port(env_map[HOST_ENV]))
+    if args.get("kv_transfer_config") is not None:
+        return args
+    from vllm.platforms import current_platform
+
+    return {**args, "kv_transfer_config": kv_connector_config(current_platform.device_type)}
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on ``host`` now."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class KvTransferCounts:
+    """What this engine's connector moved, as totals since it started (reported to the
+    sidecar in ``EngineStats``): pulls and their bytes (a decode replica's reads), pulls that
+    failed (the decode replica prefilled for itself instead), and prefilled KV that no decode
+    replica pulled before its lease ran out (a prefill replica freed it)."""
+
+    def __init__(self) -> None:
+        self.pulled = 0
+        self.pulled_bytes = 0
+        self.failed = 0
+        self.expired = 0
+
+    def install(self) -> None:
+        """Read the transfer stats vLLM's worker hands its scheduler every step (vLLM drops
+        them unless it logs stats): the connector's ``get_kv_connector_stats`` is wrapped to
+        count them on the way. A no-op without a KV connector in this process."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if not has_kv_transfer_group():
+            return
+        connector = get_kv_transfer_group()
+        original = connector.get_kv_connector_stats
+
+        def counted() -> Any:
+            stats = original()
+            if stats is not None:
+                self.add(stats.data)
+            return stats
+
+        connector.get_kv_connector_stats = counted
+
+    def add(self, data: dict[str, list[Any]]) -> None:
+        """One step's stats (NIXL's ``NixlKVConnectorStats.data``)."""
+        self.pulled += len(data.get("transfer_duration", ()))
+        self.pulled_bytes += int(sum(data.get("bytes_transferred", ())))
+        self.expired += len(data.get("num_kv_expired_reqs", ()))

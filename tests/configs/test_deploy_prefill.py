@@ -1,0 +1,73 @@
+"""A stage split into prefill and decode pools (``prefill:``): the deploy field and its
+layers, what it refuses (with autoscale:, an empty pool, an engine that cannot split), and the
+processes omni-up plans for it (the prefill pool with ``--role prefill``, the stage's
+``num_replicas`` with ``--role decode``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from omni_mesh.configs.deploy import StageDeployConfig
+from omni_mesh.configs.loader import bundled_deploy_path, load_deploy_config
+from omni_mesh.configs.registry import get_pipeline
+from omni_mesh.engines.base import EngineConfigError, EngineContext
+from omni_mesh.engines.synthetic import SyntheticEngine
+from omni_mesh.launcher import cli as cli_up
+from omni_mesh.launcher import local_deploy
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_prefill_pool_is_a_stage_field_with_its_layers(tmp_path: Path) -> None:
+    overlay = tmp_path / "split.yaml"
+    overlay.write_text(
+        f"base_config: {bundled_deploy_path('tiny-llm')}\n"
+        "stages: [{stage_id: 0, num_replicas: 2, prefill: {num_replicas: 1}}]\n"
+    )
+    pipeline = get_pipeline("tiny-llm")
+    stage = load_deploy_config(overlay, pipeline).stage(0)
+    assert stage.prefill is not None and stage.prefill.num_replicas == 1
+    assert stage.num_replicas == 2
+    over = {"0": {"prefill": {"num_replicas": 3}}}
+    stage = load_deploy_config(overlay, pipeline, stage_overrides=over).stage(0)
+    assert stage.prefill is not None and stage.prefill.num_replicas == 3
+    assert load_deploy_config(None, pipeline).stage(0).prefill is None  # unsplit by default
+
+
+def test_what_a_split_stage_refuses() -> None:
+    with pytest.raises(ValidationError, match=r"prefill: .* and autoscale: together"):
+        StageDeployConfig.model_validate(
+            {"stage_id": 0, "prefill": {"num_replicas": 1}, "autoscale": {"max_replicas": 2}}
+        )
+    with pytest.raises(ValidationError, match="num_replicas"):
+        StageDeployConfig.model_validate({"stage_id": 0, "prefill": {"num_replicas": 0}})
+    with pytest.raises(ValidationError, match="extra"):
+        StageDeployConfig.model_validate({"stage_id": 0, "prefill": {"replicas": 1}})
+    pipeline = get_pipeline("synthetic")
+    config = StageDeployConfig.model_validate({"stage_id": 0, "prefill": {"num_replicas": 1}})
+    ctx = EngineContext(pipeline=pipeline, stage=pipeline.stage(0), config=config)
+    with pytest.raises(EngineConfigError, match="SyntheticEngine does not do"):
+        SyntheticEngine(ctx)
+
+
+def test_omni_up_plans_both_pools_of_a_split_stage(tmp_path: Path) -> None:
+    overlay = tmp_path / "split.yaml"
+    overlay.write_text(
+        f"base_config: {bundled_deploy_path('tiny-llm')}\n"
+        "stages: [{stage_id: 0, num_replicas: 2, prefill: {num_replicas: 1}}]\n"
+    )
+    config = cli_up.parse_args(["--pipeline", "tiny-llm", "--deploy-config", str(overlay)], {})
+    assert config.prefill == {0: 1} and config.replicas == (2,)
+    plans = local_deploy.plan_stages(config, "http://127.0.0.1:7700")
+    roles = {p.name: p.argv[p.argv.index("--role") + 1] for p in plans if "--role" in p.argv}
+    assert roles == {
+        "stage0-llm-prefill-0": "prefill",
+        "stage0-llm-decode-0": "decode",
+        "stage0-llm-decode-1": "decode",
+    }
+    unsplit = cli_up.parse_args(["--pipeline", "tiny-llm"], {})
+    assert unsplit.prefill == {}
+    assert all("--role" not in p.argv for p in local_deploy.plan_stages(unsplit, "http://x:1"))

@@ -1,0 +1,81 @@
+"""``tiny-llm`` through ``omni-up``, for the vLLM test modules: one shared deployment per
+session (``tiny_llm_server`` in conftest: test_vllm_openai.py and test_vllm_pd_split.py's
+reference), and the same stage split into prefill and decode pools (``deploy_overlay(prefill=
+...)``). Streaming (``async_chunk``, a chunk per token), the stage's default temperature 0
+(greedy) and ``chat_template`` on."""
+
+from __future__ import annotations
+
+import re
+import sys
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import openai
+
+from omni_mesh.configs.loader import bundled_deploy_path
+from tests.procs import ManagedProcess, clean_env, free_port
+
+MODEL = "tiny-llm"
+RUNNING = "omni_stage_engine_running_requests"
+
+
+class Server:
+    def __init__(self, proc: ManagedProcess, url: str, stage_urls: dict[str, list[str]]) -> None:
+        self.proc = proc
+        self.url = url  # the API server
+        self.stage_urls = stage_urls  # the vLLM stage's pods by pool ("" unsplit)
+        first = next(iter(stage_urls.values()))
+        self.stage_url = first[0]
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+    def metric(self, url: str, line_start: str) -> float | None:
+        """A sample of ``url``'s /metrics whose line starts with ``line_start``."""
+        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith(line_start):
+                    return float(line.rsplit(" ", 1)[1])
+        return None
+
+    def running(self) -> float:
+        """The vLLM engine's running batch, from the pod's /metrics (its last stats report)."""
+        value = self.metric(self.stage_url, RUNNING + "{")
+        return -1.0 if value is None else value
+
+
+def deploy_overlay(prefill: int = 0, decode: int = 1) -> str:
+    """The deploy overlay of the tests' ``tiny-llm``; ``prefill`` > 0 splits its stage."""
+    text = (
+        f"base_config: {bundled_deploy_path(MODEL)}\n"
+        "async_chunk: true\n"
+        "stages:\n"
+        "  - stage_id: 0\n"
+        f"    num_replicas: {decode}\n"
+        "    max_model_len: 2048\n"
+        "    sampling: {temperature: 0.0, max_tokens: 16}\n"
+        "    engine_extras: {chunk_tokens: 1, chat_template: true}\n"
+    )
+    if prefill:
+        text += f"    prefill: {{num_replicas: {prefill}}}\n"
+    return text
+
+
+@contextmanager
+def tiny_llm(log_dir: Path, prefill: int = 0, decode: int = 1) -> Iterator[Server]:
+    """``omni-up`` of ``tiny-llm`` (split when ``prefill``), stopped with Ctrl-C at the end."""
+    overlay = log_dir / "tiny-llm.yaml"
+    overlay.write_text(deploy_overlay(prefill, decode))
+    port = free_port()
+    argv = [sys.executable, "-m", "omni_mesh.launcher.cli", "--pipeline", MODEL,
+            "--port", str(port), "--deploy-config", str(overlay)]  # fmt: skip
+    proc = ManagedProcess(argv, name="omni-up", env=clean_env(), log_dir=log_dir).start()
+    try:
+        proc.wait_for_output(r"omni-up ready", timeout=200)
+        urls: dict[str, list[str]] = {}
+        for pool, url in re.findall(r"stage 0 llm(\S*) #\d+\s+(http://\S+)", proc.stdout):
+            urls.setdefault(pool.removeprefix("-"), []).append(url)
+        yield Server(proc, f"http://127.0.0.1:{port}", urls)
+    finally:
+        proc.interrupt(timeout=60)

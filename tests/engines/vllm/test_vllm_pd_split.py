@@ -1,0 +1,166 @@
+"""Prefill/decode split of a vLLM stage (deploy ``prefill:``) through ``omni-up``, real vLLM
+engines and real NIXL (vLLM's ``NixlConnector`` on host memory): ``tiny-llm`` split 1P:2D.
+A request is prefilled on the prefill replica, its KV cache pulled engine to engine by a decode
+replica, which generates: the answers, streamed and not, are those of the unsplit stage
+(``tiny_llm_server``, the same settings) for the same seed; the decode replicas' engines count
+the pulls and their bytes, the API server the hand-offs, ``omni-cp status`` shows each pool.
+Killing the prefill replica (its pod and engine, SIGKILL) and then a decode replica under load
+fails no request and changes no answer: hops whose prefill replica is gone are prefilled by
+the decode replica (counted ``local``), a pull from the dead engine fails and is prefilled
+again where it is (counted ``failed``), a decode stream cut mid-way is replayed, prefill
+included, elsewhere. ``--role`` on a stage that is not split exits 2."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.engines.vllm.servers import MODEL, Server, tiny_llm
+from tests.procs import descendants, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+PROMPT = "the quick brown fox"
+SEEDS = (1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def split(vllm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with tiny_llm(tmp_path_factory.mktemp("vllm-pd"), prefill=1, decode=2) as server:
+        assert len(server.stage_urls["prefill"]) == 1 and len(server.stage_urls["decode"]) == 2
+        yield server
+
+
+def complete(server: Server, seed: int, stream: bool = False) -> str:
+    kwargs = {"model": MODEL, "prompt": f"{PROMPT} {seed}", "max_tokens": 12}
+    if not stream:
+        out = server.client.completions.create(temperature=1.0, seed=seed, **kwargs)
+        return out.choices[0].text
+    chunks = server.client.completions.create(temperature=1.0, seed=seed, stream=True, **kwargs)
+    return "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+def kv_metric(server: Server, pool: str, outcome: str) -> float:
+    """The sum over ``pool``'s pods of ``omni_stage_kv_transfers_total{outcome}``."""
+    line = f'omni_stage_kv_transfers_total{{outcome="{outcome}",pipeline="{MODEL}",stage="0"}}'
+    return sum(server.metric(url, line) or 0.0 for url in server.stage_urls[pool])
+
+
+def handoffs(server: Server, outcome: str) -> float:
+    line = f'omni_stage_kv_handoffs_total{{from_stage="-1",outcome="{outcome}"'
+    return server.metric(server.url, line) or 0.0
+
+
+def test_the_split_stage_answers_as_the_unsplit_one_with_the_kv_pulled(
+    split: Server, tiny_llm_server: Server
+) -> None:
+    pulled = kv_metric(split, "decode", "pulled")
+    for seed in SEEDS:
+        expected = complete(tiny_llm_server, seed)
+        assert expected and complete(split, seed) == expected
+        assert complete(split, seed, stream=True) == expected
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    a = split.client.chat.completions.create(seed=5, temperature=1.0, **chat)  # type: ignore[call-overload]
+    b = tiny_llm_server.client.chat.completions.create(seed=5, temperature=1.0, **chat)  # type: ignore[call-overload]
+    assert a.choices[0].message.content == b.choices[0].message.content
+    # The decode engines pulled the KV (NIXL), bytes counted; the API server handed off.
+    wait_until(lambda: kv_metric(split, "decode", "pulled") >= pulled + 7, 10, interval=0.2)
+    bytes_line = f'omni_stage_kv_transfer_bytes_total{{pipeline="{MODEL}",stage="0"}}'
+    assert sum(split.metric(u, bytes_line) or 0.0 for u in split.stage_urls["decode"]) > 0
+    assert handoffs(split, "remote") >= 7 and handoffs(split, "local") == 0
+    assert kv_metric(split, "decode", "failed") == 0
+    assert kv_metric(split, "prefill", "pulled") == 0  # the prefill engine only serves reads
+    cp = re.search(r"control plane\s+(http://\S+)", split.proc.stdout)
+    assert cp is not None
+    status = subprocess.run(
+        [sys.executable, "-m", "omni_mesh.control_plane", "status", "--cp", cp[1]],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert status.stdout.count("headless/prefill") == 1, status
+    assert status.stdout.count("headless/decode") == 2, status
+
+
+def _pod_and_engine(server: Server, url: str) -> list[int]:
+    """The pids of the pod listening at ``url`` (omni-up's child) and of its engine."""
+    port = url.rsplit(":", 1)[1]
+    for pid in descendants(server.proc.pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if "omni_mesh.sidecar.cli_stage" in " ".join(argv) and port in argv:
+            return [pid, *descendants(pid)]
+    raise AssertionError(f"no pod at {url}")
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_killing_the_prefill_and_a_decode_replica_under_load_fails_nothing(
+    split: Server, tiny_llm_server: Server
+) -> None:
+    expected = {seed: complete(tiny_llm_server, seed) for seed in SEEDS}
+    prefill, decode = split.stage_urls["prefill"][0], split.stage_urls["decode"][1]
+    victims = [_pod_and_engine(split, prefill), _pod_and_engine(split, decode)]
+    results: list[tuple[int, str | BaseException]] = []
+    stop = threading.Event()
+
+    def load(worker: int) -> None:
+        n = worker
+        while not stop.is_set():
+            seed = SEEDS[n % len(SEEDS)]
+            try:
+                results.append((seed, complete(split, seed, stream=n % 2 == 0)))
+            except Exception as exc:  # counted as a failure below
+                results.append((seed, exc))
+            n += 1
+
+    threads = [threading.Thread(target=load, args=(w,)) for w in range(6)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2.0)
+        _kill(victims[0])  # the prefill replica: its pod and its vLLM engine
+        time.sleep(3.0)
+        _kill(victims[1])  # a decode replica
+        time.sleep(3.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+    failed = [r for r in results if not isinstance(r[1], str)]
+    assert failed == [] and len(results) > 20, failed[:3]
+    assert all(text == expected[seed] for seed, text in results), results
+    # With the prefill pool gone, hops were prefilled by a decode replica (omni-up restarts
+    # the killed replicas meanwhile).
+    assert handoffs(split, "local") >= 1
+    assert re.search(
+        r"process=stage0-llm-prefill-0 pid=\d+ was killed by SIGKILL", split.proc.stderr
+    )
+
+
+def test_role_needs_a_split_stage(vllm_env: dict[str, str]) -> None:
+    argv = ["--pipeline", MODEL, "--stage-id", "0", "--role", "prefill", "--port", "1"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "omni_mesh.sidecar.cli_stage", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc
+    assert "--role prefill: stage 0 is not split" in proc.stderr
