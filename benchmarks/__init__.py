@@ -18,6 +18,7 @@ the same run. Every process a benchmark starts is stopped at its end, also on er
 | vllm | :mod:`benchmarks.vllm` | a tiny-llm vLLM stage vs vllm serve; tiny-omni-vllm first audio |
 | omni | :mod:`benchmarks.omni` | qwen3-omni streamed speech vs transformers' whole model |
 | realtime | :mod:`benchmarks.realtime` | first audio, barge-in, session memory, a kill |
+| pd | :mod:`benchmarks.pd` | prefill/decode split 1P:1D vs 2 unsplit replicas, mixed load |
 """
 
 NAMES = (
@@ -32,4 +33,5 @@ NAMES = (
     "vllm",
     "omni",
     "realtime",
+    "pd",
 )

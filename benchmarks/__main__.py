@@ -1,7 +1,7 @@
 """``python -m benchmarks NAME [--quick] [--reps N] [--profile DIR] [--write-doc FILE]``.
 
 NAME is one of ``hop``, ``handoff``, ``scaling``, ``control-plane``, ``peer``, ``streaming``,
-``autoscale``, ``overload``, ``vllm``, ``omni``, ``realtime`` or ``all``.
+``autoscale``, ``overload``, ``vllm``, ``omni``, ``realtime``, ``pd`` or ``all``.
 ``--write-doc`` replaces the generated part of a markdown file (between the BEGIN/END
 GENERATED markers) with this run's tables, the command and the machine.
 """
@@ -41,6 +41,7 @@ MODULES = {
     "vllm": "benchmarks.vllm",
     "omni": "benchmarks.omni",
     "realtime": "benchmarks.realtime",
+    "pd": "benchmarks.pd",
 }
 
 

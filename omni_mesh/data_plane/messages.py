@@ -263,6 +263,7 @@ class EngineStats(Struct):
     # prefilled KV freed unpulled when its lease ran out.
     kv_pulled: int = 0
     kv_pulled_bytes: int = 0
+    kv_pulled_s: float = 0.0  # the pulls' transfer time
     kv_pull_failed: int = 0
     kv_expired: int = 0
 

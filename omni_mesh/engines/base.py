@@ -161,6 +161,11 @@ class StageEngine(ABC):
             streams.append(iter([results.pop(0)] if results else []))
         return streams
 
+    def idle(self) -> None:  # noqa: B027 - optional hook
+        """Called whenever the engine process has nothing to run (after each look at its
+        channel, which waits up to the stats interval while idle): housekeeping a model
+        engine's own scheduler needs without requests."""
+
     def before_step(self, streams: int) -> None:  # noqa: B027 - optional hook
         """Called once per core step, just before ``streams`` streams are advanced by one
         ``next()`` each. An engine that models a per-step cost (the synthetic one) spends it

@@ -220,6 +220,8 @@ class EngineProc:
                 self._steps += 1
                 for si, out in outputs:
                     self.channel.send(Result(output=out, key=transfer_key(si)))
+            else:
+                core.engine.idle()  # nothing to run: the engine's own housekeeping
             # 4) Report load now and then (not per step: that would double the IPC per request).
             now = time.monotonic()
             if now - last_stats >= STATS_INTERVAL_S:

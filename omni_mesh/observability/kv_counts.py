@@ -13,6 +13,7 @@ class EngineKvCounts:
 
     def __init__(self) -> None:
         self._last = (0, 0, 0, 0)
+        self._last_s = 0.0
 
     def update(self, metrics: SidecarMetrics, labels: tuple[str, str], stats: EngineStats) -> None:
         now = (stats.kv_pulled, stats.kv_pull_failed, stats.kv_expired, stats.kv_pulled_bytes)
@@ -24,3 +25,8 @@ class EngineKvCounts:
                 child.inc(n)
         if grown[3]:
             metrics.kv_transfer_bytes.labels(*labels).inc(grown[3])
+        seconds = stats.kv_pulled_s
+        grown_s = seconds - self._last_s if seconds >= self._last_s else seconds
+        self._last_s = seconds
+        if grown_s > 0:
+            metrics.kv_transfer_seconds.labels(*labels).inc(grown_s)

@@ -307,6 +307,7 @@ SC_HOP_RETRIES = "omni_stage_hop_retries"
 SC_KV_HANDOFFS = "omni_stage_kv_handoffs"
 SC_KV_TRANSFERS = "omni_stage_kv_transfers"
 SC_KV_TRANSFER_BYTES = "omni_stage_kv_transfer_bytes"
+SC_KV_TRANSFER_SECONDS = "omni_stage_kv_transfer_seconds"
 SC_HANDOFF_BYTES = "omni_stage_handoff_bytes"
 SC_HANDOFF_DURATION = "omni_stage_handoff_duration_seconds"
 SC_ENGINE_QUEUE = "omni_stage_engine_queued"
@@ -408,6 +409,12 @@ class SidecarMetrics:
         self.kv_transfer_bytes = Counter(
             SC_KV_TRANSFER_BYTES,
             "Bytes of KV cache a decode replica's engine pulled from prefill replicas.",
+            ["pipeline", "stage"],
+            registry=registry,
+        )
+        self.kv_transfer_seconds = Counter(
+            SC_KV_TRANSFER_SECONDS,
+            "Time a decode replica's engine spent in KV pulls (NIXL's transfer time).",
             ["pipeline", "stage"],
             registry=registry,
         )

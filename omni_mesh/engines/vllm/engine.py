@@ -131,7 +131,8 @@ class VllmEngine(StageEngine):
     def load(self) -> None:
         args = build_engine_args(self.ctx.config, self.cache_dir)
         if self.ctx.config.prefill is not None:
-            args = with_kv_connector(args)
+            lease_s = _extra_int(self.ctx, "kv_lease_s", 30, 1, 3600)
+            args = with_kv_connector(args, lease_s)
         if self.ctx.config.world_size == 1:
             # vLLM reads this to choose its executor (on CPU: the in-process one only when it
             # is "0"); one replica is one process, whatever the environment says.
@@ -200,6 +201,15 @@ class VllmEngine(StageEngine):
             if stream.finished:
                 del self._streams[out.request_id]
 
+    def idle(self) -> None:
+        """A split stage's prefill engine keeps finished requests' KV for the decode replicas
+        to pull; vLLM frees it (pulled, or its lease ran out) only inside a step, so an idle
+        engine steps while it holds any."""
+        if self._llm is None or self.ctx.config.prefill is None:
+            return
+        if self._llm.engine_core.engine_core.scheduler.has_finished_requests():
+            self._llm.step()
+
     def stats(self) -> EngineStats | None:
         if self._llm is None:
             return None
@@ -216,6 +226,7 @@ class VllmEngine(StageEngine):
             tokens_per_s=rate,
             kv_pulled=kv.pulled,
             kv_pulled_bytes=kv.pulled_bytes,
+            kv_pulled_s=kv.pulled_s,
             kv_pull_failed=kv.failed,
             kv_expired=kv.expired,
         )

@@ -7,8 +7,9 @@ The connector's side channel (where a decode engine asks a prefill engine for it
 layout) listens on ``VLLM_NIXL_SIDE_CHANNEL_HOST:VLLM_NIXL_SIDE_CHANNEL_PORT``. The port is a
 free one picked here unless the environment names one (one engine per process, several per
 host); the host is the environment's, else loopback: on several hosts set it to the address
-other hosts reach this pod on (the Kubernetes manifests use the pod IP). A stage's own
-``engine_args.kv_transfer_config`` wins over all of this.
+other hosts reach this pod on (in Kubernetes: the pod IP, ``fieldRef: status.podIP``). A stage's own
+``engine_args.kv_transfer_config`` wins over all of this. ``engine_extras.kv_lease_s`` (default
+30, vLLM's) is how long a prefill replica keeps KV that no decode replica pulls.
 """
 
 from __future__ import annotations
@@ -22,15 +23,22 @@ HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 DEFAULT_HOST = "127.0.0.1"
 
 
-def kv_connector_config(device_type: str) -> dict[str, Any]:
-    """vLLM's ``kv_transfer_config`` for a split stage's replica on ``device_type``."""
-    config: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+def kv_connector_config(device_type: str, lease_s: int) -> dict[str, Any]:
+    """vLLM's ``kv_transfer_config`` for a split stage's replica on ``device_type``; a
+    prefill's KV that no decode replica pulls within ``lease_s`` is freed."""
+    config: dict[str, Any] = {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"kv_lease_duration": lease_s},
+    }
     if device_type == "cpu":
         config["kv_buffer_device"] = "cpu"  # the CPU platform's KV lives in host memory
     return config
 
 
-def with_kv_connector(args: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
+def with_kv_connector(
+    args: dict[str, Any], lease_s: int, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     """``args`` with the connector set (unless the stage sets its own), and the side channel's
     host and port in ``env`` (``os.environ`` by default: vLLM reads them there)."""
     env_map: Any = os.environ if env is None else env
@@ -41,7 +49,8 @@ def with_kv_connector(args: dict[str, Any], env: dict[str, str] | None = None) -
         return args
     from vllm.platforms import current_platform
 
-    return {**args, "kv_transfer_config": kv_connector_config(current_platform.device_type)}
+    config = kv_connector_config(current_platform.device_type, lease_s)
+    return {**args, "kv_transfer_config": config}
 
 
 def free_port(host: str) -> int:
@@ -61,6 +70,7 @@ class KvTransferCounts:
     def __init__(self) -> None:
         self.pulled = 0
         self.pulled_bytes = 0
+        self.pulled_s = 0.0  # NIXL's transfer time of those pulls
         self.failed = 0
         self.expired = 0
 
@@ -87,4 +97,5 @@ class KvTransferCounts:
         """One step's stats (NIXL's ``NixlKVConnectorStats.data``)."""
         self.pulled += len(data.get("transfer_duration", ()))
         self.pulled_bytes += int(sum(data.get("bytes_transferred", ())))
+        self.pulled_s += float(sum(data.get("transfer_duration", ())))
         self.expired += len(data.get("num_kv_expired_reqs", ()))

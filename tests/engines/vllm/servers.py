@@ -19,6 +19,7 @@ from omni_mesh.configs.loader import bundled_deploy_path
 from tests.procs import ManagedProcess, clean_env, free_port
 
 MODEL = "tiny-llm"
+SECRET = "vllm-tests-secret"  # the deployment secret: tests may send hops themselves
 RUNNING = "omni_stage_engine_running_requests"
 
 
@@ -45,7 +46,7 @@ class Server:
         return -1.0 if value is None else value
 
 
-def deploy_overlay(prefill: int = 0, decode: int = 1) -> str:
+def deploy_overlay(prefill: int = 0, decode: int = 1, kv_lease_s: int = 30) -> str:
     """The deploy overlay of the tests' ``tiny-llm``; ``prefill`` > 0 splits its stage."""
     text = (
         f"base_config: {bundled_deploy_path(MODEL)}\n"
@@ -55,7 +56,8 @@ def deploy_overlay(prefill: int = 0, decode: int = 1) -> str:
         f"    num_replicas: {decode}\n"
         "    max_model_len: 2048\n"
         "    sampling: {temperature: 0.0, max_tokens: 16}\n"
-        "    engine_extras: {chunk_tokens: 1, chat_template: true}\n"
+        "    engine_extras: {chunk_tokens: 1, chat_template: true"
+        + (f", kv_lease_s: {kv_lease_s}}}\n" if prefill else "}\n")
     )
     if prefill:
         text += f"    prefill: {{num_replicas: {prefill}}}\n"
@@ -63,13 +65,15 @@ def deploy_overlay(prefill: int = 0, decode: int = 1) -> str:
 
 
 @contextmanager
-def tiny_llm(log_dir: Path, prefill: int = 0, decode: int = 1) -> Iterator[Server]:
+def tiny_llm(
+    log_dir: Path, prefill: int = 0, decode: int = 1, kv_lease_s: int = 30
+) -> Iterator[Server]:
     """``omni-up`` of ``tiny-llm`` (split when ``prefill``), stopped with Ctrl-C at the end."""
     overlay = log_dir / "tiny-llm.yaml"
-    overlay.write_text(deploy_overlay(prefill, decode))
+    overlay.write_text(deploy_overlay(prefill, decode, kv_lease_s))
     port = free_port()
     argv = [sys.executable, "-m", "omni_mesh.launcher.cli", "--pipeline", MODEL,
-            "--port", str(port), "--deploy-config", str(overlay)]  # fmt: skip
+            "--port", str(port), "--deploy-config", str(overlay), "--secret", SECRET]  # fmt: skip
     proc = ManagedProcess(argv, name="omni-up", env=clean_env(), log_dir=log_dir).start()
     try:
         proc.wait_for_output(r"omni-up ready", timeout=200)

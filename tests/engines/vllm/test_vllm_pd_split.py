@@ -8,11 +8,14 @@ Killing the prefill replica (its pod and engine, SIGKILL) and then a decode repl
 fails no request and changes no answer: hops whose prefill replica is gone are prefilled by
 the decode replica (counted ``local``), a pull from the dead engine fails and is prefilled
 again where it is (counted ``failed``), a decode stream cut mid-way is replayed, prefill
-included, elsewhere. ``--role`` on a stage that is not split exits 2."""
+included, elsewhere. A prefill whose KV nobody pulls (a prefill request sent straight to the
+prefill replica) is freed when its lease runs out, counted ``expired``. ``--role`` on a stage
+that is not split exits 2."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -20,23 +23,32 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.engines.vllm.servers import MODEL, Server, tiny_llm
+from omni_mesh.data_plane import codec
+from omni_mesh.data_plane.constants import MSGPACK
+from omni_mesh.data_plane.kv_transfer import PREFILL_REQUEST
+from omni_mesh.data_plane.messages import HopResult, Payload, StageInput
+from omni_mesh.data_plane.signing import hop_token
+from omni_mesh.sidecar.hop.client import HOP_PATH, HOP_TOKEN_HEADER
+from tests.engines.vllm.servers import MODEL, SECRET, Server, tiny_llm
 from tests.procs import descendants, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 PROMPT = "the quick brown fox"
 SEEDS = (1, 2, 3)
+LEASE_S = 3  # how long the prefill replica keeps KV nobody pulls (engine_extras.kv_lease_s)
 
 
 @pytest.fixture(scope="module")
 def split(vllm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with tiny_llm(tmp_path_factory.mktemp("vllm-pd"), prefill=1, decode=2) as server:
+    log_dir = tmp_path_factory.mktemp("vllm-pd")
+    with tiny_llm(log_dir, prefill=1, decode=2, kv_lease_s=LEASE_S) as server:
         assert len(server.stage_urls["prefill"]) == 1 and len(server.stage_urls["decode"]) == 2
         yield server
 
@@ -90,6 +102,38 @@ def test_the_split_stage_answers_as_the_unsplit_one_with_the_kv_pulled(
     )
     assert status.stdout.count("headless/prefill") == 1, status
     assert status.stdout.count("headless/decode") == 2, status
+
+
+def test_kv_that_nobody_pulls_is_freed_when_its_lease_runs_out(split: Server) -> None:
+    # A prefill request sent straight to the prefill replica (as a sender does first) whose
+    # KV no decode replica ever pulls: the answer says where the KV waits, and nothing else.
+    prefill = split.stage_urls["prefill"][0]
+    expired = kv_metric(split, "prefill", "expired")
+    si = StageInput(
+        pipeline=MODEL,
+        request_id="unpulled-1",
+        stage_id=0,
+        deadline_ms=int((time.time() + 60) * 1000),
+        seed=1,
+        payload=Payload(fields={"prompt": "nobody will pull this prompt's cache"}),
+        kv_transfer=PREFILL_REQUEST,
+    )
+    headers = {"Content-Type": MSGPACK, HOP_TOKEN_HEADER: hop_token(SECRET.encode())}
+    request = urllib.request.Request(f"{prefill}{HOP_PATH}", codec.encode(si), headers)
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        answer = codec.decode(resp.read(), HopResult)
+    assert answer.error is None and not answer.outputs, answer
+    params = json.loads(answer.kv_transfer)
+    assert params["remote_engine_id"] and params["remote_block_ids"], params
+    # The prefill engine holds the blocks for a pull that never comes, then frees them (an
+    # idle engine steps while it holds any: vLLM checks leases inside a step).
+    wait_until(
+        lambda: kv_metric(split, "prefill", "expired") >= expired + 1,
+        LEASE_S + 20,
+        interval=0.5,
+        message=lambda: split.proc.stderr[-2000:],
+    )
+    assert complete(split, SEEDS[0])  # and it keeps serving
 
 
 def _pod_and_engine(server: Server, url: str) -> list[int]:
