@@ -1,18 +1,20 @@
 """Prefill/decode split of a vLLM stage (deploy ``prefill:``) against the same stage unsplit,
 the same machine, one run: ``tiny-llm`` split 1P:1D against two unsplit replicas (two vLLM
-engines each way), through ``omni-up``, the same model folder and engine settings.
+engines each way), and one unsplit replica (the split's decode capacity alone), through
+``omni-up``, the same model folder and engine settings, one deployment after the other.
 
-The load is mixed: ``STREAMS`` streams decode all the time (short prompts, ``DECODE_TOKENS``
-tokens each, greedy, ``ignore_eos``, one request after the other per stream) while long-prompt
-requests (``LONG_TOKENS``-ish tokens of prompt, each one unique from its first token so that
-vLLM's prefix cache cannot serve it, ``LONG_MAX_TOKENS`` tokens out) arrive open-loop at
-``LONG_RATE`` per second. Measured over the window: the inter-token gaps of the decoding
-streams (every gap between two token events, p50/p99), the long requests' time to first token
-(p50/p99), output tokens/s of everything, and for the split stage the KV bytes the decode
-engine pulled per long request and the mean transfer time (the decode pod's
-``omni_stage_kv_transfer_*`` counters).
+The load is mixed and open-loop, the same demand for every deployment: decode requests (short
+prompts, ``DECODE_TOKENS`` tokens each, greedy, ``ignore_eos``) at ``DECODE_RATE`` per second
+and long-prompt requests (``LONG_WORDS`` words, ~1,600 tokens, each unique from its first
+token so that vLLM's prefix cache cannot serve it, ``LONG_MAX_TOKENS`` tokens out) at
+``LONG_RATE`` per second, Poisson arrivals. Measured over the window: the inter-token gaps of
+the decode requests (every gap between two token events, p50/p99), the long requests' time to
+first token (p50/p99), output tokens/s of everything, and for the split stage the KV pulls,
+bytes per pull and NIXL's mean transfer time (the decode pod's ``omni_stage_kv_transfer_*``
+counters).
 
-Target: decode inter-token p99 ≤ 0.5x the unsplit figure at equal tokens/s (within 10%).
+Target: decode inter-token p99 ≤ 0.5x the 2-replica unsplit figure at equal tokens/s (the
+same demand: within 10%).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,10 +42,11 @@ from omni_mesh.configs.loader import bundled_deploy_path
 from tests.procs import ManagedProcess, clean_env, free_port
 
 MODEL = "tiny-llm"
-STREAMS = 8
+DECODE_RATE = 6.0  # decode requests per second
+LONG_RATE = 4.0  # long-prompt requests per second
 DECODE_TOKENS = 64
 LONG_MAX_TOKENS = 8
-LONG_WORDS = 600  # ~1,500 tokens of the tiny tokenizer
+LONG_WORDS = 720  # ~1,900 tokens of the tiny tokenizer
 MAX_MODEL_LEN = 2048
 WORDS = [
     "the",
@@ -80,15 +84,15 @@ class Run:
         return self.tokens / self.window_s if self.window_s else 0.0
 
 
-def _overlay(folder: Path, model_dir: Path, split: bool) -> Path:
-    path = folder / ("split.yaml" if split else "unsplit.yaml")
+def _overlay(folder: Path, model_dir: Path, split: bool, replicas: int) -> Path:
+    path = folder / f"{'split' if split else 'unsplit'}-{replicas}.yaml"
     text = (
         f"base_config: {bundled_deploy_path(MODEL)}\n"
         "async_chunk: true\n"
         "request_timeout_s: 120\n"
         "stages:\n"
         "  - stage_id: 0\n"
-        f"    num_replicas: {1 if split else 2}\n"
+        f"    num_replicas: {replicas}\n"
         f"    max_model_len: {MAX_MODEL_LEN}\n"
         f"    engine_args: {{model: {model_dir}, seed: 0, kv_cache_memory_bytes: {1 << 30}}}\n"
         "    engine_extras: {chunk_tokens: 1}\n"
@@ -138,10 +142,13 @@ async def _stream(
     return times[0] - t0, times, tokens, prompt_tokens
 
 
-async def _mixed_load(url: str, name: str, window_s: float, long_rate: float) -> Run:
+async def _mixed_load(url: str, name: str, window_s: float, rates: tuple[float, float]) -> Run:
+    """Decode requests and long-prompt requests, each arriving open-loop (Poisson) at its
+    rate: the same demand for every deployment, so each delivers the same tokens/s while it
+    keeps up."""
     run = Run(name)
     rng = random.Random(7)
-    async with new_session(STREAMS + 32) as sess:
+    async with new_session(256) as sess:
         for i in range(4):  # warm-up, both kinds
             await _stream(sess, url, f"warm up {i}", 8, i)
             await _stream(sess, url, _long_prompt(90_000 + i, rng), 2, i)
@@ -151,19 +158,14 @@ async def _mixed_load(url: str, name: str, window_s: float, long_rate: float) ->
         def inside(t: float) -> bool:
             return t_start <= t <= t_end
 
-        async def decoder(k: int) -> None:
-            n = 0
-            while time.monotonic() < t_end:
-                try:
-                    _, times, _, _ = await _stream(
-                        sess, url, f"stream {k} turn {n}", DECODE_TOKENS, k
-                    )
-                except Exception:
-                    run.errors += 1
-                    continue
-                run.gaps += [b - a for a, b in itertools.pairwise(times) if inside(b)]
-                run.tokens += sum(1 for t in times if inside(t))
-                n += 1
+        async def one_decode(i: int) -> None:
+            try:
+                _, times, _, _ = await _stream(sess, url, f"stream {i}", DECODE_TOKENS, i)
+            except Exception:
+                run.errors += 1
+                return
+            run.gaps += [b - a for a, b in itertools.pairwise(times) if inside(b)]
+            run.tokens += sum(1 for t in times if inside(t))
 
         async def one_long(i: int) -> None:
             try:
@@ -178,16 +180,16 @@ async def _mixed_load(url: str, name: str, window_s: float, long_rate: float) ->
             run.tokens += sum(1 for t in times if inside(t))
             run.long_done += 1
 
-        async def arrivals() -> None:
+        async def arrivals(start: Callable[[int], Awaitable[None]], rate: float) -> None:
             tasks = []
             i = 0
             while time.monotonic() < t_end:
-                tasks.append(asyncio.create_task(one_long(i)))
+                tasks.append(asyncio.create_task(start(i)))
                 i += 1
-                await asyncio.sleep(rng.expovariate(long_rate))
+                await asyncio.sleep(rng.expovariate(rate))
             await asyncio.gather(*tasks)
 
-        await asyncio.gather(arrivals(), *(decoder(k) for k in range(STREAMS)))
+        await asyncio.gather(arrivals(one_decode, rates[0]), arrivals(one_long, rates[1]))
         run.window_s = window_s
     return run
 
@@ -206,19 +208,19 @@ def _sample(text: str, name: str) -> float:
 
 
 async def _deployment(
-    model_dir: Path, log_dir: Path, split: bool, window_s: float, rate: float
+    model_dir: Path, log_dir: Path, split: bool, replicas: int, window_s: float
 ) -> Run:
-    overlay = _overlay(log_dir, model_dir, split)
+    overlay = _overlay(log_dir, model_dir, split, replicas)
     port = free_port()
     argv = [sys.executable, "-m", "omni_mesh.launcher.cli", "--pipeline", MODEL,
             "--port", str(port), "--deploy-config", str(overlay)]  # fmt: skip
-    name = "split 1P:1D" if split else "unsplit, 2 replicas"
-    proc = ManagedProcess(argv, name=f"omni-up-{'split' if split else 'unsplit'}",
+    name = f"split 1P:{replicas}D" if split else f"unsplit, {replicas} replica(s)"
+    proc = ManagedProcess(argv, name=f"omni-up-{'split' if split else 'unsplit'}{replicas}",
                           env=clean_env(), log_dir=log_dir).start()  # fmt: skip
     try:
         proc.wait_for_output(r"omni-up ready", timeout=300)
         url = f"http://127.0.0.1:{port}"
-        run = await _mixed_load(url, name, window_s, rate)
+        run = await _mixed_load(url, name, window_s, (DECODE_RATE, LONG_RATE))
         if split:
             await asyncio.sleep(1.5)  # the engines' last stats reports
             decode = re.findall(r"stage 0 llm-decode #\d+\s+(http://\S+)", proc.stdout)
@@ -240,13 +242,13 @@ async def bench(opts: Options) -> Report:
         "Prefill/decode split: tiny-llm 1P:1D vs 2 unsplit replicas under a mixed load",
     )
     window_s = opts.pickf(40.0, 12.0)
-    rate = 2.0
     with vllm_env() as model_dir:
         log_dir = Path(tempfile.mkdtemp(prefix="omni-bench-pd-"))
         runs = [
-            await _deployment(model_dir, log_dir, split, window_s, rate) for split in (False, True)
+            await _deployment(model_dir, log_dir, split, replicas, window_s)
+            for split, replicas in ((False, 2), (True, 1), (False, 1))
         ]
-    _tables(report, runs, window_s, rate)
+    _tables(report, runs, window_s)
     return report
 
 
@@ -254,7 +256,7 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.1f}"
 
 
-def _tables(report: Report, runs: list[Run], window_s: float, rate: float) -> None:
+def _tables(report: Report, runs: list[Run], window_s: float) -> None:
     rows = [
         [r.name, f"{percentile(r.gaps, 50) * 1000:.1f}", f"{percentile(r.gaps, 99) * 1000:.1f}",
          _ms(percentile(r.ttfts, 50)), _ms(percentile(r.ttfts, 99)), f"{r.tokens_per_s:,.0f}",
@@ -264,11 +266,11 @@ def _tables(report: Report, runs: list[Run], window_s: float, rate: float) -> No
     head = ["deployment", "decode ITL p50 ms", "decode ITL p99 ms", "long TTFT p50 ms",
             "long TTFT p99 ms", "output tokens/s", "long prompts", "failed"]  # fmt: skip
     title = (
-        f"{STREAMS} streams decoding ({DECODE_TOKENS} tokens each, one after the other) + long "
-        f"prompts arriving at {rate:g}/s for {window_s:.0f} s"
+        f"decode requests ({DECODE_TOKENS} tokens each) at {DECODE_RATE:g}/s + long prompts "
+        f"({LONG_MAX_TOKENS} tokens each) at {LONG_RATE:g}/s, both open-loop, for {window_s:.0f} s"
     )
     report.add(md_table(head, rows, title=title))
-    unsplit, split = runs
+    unsplit, split, _one = runs
     kv = split.kv
     pulled = kv.get("pulled", 0.0)
     per_request = kv.get("bytes", 0.0) / pulled if pulled else float("nan")

@@ -60,7 +60,12 @@ from omni_mesh.engines.base import (
 )
 from omni_mesh.engines.model_cache import default_cache_dir
 from omni_mesh.engines.vllm.args import build_engine_args, make_vllm_config
-from omni_mesh.engines.vllm.kv_split import KvTransferCounts, with_kv_connector
+from omni_mesh.engines.vllm.kv_split import (
+    CPU_PROGRESS_DELAY_US,
+    KvTransferCounts,
+    pace_nixl_progress,
+    with_kv_connector,
+)
 from omni_mesh.engines.vllm.stream import VllmStream, pass_fields
 
 logger = logging.getLogger(__name__)
@@ -133,6 +138,12 @@ class VllmEngine(StageEngine):
         if self.ctx.config.prefill is not None:
             lease_s = _extra_int(self.ctx, "kv_lease_s", 30, 1, 3600)
             args = with_kv_connector(args, lease_s)
+            from vllm.platforms import current_platform
+
+            cpu = current_platform.device_type == "cpu"
+            default_delay = CPU_PROGRESS_DELAY_US if cpu else 0
+            delay = _extra_int(self.ctx, "nixl_progress_delay_us", default_delay, 0, 1_000_000)
+            pace_nixl_progress(delay)
         if self.ctx.config.world_size == 1:
             # vLLM reads this to choose its executor (on CPU: the in-process one only when it
             # is "0"); one replica is one process, whatever the environment says.

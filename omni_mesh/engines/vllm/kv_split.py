@@ -9,7 +9,9 @@ free one picked here unless the environment names one (one engine per process, s
 host); the host is the environment's, else loopback: on several hosts set it to the address
 other hosts reach this pod on (in Kubernetes: the pod IP, ``fieldRef: status.podIP``). A stage's own
 ``engine_args.kv_transfer_config`` wins over all of this. ``engine_extras.kv_lease_s`` (default
-30, vLLM's) is how long a prefill replica keeps KV that no decode replica pulls.
+30, vLLM's) is how long a prefill replica keeps KV that no decode replica pulls;
+``engine_extras.nixl_progress_delay_us`` paces NIXL's progress thread (:func:`pace_nixl_progress`:
+1000 on CPU machines, NIXL's own 0 elsewhere).
 """
 
 from __future__ import annotations
@@ -99,3 +101,40 @@ class KvTransferCounts:
         self.pulled_bytes += int(sum(data.get("bytes_transferred", ())))
         self.pulled_s += float(sum(data.get("transfer_duration", ())))
         self.expired += len(data.get("num_kv_expired_reqs", ()))
+
+
+#: The NIXL progress thread's pause between rounds on CPU machines, microseconds.
+CPU_PROGRESS_DELAY_US = 1000
+
+
+def pace_nixl_progress(delay_us: int) -> bool:
+    """Give NIXL agents made in this process a progress thread that pauses ``delay_us``
+    between rounds; True when applied.
+
+    NIXL's Python wrapper (1.5) builds every agent with ``pthrDelay = 0``, and its UCX
+    progress thread then spins: measured here, one whole core per engine, prefill and decode,
+    idle or not: on a CPU machine the core its model needs. With 1 ms the same transfers pass
+    and an idle engine uses ~5% of a core. The wrapper's module is vLLM's ``nixl._api``
+    backend (``nixl_cu12``, …); its ``nixlBind`` is wrapped so the agent config it makes
+    takes the delay. 0 keeps NIXL's own behaviour."""
+    if delay_us <= 0:
+        return False
+    import importlib
+    import types
+
+    from nixl._api import nixl_agent
+
+    api: Any = importlib.import_module(nixl_agent.__module__)
+    bindings = api.nixlBind
+    if getattr(bindings, "omni_paced", False):
+        return True
+
+    class PacedConfig(bindings.nixlAgentConfig):  # type: ignore[misc,name-defined]
+        def __setattr__(self, name: str, value: Any) -> None:
+            super().__setattr__(name, delay_us if name == "pthrDelay" else value)
+
+    names = {k: getattr(bindings, k) for k in dir(bindings) if not k.startswith("__")}
+    names.update(nixlAgentConfig=PacedConfig, omni_paced=True)
+    paced = types.SimpleNamespace(**names)
+    api.nixlBind = paced
+    return True

@@ -8,7 +8,8 @@ Killing the prefill replica (its pod and engine, SIGKILL) and then a decode repl
 fails no request and changes no answer: hops whose prefill replica is gone are prefilled by
 the decode replica (counted ``local``), a pull from the dead engine fails and is prefilled
 again where it is (counted ``failed``), a decode stream cut mid-way is replayed, prefill
-included, elsewhere. A prefill whose KV nobody pulls (a prefill request sent straight to the
+included, elsewhere. Idle, the split stage's engines leave the cores alone (NIXL's progress
+thread paced). A prefill whose KV nobody pulls (a prefill request sent straight to the
 prefill replica) is freed when its lease runs out, counted ``expired``. ``--role`` on a stage
 that is not split exits 2."""
 
@@ -153,6 +154,29 @@ def _kill(pids: list[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_idle_split_engines_leave_the_cores_alone(split: Server) -> None:
+    # NIXL's progress thread spins a whole core per engine unless paced (kv_split.py): idle,
+    # every engine of the split stage must use a small part of one.
+    engines = [
+        pid
+        for urls in split.stage_urls.values()
+        for url in urls
+        for pid in _pod_and_engine(split, url)[1:]
+        if b"omni_mesh.engines" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    assert len(engines) == 3, engines
+    time.sleep(1.0)  # the last requests' stats and steps
+    before = {pid: _cpu_s(pid) for pid in engines}
+    time.sleep(3.0)
+    used = {pid: (_cpu_s(pid) - t) / 3.0 for pid, t in before.items()}
+    assert all(share < 0.3 for share in used.values()), used  # cores per engine, idle
 
 
 def test_killing_the_prefill_and_a_decode_replica_under_load_fails_nothing(
