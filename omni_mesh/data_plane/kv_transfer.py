@@ -20,8 +20,8 @@ from typing import Any
 
 #: ``StageInput.kv_transfer`` of a prefill request.
 PREFILL_REQUEST = '{"do_remote_decode":true}'
-#: Longest params text accepted from a prefill answer.
-MAX_PARAMS_BYTES = 1 << 16
+#: Longest params text accepted from a prefill answer (its block ids: ~6 bytes per 16 tokens).
+MAX_PARAMS_BYTES = 1 << 20
 
 
 class KvTransferError(ValueError):

@@ -39,6 +39,7 @@ class Receiver:
         self.name = name
         self.kv_role = kv_role
         self.got: list[str] = []  # kv_transfer of every input received
+        self.attempts: list[int] = []
         self.answer_status = 200
         self.bad_answer = False
         self.runner: web.AppRunner | None = None
@@ -57,6 +58,7 @@ class Receiver:
     async def hop(self, request: web.Request) -> web.Response:
         si = codec.decode(await request.read(), StageInput)
         self.got.append(si.kv_transfer)
+        self.attempts.append(si.attempt)
         if self.answer_status != 200:
             return web.Response(status=self.answer_status, text="engine died")
         if si.kv_transfer == PREFILL_REQUEST:
@@ -159,6 +161,39 @@ async def test_without_a_prefill_replica_that_can_the_decode_replica_prefills(
     assert result.outputs[2].fields["kv"] == "" and stats.kv_handoffs == ["local"]
 
 
+async def test_a_decode_retried_elsewhere_prefills_there_not_reading_freed_blocks(
+    servers: list[Receiver],
+) -> None:
+    # The first decode replica fails before it answers (it may have pulled the KV already,
+    # and the prefill engine freed it then): the retry goes without the params.
+    p = await start(servers, "p", "prefill")
+    d1, d2 = await start(servers, "d1", "decode"), await start(servers, "d2", "decode")
+    d1.answer_status = 503
+    pools = Pools(p.replica(), d1.replica(), d2.replica())
+    for _ in range(6):  # until P2C has tried d1 first once
+        result, stats = await hop_once(pools)
+        assert result.error is None and result.outputs[2].fields["by"] == "d2"
+        if d1.got:
+            break
+    assert d1.got == [PARAMS] and d2.got[-1] == "" and stats.kv_handoffs == ["remote", "local"]
+    assert d2.attempts[-1] == 1
+
+
+async def test_prefill_failures_spend_none_of_the_decodes_retries(
+    servers: list[Receiver],
+) -> None:
+    p = await start(servers, "p", "prefill")
+    d1, d2 = await start(servers, "d1", "decode"), await start(servers, "d2", "decode")
+    p.answer_status = d1.answer_status = 503
+    for _ in range(6):  # one retry (retries=1): the prefill's failure is not the decode's
+        result, stats = await hop_once(Pools(p.replica(), d1.replica(), d2.replica()))
+        assert result.error is None and result.outputs[2].fields == {"by": "d2", "kv": ""}
+        assert stats.kv_handoffs == ["local"]
+        if d1.got:
+            break
+    assert d1.got and d1.attempts[0] == 0  # the decode's own first attempt
+
+
 async def test_an_unsplit_pool_has_no_kv_handoff(servers: list[Receiver]) -> None:
     a = await start(servers, "a", "")
     result, stats = await hop_once(Pools(a.replica()))
@@ -174,4 +209,4 @@ def test_decode_params_refuse_what_is_not_a_prefill_answer() -> None:
         with pytest.raises(KvTransferError, match=why):
             decode_params(bad)
     with pytest.raises(KvTransferError, match="longer than"):
-        decode_params("x" * (1 << 17))
+        decode_params("x" * (1 << 21))

@@ -258,10 +258,14 @@ class VllmEngine(StageEngine):
         elif request.kv_transfer:  # a decode: pull the KV the prefill replica computed
             try:
                 pulled = decode_params(request.kv_transfer)
-            except KvTransferError as exc:
-                raise EngineInputError(f"stage {self.ctx.stage.stage_id}: {exc}") from None
-            local = params.clone()  # for a failed pull: the same request, prefilled here
-            params.extra_args = {"kv_transfer_params": pulled}
+            except KvTransferError as exc:  # nothing to pull from: prefill here instead
+                self.kv_counts.failed += 1
+                logger.warning(
+                    "stage=%d id=%s: %s", self.ctx.stage.stage_id, request.request_id, exc
+                )
+            else:
+                local = params.clone()  # for a failed pull: the same request, prefilled here
+                params.extra_args = {"kv_transfer_params": pulled}
         vid = self._submit(request, prompt, params)
         stream = VllmStream(
             engine=self,

@@ -31,6 +31,9 @@ def kv_connector_config(device_type: str, lease_s: int) -> dict[str, Any]:
     config: dict[str, Any] = {
         "kv_connector": "NixlConnector",
         "kv_role": "kv_both",
+        # A failed pull ends the request (it is then prefilled locally, and counted: see
+        # VllmEngine.prefill_locally) rather than vLLM recomputing it unseen.
+        "kv_load_failure_policy": "fail",
         "kv_connector_extra_config": {"kv_lease_duration": lease_s},
     }
     if device_type == "cpu":

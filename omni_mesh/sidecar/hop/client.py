@@ -198,13 +198,14 @@ class HopClient:
         t0 = time.monotonic()
         connector = self.connector_for(si.from_stage, si.stage_id)
         seen: set[tuple[int, int]] = set()
-        kv = ""  # a split stage's: where the prompt's KV waits (data_plane/kv_transfer.py)
+        kv = _KvHandoff()  # a split stage's: where the prompt's KV waits
 
         def body_for(replica: Replica, attempt: int, kv_transfer: str = "") -> bytes:
             same_host = replica.host_id == self.router.host_id
             payload = connector.prepare(si.payload, same_host=same_host, reader=self.reader)
+            kv_transfer = kv_transfer or kv.params_for(attempt, budget.stats)
             new = msgspec.structs.replace(
-                si, payload=payload, attempt=attempt, kv_transfer=kv_transfer or kv
+                si, payload=payload, attempt=attempt, kv_transfer=kv_transfer
             )
             return codec.encode(new)
 
@@ -213,7 +214,7 @@ class HopClient:
                 # 0) A split stage: the prompt is prefilled on a prefill replica first (again
                 #    on a replay: the KV went to the replica that failed).
                 if self.router.is_split(si.stage_id):
-                    kv = await self._prefilled(si, budget, body_for)
+                    kv.prefilled(await self._prefilled(si, budget, body_for), budget.attempt)
                 # 1) A replica answers (replayed on replica failures inside call()).
                 answer = await self.call(
                     si.stage_id,
@@ -248,20 +249,26 @@ class HopClient:
         """A split stage's prefill (``data_plane/kv_transfer.py``): a prefill replica computes
         the prompt's KV and says where it waits; those params go to the decode replica. When
         no prefill replica can (none, all failed or shed, a bad answer), "" : the decode
-        replica prefills for itself. Each outcome is counted in ``budget.stats``."""
+        replica prefills for itself. Each outcome is counted in ``budget.stats``.
+
+        The prefill has a budget of its own (its failures spend none of the decode's
+        retries) and at most half the time left before the deadline, so that a local prefill
+        still has time when the prefill pool does not answer."""
         stats = budget.stats
         if self.router.candidates(si.stage_id, set(), prefill=True):
+            half_ms = now_ms() + max(0, si.deadline_ms - now_ms()) // 2
+            own = HopBudget(si.stage_id, min(si.deadline_ms, half_ms), self.retries)
             try:
                 answer = await self.call(
                     si.stage_id,
                     HOP_PATH,
                     lambda replica, attempt: body_for(replica, attempt, PREFILL_REQUEST),
                     content_type=MSGPACK,
-                    budget=budget,
+                    budget=own,
                     prefill=True,
                 )
             except HopUnavailable as exc:
-                if exc.code == "deadline":
+                if now_ms() >= si.deadline_ms:
                     raise
                 why = str(exc)
             else:
@@ -270,6 +277,10 @@ class HopClient:
                     stats.kv_handoffs.append("remote")
                     return result.kv_transfer
                 why = result.error.message if result.error else "an answer without KV params"
+            finally:
+                stats.attempts += own.stats.attempts
+                stats.bytes_sent += own.stats.bytes_sent
+                stats.tried += own.stats.tried
             logger.warning(
                 "request_id=%s stage=%d: prefill replica unavailable, the decode replica "
                 "prefills: %s",
@@ -386,7 +397,8 @@ class HopClient:
         that are busy with this very work (409) or ejected for a while are looked at again
         after a short back-off, bounded by the deadline."""
         budget.stats.waited_full += 1
-        if not busy and not tuple(self.router.pools.replicas(stage_id)):
+        pool = [r for r in self.router.pools.replicas(stage_id) if r.kv_role != "prefill"]
+        if not busy and not pool:  # (a split stage's prefill pool serves no hop of its own)
             if self.on_empty_pool is not None:  # a stage at zero: wake it, look again soon
                 self.on_empty_pool(stage_id, self._waiting_for_empty(stage_id, budget))
                 remaining_s = min(remaining_s, EMPTY_POOL_NOTICE_S)
@@ -469,6 +481,32 @@ class HopClient:
         self.router.eject(
             replica.instance_id, why, connection_level=isinstance(exc, HopConnectionError)
         )
+
+
+class _KvHandoff:
+    """A split stage's hop: the params of its prefill and the attempt they were made for.
+    A retry of the decode on another replica (the first failed before it answered) goes
+    without them: that replica may already have pulled the KV, which the prefill engine then
+    freed, and a second read of those blocks would read whatever reuses them. It prefills for
+    itself instead (counted ``local``)."""
+
+    __slots__ = ("attempt", "dropped", "params")
+
+    def __init__(self) -> None:
+        self.params = ""
+        self.attempt = -1
+        self.dropped = False
+
+    def prefilled(self, params: str, attempt: int) -> None:
+        self.params, self.attempt, self.dropped = params, attempt, False
+
+    def params_for(self, attempt: int, stats: HopStats) -> str:
+        if not self.params or attempt == self.attempt:
+            return self.params
+        if not self.dropped:
+            self.dropped = True
+            stats.kv_handoffs.append("local")
+        return ""
 
 
 class _FullWait:

@@ -10,7 +10,9 @@ the decode replica (counted ``local``), a pull from the dead engine fails and is
 again where it is (counted ``failed``), a decode stream cut mid-way is replayed, prefill
 included, elsewhere. Idle, the split stage's engines leave the cores alone (NIXL's progress
 thread paced). A prefill whose KV nobody pulls (a prefill request sent straight to the
-prefill replica) is freed when its lease runs out, counted ``expired``. ``--role`` on a stage
+prefill replica) is freed when its lease runs out, counted ``expired``; a decode whose pull
+fails (params of an engine that is gone) gives the answer of a local prefill, counted
+``failed``. ``--role`` on a stage
 that is not split exits 2."""
 
 from __future__ import annotations
@@ -28,16 +30,18 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from omni_mesh.data_plane import codec
-from omni_mesh.data_plane.constants import MSGPACK
+from omni_mesh.data_plane.constants import HOP_FRAMES, MSGPACK
+from omni_mesh.data_plane.framing import HEADER
 from omni_mesh.data_plane.kv_transfer import PREFILL_REQUEST
 from omni_mesh.data_plane.messages import HopResult, Payload, StageInput
 from omni_mesh.data_plane.signing import hop_token
 from omni_mesh.sidecar.hop.client import HOP_PATH, HOP_TOKEN_HEADER
 from tests.engines.vllm.servers import MODEL, SECRET, Server, tiny_llm
-from tests.procs import descendants, wait_until
+from tests.procs import descendants, free_port, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -119,10 +123,7 @@ def test_kv_that_nobody_pulls_is_freed_when_its_lease_runs_out(split: Server) ->
         payload=Payload(fields={"prompt": "nobody will pull this prompt's cache"}),
         kv_transfer=PREFILL_REQUEST,
     )
-    headers = {"Content-Type": MSGPACK, HOP_TOKEN_HEADER: hop_token(SECRET.encode())}
-    request = urllib.request.Request(f"{prefill}{HOP_PATH}", codec.encode(si), headers)
-    with urllib.request.urlopen(request, timeout=60) as resp:
-        answer = codec.decode(resp.read(), HopResult)
+    [answer] = _hop(prefill, si)
     assert answer.error is None and not answer.outputs, answer
     params = json.loads(answer.kv_transfer)
     assert params["remote_engine_id"] and params["remote_block_ids"], params
@@ -135,6 +136,53 @@ def test_kv_that_nobody_pulls_is_freed_when_its_lease_runs_out(split: Server) ->
         message=lambda: split.proc.stderr[-2000:],
     )
     assert complete(split, SEEDS[0])  # and it keeps serving
+
+
+def _hop(url: str, si: StageInput) -> list[HopResult]:
+    """``si`` sent to the pod at ``url`` as a sender would; the answer's frames."""
+    headers = {"Content-Type": MSGPACK, HOP_TOKEN_HEADER: hop_token(SECRET.encode())}
+    request = urllib.request.Request(f"{url}{HOP_PATH}", codec.encode(si), headers)
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        body, streamed = resp.read(), resp.headers["Content-Type"] == HOP_FRAMES
+    if not streamed:
+        return [codec.decode(body, HopResult)]
+    frames, off = [], 0
+    while off < len(body):
+        (size,) = HEADER.unpack_from(body, off)
+        frames.append(codec.decode(body[off + HEADER.size : off + HEADER.size + size], HopResult))
+        off += HEADER.size + size
+    return frames
+
+
+def _text(frames: list[HopResult]) -> str:
+    return "".join(str(f.outputs[0].fields.get("text", "")) for f in frames if 0 in f.outputs)
+
+
+def test_a_pull_that_fails_is_prefilled_where_it_is(split: Server) -> None:
+    # Params of a prefill engine that is gone (nothing listens on its side channel): the pull
+    # fails inside vLLM, and the decode engine runs the request again with its own prefill.
+    decode = split.stage_urls["decode"][0]
+    failed = kv_metric(split, "decode", "failed")
+    gone = {
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]],
+        "remote_engine_id": "a-gone-engine", "remote_request_id": "gone-1",
+        "remote_host": "127.0.0.1", "remote_port": free_port(), "tp_size": 1, "dcp_size": 1,
+        "pp_size": 1, "remote_num_tokens": 24, "remote_blocks_expiry_time": None,
+        "transfer_mode": "pull", "remote_prefill_cached_tokens": 0,
+    }  # fmt: skip
+    si = StageInput(
+        pipeline=MODEL,
+        request_id="pull-from-nowhere",
+        stage_id=0,
+        deadline_ms=int((time.time() + 60) * 1000),
+        seed=4,
+        payload=Payload(fields={"prompt": "a pull from nowhere", "max_tokens": 8}),
+        kv_transfer=json.dumps(gone),
+    )
+    pulled_text = _text(_hop(decode, si))
+    local = msgspec.structs.replace(si, request_id="prefilled-here", kv_transfer="")
+    assert pulled_text and pulled_text == _text(_hop(decode, local))
+    wait_until(lambda: kv_metric(split, "decode", "failed") >= failed + 1, 10, interval=0.2)
 
 
 def _pod_and_engine(server: Server, url: str) -> list[int]:
