@@ -30,7 +30,8 @@ from omni_mesh.configs.pipeline import MAX_STAGES
 
 class PrefillPool(BaseModel):
     """``prefill:`` of a stage entry: the stage is split into a prefill pool (this block) and a
-    decode pool (the entry's own ``num_replicas``). A request's prompt is prefilled on a
+    decode pool (the entry's own ``num_replicas``, and ``autoscale:`` when set: it scales the
+    decode pool; the prefill pool keeps its size). A request's prompt is prefilled on a
     prefill replica; its KV cache moves engine to engine (vLLM's ``NixlConnector``) to the
     decode replica that generates the tokens (docs/operations.md, "Prefill/decode split")."""
 
@@ -172,7 +173,7 @@ class StageDeployConfig(BaseModel):
     prefill: PrefillPool | None = Field(
         default=None,
         description="vLLM stages: split prefill from decode; this block sizes the prefill "
-        "pool, num_replicas the decode pool (KV moved over NIXL).",
+        "pool, num_replicas (and autoscale) the decode pool (KV moved over NIXL).",
     )
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
@@ -199,12 +200,6 @@ class StageDeployConfig(BaseModel):
         scale = self.autoscale
         if context_flag(info, "layer"):
             return self
-        if self.prefill is not None and scale is not None:
-            raise ValueError(
-                f"stage {self.stage_id}: prefill: (a split stage) and autoscale: together are "
-                "not supported yet: size the prefill pool and the decode pool (num_replicas) "
-                "by hand"
-            )
         if scale is None:
             if self.num_replicas == 0:
                 raise ValueError(

@@ -105,8 +105,11 @@ class StageActuator:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def adopt(self, started: Iterable[tuple[Planned, Child]]) -> None:
-        """Take over the replicas omni-up started for the autoscaled stages."""
+        """Take over the replicas omni-up started for the autoscaled stages (a split stage's
+        decode pool: its prefill pool keeps its size)."""
         for plan, child in started:
+            if plan.role == "prefill":
+                continue
             pool = self.pools.get(plan.stage_id) if plan.stage_id is not None else None
             if pool is not None:
                 pool.children.append(child)

@@ -116,6 +116,7 @@ class Planned:
     health_path: str = "/health"
     stop_rank: int = 0  # stopped in ascending rank: API server, stage 0, 1, …, control plane
     stage_id: int | None = None  # a stage replica's stage
+    role: str = ""  # a split stage's replica: "prefill" or "decode"
 
     @property
     def ready_url(self) -> str:
@@ -169,6 +170,7 @@ def plan_replica(
         f"stage {stage_id} {pool} #{replica}",
         stop_rank=stage_rank(config, stage_id),
         stage_id=stage_id,
+        role=role,
     )
 
 
@@ -297,7 +299,9 @@ def _follow(
         pipeline=config.pipeline.name,
         policies=config.autoscale,
         cp_url=cp_url,
-        plan_replica=lambda stage_id, n: plan_replica(config, cp_url, stage_id, n),
+        plan_replica=lambda stage_id, n: plan_replica(
+            config, cp_url, stage_id, n, role="decode" if stage_id in config.prefill else ""
+        ),
         env=env,
         restart=replace(config.restart, ready_timeout_s=config.ready_timeout_s),
         poll_s=config.scale_poll_s,

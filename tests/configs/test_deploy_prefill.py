@@ -1,7 +1,7 @@
 """A stage split into prefill and decode pools (``prefill:``): the deploy field and its
-layers, what it refuses (with autoscale:, an empty pool, an engine that cannot split), and the
-processes omni-up plans for it (the prefill pool with ``--role prefill``, the stage's
-``num_replicas`` with ``--role decode``)."""
+layers, what it refuses (an empty pool, an engine that cannot split), and the processes
+omni-up plans for it (the prefill pool with ``--role prefill``, the stage's ``num_replicas``
+with ``--role decode``; autoscaled, the actuator takes over the decode pool only)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ from omni_mesh.engines.base import EngineConfigError, EngineContext
 from omni_mesh.engines.synthetic import SyntheticEngine
 from omni_mesh.launcher import cli as cli_up
 from omni_mesh.launcher import local_deploy
+from omni_mesh.launcher.autoscale import StageActuator
+from omni_mesh.launcher.supervised_child import RestartPolicy
+from omni_mesh.launcher.supervisor import Supervisor
 
 pytestmark = pytest.mark.unit
 
@@ -38,10 +41,6 @@ def test_the_prefill_pool_is_a_stage_field_with_its_layers(tmp_path: Path) -> No
 
 
 def test_what_a_split_stage_refuses() -> None:
-    with pytest.raises(ValidationError, match=r"prefill: .* and autoscale: together"):
-        StageDeployConfig.model_validate(
-            {"stage_id": 0, "prefill": {"num_replicas": 1}, "autoscale": {"max_replicas": 2}}
-        )
     with pytest.raises(ValidationError, match="num_replicas"):
         StageDeployConfig.model_validate({"stage_id": 0, "prefill": {"num_replicas": 0}})
     with pytest.raises(ValidationError, match="extra"):
@@ -68,6 +67,26 @@ def test_omni_up_plans_both_pools_of_a_split_stage(tmp_path: Path) -> None:
         "stage0-llm-decode-0": "decode",
         "stage0-llm-decode-1": "decode",
     }
+    # Autoscaled: the actuator adopts the decode pool only and starts decode replicas.
+    scaled = tmp_path / "scaled.yaml"
+    scaled.write_text(
+        f"base_config: {bundled_deploy_path('tiny-llm')}\n"
+        "stages: [{stage_id: 0, num_replicas: 1, prefill: {num_replicas: 1},\n"
+        "          autoscale: {min_replicas: 1, max_replicas: 3}}]\n"
+    )
+    config = cli_up.parse_args(["--pipeline", "tiny-llm", "--deploy-config", str(scaled)], {})
+    plans = local_deploy.plan_stages(config, "http://127.0.0.1:7700")
+    sup = Supervisor(log_dir=tmp_path / "logs")
+    with StageActuator(
+        sup, pipeline="tiny-llm", policies=config.autoscale, cp_url="http://127.0.0.1:1",
+        plan_replica=lambda s, n: local_deploy.plan_replica(config, "http://x:1", s, n,
+                                                            role="decode"),
+        env={}, restart=RestartPolicy(), poll_s=1.0,
+    ) as actuator:  # fmt: skip
+        children = [(p, object()) for p in plans if p.stage_id == 0]
+        actuator.adopt(children)  # type: ignore[arg-type]
+        assert len(actuator.pools[0].children) == 1  # the decode replica, not the prefill one
+    assert [p.role for p in plans if p.stage_id == 0] == ["prefill", "decode"]
     unsplit = cli_up.parse_args(["--pipeline", "tiny-llm"], {})
     assert unsplit.prefill == {}
     assert all("--role" not in p.argv for p in local_deploy.plan_stages(unsplit, "http://x:1"))

@@ -169,3 +169,36 @@ async def test_an_operator_promotes_a_standby_over_the_api(
         assert ack.state is InstanceState.HEALTHY
     finally:
         await fast_client.deregister(reg.instance_id)
+
+
+async def test_a_split_stage_scales_its_decode_pool_only(
+    redis_client: redis.asyncio.Redis,
+) -> None:
+    # A split stage (deploy prefill:): its prefill replicas register with kv_role prefill and
+    # are neither counted as ready nor promoted; the policy sizes the decode pool.
+    store = make_store(redis_client)
+    metrics = ControlPlaneMetrics(CollectorRegistry())
+    autoscaler = Autoscaler(store, store.scale, metrics.autoscale)
+    await redis_client.set(KEYS.sweeper_lock, "holder")
+    policy = AutoscaleConfig(
+        min_replicas=1, max_replicas=4, target_utilization=0.5, scale_up_window_s=0.0,
+        cooldown_s=0.0,
+    )  # fmt: skip
+    now = await store.scale.now_ms()
+    await store.scale.put_policy(
+        PIPELINE, 4, policy, initial_decision(policy, ScaleInputs(), now, 1)
+    )
+    pools = {"prefill": 9841, "decode": 9842}
+    ids = {}
+    for role, port in pools.items():
+        req = request(4, port, standby=False).model_copy(update={"labels": {"kv_role": role}})
+        ids[role] = (await store.register(req)).instance_id
+    # The prefill replica is busy and the decode one idle: nothing to add to the decode pool.
+    await store.heartbeat(ids["prefill"], LoadReport(in_flight=4, capacity=4))
+    await store.heartbeat(ids["decode"], LoadReport(in_flight=0, capacity=4))
+    [decision] = await autoscaler.tick("holder")
+    assert decision.inputs.ready == 1 and decision.desired == 1
+    # The decode replica busy: the decode pool grows, counted without the prefill replica.
+    await store.heartbeat(ids["decode"], LoadReport(in_flight=4, capacity=4))
+    [grown] = await autoscaler.tick("holder")
+    assert grown.inputs.ready == 1 and grown.desired == 2

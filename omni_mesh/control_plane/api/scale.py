@@ -19,6 +19,7 @@ from omni_mesh.control_plane.api.inputs import int_param, lookup_pipeline, looku
 from omni_mesh.control_plane.autoscaling.policy import initial_decision, stage_inputs
 from omni_mesh.control_plane.errors import NotFoundError
 from omni_mesh.control_plane.schema import (
+    KV_ROLE_LABEL,
     MAX_STAGE_ID,
     ScalePolicyRequest,
     ScaleStatus,
@@ -56,7 +57,8 @@ async def _status(app: web.Application, pipeline: str, stage_id: int) -> ScaleSt
         stage_id=stage_id,
         policy=scale.policy if scale else None,
         desired=decision.desired if decision else None,
-        ready=len(pool.instances),
+        # A split stage scales its decode pool: its prefill replicas are not counted.
+        ready=sum(1 for i in pool.instances if i.labels.get(KV_ROLE_LABEL) != "prefill"),
         decision=decision,
     )
 

@@ -10,6 +10,7 @@ import logging
 
 from omni_mesh.control_plane.autoscaling.policy import decide, stage_inputs
 from omni_mesh.control_plane.schema import (
+    KV_ROLE_LABEL,
     InstanceInfo,
     InstanceState,
     ScaleDecision,
@@ -42,9 +43,11 @@ class Autoscaler:
             if scale is None:
                 continue
             pool = await self._store.pool(pipeline, stage_id, healthy_only=False)
-            ready = [i for i in pool.instances if i.state is InstanceState.HEALTHY]
+            # A split stage scales its decode pool; its prefill pool keeps its size.
+            scaled = [i for i in pool.instances if i.labels.get(KV_ROLE_LABEL) != "prefill"]
+            ready = [i for i in scaled if i.state is InstanceState.HEALTHY]
             standby = sorted(  # oldest first (the epoch orders two of the same millisecond)
-                (i for i in pool.instances if i.state is InstanceState.STANDBY),
+                (i for i in scaled if i.state is InstanceState.STANDBY),
                 key=lambda i: (i.registered_at_ms, i.epoch),
             )
             inputs = stage_inputs(ready, scale.wake_waiting).model_copy(
