@@ -23,7 +23,7 @@ import aiohttp
 
 from benchmarks.common import Options
 from benchmarks.measure import percentile
-from omni_mesh.launcher.local_net import free_port
+from omni_mesh.procutil import free_port
 from tests.procs import ManagedProcess, clean_env, pid_alive
 
 PIPELINE = "synthetic"

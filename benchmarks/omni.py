@@ -49,7 +49,7 @@ from benchmarks.measure import (
     percentile,
     ratio,
 )
-from omni_mesh.launcher.local_net import free_port
+from omni_mesh.procutil import free_port
 from tests.procs import ManagedProcess, clean_env
 
 logger = logging.getLogger(__name__)

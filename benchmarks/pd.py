@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import random
 import re
 import sys
@@ -37,7 +36,7 @@ import aiohttp
 from benchmarks.common import Options, Report
 from benchmarks.load import new_session
 from benchmarks.measure import Target, md_table, percentile, ratio
-from benchmarks.vllm import vllm_env
+from benchmarks.vllm import streamed_completion, vllm_env
 from omni_mesh.configs.loader import bundled_deploy_path
 from tests.procs import ManagedProcess, clean_env, free_port
 
@@ -123,22 +122,8 @@ async def _stream(
         "stream_options": {"include_usage": True},
     }
     t0 = time.monotonic()
-    times: list[float] = []
-    tokens = prompt_tokens = 0
-    async with sess.post(url + "/v1/completions", json=body) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:300]!r}")
-        async for line in resp.content:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            event = json.loads(line[6:])
-            if event.get("choices") and event["choices"][0].get("finish_reason") is None:
-                times.append(time.monotonic())
-            if event.get("usage"):
-                tokens = int(event["usage"]["completion_tokens"])
-                prompt_tokens = int(event["usage"]["prompt_tokens"])
-    if not times:
-        raise RuntimeError("a completion streamed no token")
+    times, usage = await streamed_completion(sess, url, body)
+    tokens, prompt_tokens = usage.get("completion_tokens", 0), usage.get("prompt_tokens", 0)
     return times[0] - t0, times, tokens, prompt_tokens
 
 

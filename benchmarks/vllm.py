@@ -124,8 +124,19 @@ async def _complete(sess: aiohttp.ClientSession, url: str, i: int) -> Stream:
         "stream_options": {"include_usage": True},
     }
     t0 = time.monotonic()
+    times, usage = await streamed_completion(sess, url, body)
+    tokens = int(usage.get("completion_tokens", 0))
+    itl = (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else None
+    return Stream(times[0] - t0, itl, tokens)
+
+
+async def streamed_completion(
+    sess: aiohttp.ClientSession, url: str, body: dict[str, object]
+) -> tuple[list[float], dict[str, int]]:
+    """POST a streamed ``/v1/completions`` (``stream_options.include_usage``): when each
+    token event arrived (its text may still be empty) and the final ``usage``."""
     times: list[float] = []
-    tokens = 0
+    usage: dict[str, int] = {}
     async with sess.post(url + "/v1/completions", json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:300]!r}")
@@ -134,13 +145,12 @@ async def _complete(sess: aiohttp.ClientSession, url: str, i: int) -> Stream:
                 continue
             event = json.loads(line[6:])
             if event.get("choices") and event["choices"][0].get("finish_reason") is None:
-                times.append(time.monotonic())  # a token event (its text may still be empty)
+                times.append(time.monotonic())
             if event.get("usage"):
-                tokens = int(event["usage"]["completion_tokens"])
+                usage = {k: int(v) for k, v in event["usage"].items() if isinstance(v, int)}
     if not times:
-        raise RuntimeError("a completion streamed no text")
-    itl = (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else None
-    return Stream(times[0] - t0, itl, tokens)
+        raise RuntimeError("a completion streamed no token")
+    return times, usage
 
 
 async def _load(url: str, server: str, concurrency: int, requests: int) -> Phase:

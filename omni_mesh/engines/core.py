@@ -346,16 +346,9 @@ class EngineCore:
         ``next_chunk`` (None: the result builds none)."""
         if result.error is not None:
             return self._error(si, "bad_input", result.error, chunk)
-        if is_prefill(si.kv_transfer):  # a split stage's prefill: where its KV waits, only
-            return StageOutput(
-                request_id=si.request_id,
-                stage_id=self.stage.stage_id,
-                chunk=chunk,
-                last=last,
-                engine_ms=engine_ms,
-                queue_ms=queue_ms,
-                kv_transfer=result.kv_transfer,
-            )
+        if is_prefill(si.kv_transfer):  # a split stage's prefill answers where its KV waits, only
+            result = EngineResult(result.request_id, kv_transfer=result.kv_transfer)
+            next_chunk = None
         owner = transfer_key(si)  # the sidecar releases the slots by the work's key
         # One slot per array, however many consumers. The arrays are kept alive with their
         # tensors: a freed array's id() may be reused by the next processor's new array.
@@ -417,6 +410,7 @@ class EngineCore:
             next=nexts,
             engine_ms=engine_ms,
             queue_ms=queue_ms,
+            kv_transfer=result.kv_transfer,
         )
 
     def _error(

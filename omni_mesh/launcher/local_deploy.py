@@ -100,6 +100,11 @@ class UpConfig:
     # their count in ``replicas`` is the decode pool's.
     prefill: Mapping[int, int] = field(default_factory=dict)
 
+    def pool_role(self, stage_id: int) -> str:
+        """The ``--role`` of the stage's replicas counted in ``replicas``: ``decode`` for a
+        split stage, else none."""
+        return "decode" if stage_id in self.prefill else ""
+
     @property
     def replica_spec(self) -> str:
         return ":".join(str(n) for n in self.replicas)
@@ -141,10 +146,9 @@ def plan_stages(config: UpConfig, cp_url: str) -> list[Planned]:
     the API server 0, the stage with the k-th smallest id k + 1."""
     plans = []
     for stage_id, count in zip(sorted(config.pipeline.stage_ids), config.replicas, strict=True):
-        split = stage_id in config.prefill
-        role = "decode" if split else ""
         for n in range(config.prefill.get(stage_id, 0)):
             plans.append(plan_replica(config, cp_url, stage_id, n, role="prefill"))
+        role = config.pool_role(stage_id)
         plans += [plan_replica(config, cp_url, stage_id, n, role=role) for n in range(count)]
     entry = str(config.pipeline.entry_stage_id)
     api = ("--stage-id", entry, "--api-only", "--host", config.host, "--port", str(config.port))
@@ -300,7 +304,7 @@ def _follow(
         policies=config.autoscale,
         cp_url=cp_url,
         plan_replica=lambda stage_id, n: plan_replica(
-            config, cp_url, stage_id, n, role="decode" if stage_id in config.prefill else ""
+            config, cp_url, stage_id, n, role=config.pool_role(stage_id)
         ),
         env=env,
         restart=replace(config.restart, ready_timeout_s=config.ready_timeout_s),

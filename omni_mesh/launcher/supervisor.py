@@ -51,7 +51,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
-from omni_mesh.launcher.local_net import free_port, http_ok, port_in_use
+from omni_mesh.launcher.local_net import http_ok, port_in_use
 from omni_mesh.launcher.reaper import Reaper
 from omni_mesh.launcher.supervised_child import (
     TAIL_LINES,
@@ -63,6 +63,7 @@ from omni_mesh.launcher.supervised_child import (
     signal_pid,
     spawn,
 )
+from omni_mesh.procutil import free_port
 
 __all__ = [
     "TAIL_LINES",

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from omni_mesh.observability.gc_metrics import ProcessGcMetrics
+from omni_mesh.observability.kv_metrics import KvMetrics
+
 # Latency buckets (seconds) for in-cluster HTTP APIs: 0.5 ms .. 10 s.
 HTTP_LATENCY_BUCKETS: tuple[float, ...] = (
     0.0005,
@@ -245,57 +248,6 @@ class AutoscaleMetrics:
 
 
 # ==============================================================================================
-# A process's garbage collector (sidecar.gc_pacer)
-# ==============================================================================================
-
-GC_PAUSE = "omni_process_gc_pause_seconds"
-GC_PACED = "omni_process_gc_paced_collections"
-GC_FROZEN = "omni_process_gc_frozen_objects"
-
-# GC pause buckets (seconds): 50 us .. 250 ms.
-GC_PAUSE_BUCKETS: tuple[float, ...] = (
-    0.00005,
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-)
-
-
-class ProcessGcMetrics:
-    """The collector's passes in one process: how long each paused it, why the full ones ran."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.pause = Histogram(
-            GC_PAUSE,
-            "Garbage-collector passes by generation and how long each stopped the process.",
-            ["generation"],
-            buckets=GC_PAUSE_BUCKETS,
-            registry=registry,
-        )
-        self.paced = Counter(
-            GC_PACED,
-            "Full collector passes the pacer ran, by reason (idle, idle_unfreeze, busy, "
-            "frozen_cap).",
-            ["reason"],
-            registry=registry,
-        )
-        self.frozen = Gauge(
-            GC_FROZEN,
-            "Objects kept out of every collection (gc.freeze): start-up objects and the "
-            "survivors of busy full passes until the next idle moment.",
-            registry=registry,
-        )
-
-
-# ==============================================================================================
 # Stage sidecar (omni-stage)
 # ==============================================================================================
 
@@ -304,10 +256,6 @@ SC_REQUEST_DURATION = "omni_stage_request_duration_seconds"
 SC_IN_FLIGHT = "omni_stage_in_flight"
 SC_REJECTED = "omni_stage_rejected"
 SC_HOP_RETRIES = "omni_stage_hop_retries"
-SC_KV_HANDOFFS = "omni_stage_kv_handoffs"
-SC_KV_TRANSFERS = "omni_stage_kv_transfers"
-SC_KV_TRANSFER_BYTES = "omni_stage_kv_transfer_bytes"
-SC_KV_TRANSFER_SECONDS = "omni_stage_kv_transfer_seconds"
 SC_HANDOFF_BYTES = "omni_stage_handoff_bytes"
 SC_HANDOFF_DURATION = "omni_stage_handoff_duration_seconds"
 SC_ENGINE_QUEUE = "omni_stage_engine_queued"
@@ -358,6 +306,7 @@ class SidecarMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         self.gc = ProcessGcMetrics(registry)
+        self.kv = KvMetrics(registry)  # a split stage's KV hand-offs and transfers
         self.requests = Counter(
             SC_REQUESTS,
             "Stage executions by entry point (hop, run) and outcome.",
@@ -388,34 +337,6 @@ class SidecarMetrics:
             SC_HOP_RETRIES,
             "Hops replayed on another replica after a failure before an answer.",
             ["pipeline", "from_stage", "to_stage"],
-            registry=registry,
-        )
-        self.kv_handoffs = Counter(
-            SC_KV_HANDOFFS,
-            "Hops to a split stage by how its prompt was prefilled: remote (on a prefill "
-            "replica, the KV pulled by the decode replica) or local (no prefill replica could: "
-            "the decode replica prefilled).",
-            ["pipeline", "from_stage", "to_stage", "outcome"],
-            registry=registry,
-        )
-        self.kv_transfers = Counter(
-            SC_KV_TRANSFERS,
-            "A split stage's KV transfers seen by this replica's engine: pulled (a decode "
-            "replica read a prefill replica's KV), failed (the pull failed: the decode replica "
-            "prefilled for itself), expired (a prefill replica freed KV nobody pulled).",
-            ["pipeline", "stage", "outcome"],
-            registry=registry,
-        )
-        self.kv_transfer_bytes = Counter(
-            SC_KV_TRANSFER_BYTES,
-            "Bytes of KV cache a decode replica's engine pulled from prefill replicas.",
-            ["pipeline", "stage"],
-            registry=registry,
-        )
-        self.kv_transfer_seconds = Counter(
-            SC_KV_TRANSFER_SECONDS,
-            "Time a decode replica's engine spent in KV pulls (NIXL's transfer time).",
-            ["pipeline", "stage"],
             registry=registry,
         )
         self.handoff_bytes = Counter(

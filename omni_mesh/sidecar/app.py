@@ -48,7 +48,8 @@ from omni_mesh.sidecar.api.realtime.route import REALTIME
 from omni_mesh.sidecar.appkeys import POD
 from omni_mesh.sidecar.engine_link.client import EngineClient
 from omni_mesh.sidecar.gc_pacer import GcPacer, PacerSettings
-from omni_mesh.sidecar.hop.client import HOP_TOKEN_HEADER, HopClient, HopStats
+from omni_mesh.sidecar.hop.budget import HopStats
+from omni_mesh.sidecar.hop.client import HOP_TOKEN_HEADER, HopClient
 from omni_mesh.sidecar.hop.http import HopHttpClient
 from omni_mesh.sidecar.hop.liveness import HopLiveness, LivenessConfig
 from omni_mesh.sidecar.hop.router import Replica, Router
@@ -83,22 +84,32 @@ class WatchedPools:
 
     def __init__(self, watcher: PoolWatcher | None) -> None:
         self.watcher = watcher
+        # The replicas of each stage, built once per snapshot the watcher holds (a hop reads
+        # its pool more than once: the split-stage check, then the pick).
+        self._built: dict[int, tuple[Replica, ...]] = {}
+        self._built_from: object = None
 
     def replicas(self, stage_id: int) -> Iterable[Replica]:
         if self.watcher is None:
             return ()
-        return tuple(
-            Replica(
-                instance_id=i.instance_id,
-                stage_id=i.stage_id,
-                address=i.address,
-                host_id=i.host_id or "",
-                capacity=i.capacity,
-                reported_in_flight=i.load.in_flight if i.load is not None else 0,
-                kv_role=i.labels.get(KV_ROLE_LABEL, ""),
+        snapshot = self.watcher.snapshot
+        if snapshot is not self._built_from:
+            self._built, self._built_from = {}, snapshot
+        built = self._built.get(stage_id)
+        if built is None:
+            built = self._built[stage_id] = tuple(
+                Replica(
+                    instance_id=i.instance_id,
+                    stage_id=i.stage_id,
+                    address=i.address,
+                    host_id=i.host_id or "",
+                    capacity=i.capacity,
+                    reported_in_flight=i.load.in_flight if i.load is not None else 0,
+                    kv_role=i.labels.get(KV_ROLE_LABEL, ""),
+                )
+                for i in self.watcher.healthy(stage_id)
             )
-            for i in self.watcher.healthy(stage_id)
-        )
+        return built
 
     async def wait_changed(self, timeout_s: float) -> None:
         """Until the pools change (the watch cache's event) or ``timeout_s`` passes."""
@@ -165,7 +176,7 @@ def _record_hop(metrics: SidecarMetrics, pipeline: str, si: StageInput, stats: H
     if stats.retries:
         labelled(metrics.hop_retries, *labels).inc(stats.retries)
     for outcome in stats.kv_handoffs:
-        labelled(metrics.kv_handoffs, *labels, outcome).inc()
+        labelled(metrics.kv.handoffs, *labels, outcome).inc()
 
 
 async def _session_ctx(app: web.Application) -> AsyncIterator[None]:

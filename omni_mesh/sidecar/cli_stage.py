@@ -69,13 +69,14 @@ def resolve(
         stage_overrides=settings.stage_overrides,
         target_stages=[settings.stage_id],
     )
-    split = deploy.stage(settings.stage_id).prefill is not None
-    if settings.role != "both" and (settings.api_only or not split):
-        raise ValueError(
-            f"--role {settings.role}: stage {settings.stage_id} is not split into prefill and "
-            "decode pools (its deploy entry has no prefill: block)"
-            + (" and an --api-only server runs no stage" if settings.api_only else "")
-        )
+    if settings.role != "both":
+        if settings.api_only:
+            raise ValueError(f"--role {settings.role}: an --api-only server runs no stage")
+        if deploy.stage(settings.stage_id).prefill is None:
+            raise ValueError(
+                f"--role {settings.role}: stage {settings.stage_id} is not split into prefill "
+                "and decode pools (its deploy entry has no prefill: block)"
+            )
     return settings, pipeline, deploy, modules
 
 

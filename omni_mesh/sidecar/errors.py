@@ -18,7 +18,7 @@ from aiohttp import web
 
 from omni_mesh.data_plane import codec
 from omni_mesh.data_plane.messages import StageError
-from omni_mesh.sidecar.hop.client import HopUnavailable
+from omni_mesh.sidecar.hop.budget import HopUnavailable
 from omni_mesh.sidecar.hop.shed import retry_after_in
 
 logger = logging.getLogger(__name__)

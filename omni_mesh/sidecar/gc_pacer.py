@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from omni_mesh.observability.metrics import ProcessGcMetrics
+from omni_mesh.observability.gc_metrics import ProcessGcMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from prometheus_client import Counter, Histogram
 from omni_mesh.observability.metrics import SidecarMetrics
 from omni_mesh.sidecar.engine_link.client import EngineBusyError, EngineDeadError
 from omni_mesh.sidecar.errors import ApiError, error_response, hop_unavailable_error
-from omni_mesh.sidecar.hop.client import HopUnavailable
+from omni_mesh.sidecar.hop.budget import HopUnavailable
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,6 @@ from omni_mesh.configs.pipeline import PipelineSpec
 from omni_mesh.configs.stage_settings import StageSettings
 from omni_mesh.data_plane.shm import ShmReader
 from omni_mesh.data_plane.signing import hop_token
-from omni_mesh.observability.kv_counts import EngineKvCounts
 from omni_mesh.observability.metrics import SidecarMetrics
 from omni_mesh.sidecar.engine_link.client import EngineClient
 from omni_mesh.sidecar.hop.client import HopClient
@@ -52,7 +51,6 @@ class Pod:
     gate: AdmissionGate | None = None  # the admission queue (admission.admit.gate_of)
     exit_code: int = 0
     stop_event: asyncio.Event = field(default_factory=asyncio.Event)
-    kv_counts: EngineKvCounts = field(default_factory=EngineKvCounts)  # a split stage's
 
     @functools.cached_property
     def hop_token(self) -> str:

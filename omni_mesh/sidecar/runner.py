@@ -46,7 +46,8 @@ from omni_mesh.data_plane.shm import ShmReader, inline
 from omni_mesh.data_plane.tensors import payload_nbytes
 from omni_mesh.sidecar.engine_link.client import EngineClient
 from omni_mesh.sidecar.engine_link.outputs import EngineOutputs
-from omni_mesh.sidecar.hop.client import HopClient, HopUnavailable
+from omni_mesh.sidecar.hop.budget import HopUnavailable
+from omni_mesh.sidecar.hop.client import HopClient
 
 logger = logging.getLogger(__name__)
 

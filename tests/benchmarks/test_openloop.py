@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from benchmarks.openloop import open_loop
-from omni_mesh.launcher.local_net import free_port
+from omni_mesh.procutil import free_port
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -40,6 +40,27 @@ def request(stage_id: int, port: int, *, standby: bool) -> RegisterRequest:
     )
 
 
+async def autoscaled(
+    client: redis.asyncio.Redis, store: InstanceStore, stage_id: int, *, standby_replicas: int
+) -> tuple[Autoscaler, ControlPlaneMetrics]:
+    """An autoscaler holding the sweeper lock, and a quick policy (1..4 replicas, no windows)
+    set for ``stage_id``."""
+    metrics = ControlPlaneMetrics(CollectorRegistry())
+    await client.set(KEYS.sweeper_lock, "holder")
+    policy = AutoscaleConfig(
+        min_replicas=1,
+        max_replicas=4,
+        target_utilization=0.5,
+        scale_up_window_s=0.0,
+        cooldown_s=0.0,
+        standby_replicas=standby_replicas,
+    )
+    now = await store.scale.now_ms()
+    first = initial_decision(policy, ScaleInputs(), now, 1)
+    await store.scale.put_policy(PIPELINE, stage_id, policy, first)
+    return Autoscaler(store, store.scale, metrics.autoscale), metrics
+
+
 async def states(store: InstanceStore, stage_id: int) -> dict[str, InstanceState]:
     pool = await store.pool(PIPELINE, stage_id, healthy_only=False)
     return {i.instance_id: i.state for i in pool.instances}
@@ -104,21 +125,7 @@ async def test_the_autoscaler_promotes_a_standby_in_the_tick_that_needs_it(
     redis_client: redis.asyncio.Redis,
 ) -> None:
     store = make_store(redis_client)
-    metrics = ControlPlaneMetrics(CollectorRegistry())
-    autoscaler = Autoscaler(store, store.scale, metrics.autoscale)
-    await redis_client.set(KEYS.sweeper_lock, "holder")
-    policy = AutoscaleConfig(
-        min_replicas=1,
-        max_replicas=4,
-        target_utilization=0.5,
-        scale_up_window_s=0.0,
-        cooldown_s=0.0,
-        standby_replicas=2,
-    )
-    now = await store.scale.now_ms()
-    await store.scale.put_policy(
-        PIPELINE, 3, policy, initial_decision(policy, ScaleInputs(), now, 1)
-    )
+    autoscaler, metrics = await autoscaled(redis_client, store, 3, standby_replicas=2)
     serving = await store.register(request(3, 9821, standby=False))
     first = await store.register(request(3, 9822, standby=True))
     second = await store.register(request(3, 9823, standby=True))
@@ -177,17 +184,7 @@ async def test_a_split_stage_scales_its_decode_pool_only(
     # A split stage (deploy prefill:): its prefill replicas register with kv_role prefill and
     # are neither counted as ready nor promoted; the policy sizes the decode pool.
     store = make_store(redis_client)
-    metrics = ControlPlaneMetrics(CollectorRegistry())
-    autoscaler = Autoscaler(store, store.scale, metrics.autoscale)
-    await redis_client.set(KEYS.sweeper_lock, "holder")
-    policy = AutoscaleConfig(
-        min_replicas=1, max_replicas=4, target_utilization=0.5, scale_up_window_s=0.0,
-        cooldown_s=0.0,
-    )  # fmt: skip
-    now = await store.scale.now_ms()
-    await store.scale.put_policy(
-        PIPELINE, 4, policy, initial_decision(policy, ScaleInputs(), now, 1)
-    )
+    autoscaler, _ = await autoscaled(redis_client, store, 4, standby_replicas=0)
     pools = {"prefill": 9841, "decode": 9842}
     ids = {}
     for role, port in pools.items():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 
-from omni_mesh.launcher.local_net import FREE_PORT_LOW, ephemeral_low, free_port
+from omni_mesh.procutil import FREE_PORT_LOW, ephemeral_low, free_port
 
 
 def test_ephemeral_low_matches_the_kernel() -> None:

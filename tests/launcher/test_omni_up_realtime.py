@@ -15,7 +15,7 @@ import numpy as np
 import openai
 import pytest
 
-from omni_mesh.launcher.local_net import free_port
+from omni_mesh.procutil import free_port
 from tests.procs import ManagedProcess, clean_env, descendants, pid_alive
 from tests.sidecar.realtime.sdk import RATE, send_audio
 from tests.sidecar.realtime.speech import noise, silence, speech

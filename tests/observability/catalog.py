@@ -15,7 +15,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
-from omni_mesh.observability import metrics
+from omni_mesh.observability import gc_metrics, kv_metrics, metrics
 
 REPO = Path(__file__).resolve().parents[2]
 OBS = REPO / "omni_mesh" / "observability"
@@ -56,7 +56,8 @@ def _metric_objects() -> Iterator[MetricWrapperBase]:
         metrics.ControlPlaneMetrics,
         metrics.AutoscaleMetrics,
         metrics.SidecarMetrics,
-        metrics.ProcessGcMetrics,
+        gc_metrics.ProcessGcMetrics,
+        kv_metrics.KvMetrics,
     ):
         instance = owner(CollectorRegistry())
         for value in vars(instance).values():
@@ -78,10 +79,12 @@ def catalogue() -> dict[str, Series]:
 
 
 def declared_names() -> set[str]:
-    """The metric-name constants of ``metrics.py`` (every ``omni_*`` string constant)."""
+    """The metric-name constants of ``metrics.py``, ``gc_metrics.py`` and ``kv_metrics.py``
+    (every ``omni_*`` string constant)."""
     return {
         value
-        for name, value in vars(metrics).items()
+        for module in (metrics, gc_metrics, kv_metrics)
+        for name, value in vars(module).items()
         if name.isupper() and isinstance(value, str) and value.startswith("omni_")
     }
 

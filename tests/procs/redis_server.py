@@ -9,7 +9,7 @@ from types import TracebackType
 from typing import Self
 
 from omni_mesh.launcher.local_deploy import LOCALHOST
-from omni_mesh.launcher.local_net import free_port
+from omni_mesh.procutil import free_port
 from tests.procs.managed import ManagedProcess
 
 # ---- redis-server -------------------------------------------------------------------------

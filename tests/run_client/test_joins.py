@@ -27,7 +27,7 @@ from omni_mesh.data_plane.messages import (
     RunResponse,
     RunResponseBin,
 )
-from omni_mesh.launcher.local_net import free_port
+from omni_mesh.procutil import free_port
 from omni_mesh.run_client.client import FixedUrls, RunClient, RunClientError
 
 pytestmark = pytest.mark.timeout(60)

@@ -12,7 +12,7 @@ import weakref
 
 from prometheus_client import CollectorRegistry
 
-from omni_mesh.observability.metrics import ProcessGcMetrics
+from omni_mesh.observability.gc_metrics import ProcessGcMetrics
 from omni_mesh.sidecar.gc_pacer import AUTOMATIC_FULL_OFF, GcPacer, PacerSettings
 
 

@@ -29,7 +29,7 @@ from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.data_plane import media
 from omni_mesh.data_plane.messages import HopResult
 from omni_mesh.data_plane.tensors import payload_from_arrays
-from omni_mesh.launcher.local_net import free_port
+from omni_mesh.procutil import free_port
 from omni_mesh.sidecar.api.client_requests import collect
 from omni_mesh.sidecar.api.outputs import FinalOutput, final_output
 from omni_mesh.sidecar.api.sinks import SpeechAudio, respond

@@ -27,7 +27,8 @@ from aiohttp import web
 from omni_mesh.data_plane.connectors import HttpConnector
 from omni_mesh.data_plane.messages import Payload, StageInput
 from omni_mesh.data_plane.shm import ShmReader
-from omni_mesh.sidecar.hop.client import HOP_PATH, HopClient, HopUnavailable
+from omni_mesh.sidecar.hop.budget import HopUnavailable
+from omni_mesh.sidecar.hop.client import HOP_PATH, HopClient
 from omni_mesh.sidecar.hop.http import HopHttpClient
 from omni_mesh.sidecar.hop.router import Replica, Router
 from tests.sidecar.hops import send

@@ -29,10 +29,11 @@ from omni_mesh.data_plane.messages import (
 )
 from omni_mesh.data_plane.shm import ShmArena, ShmReader
 from omni_mesh.data_plane.tensors import array_from_tensor
-from omni_mesh.sidecar.hop.client import HOP_PATH, HopClient, HopStats, HopUnavailable
+from omni_mesh.sidecar.hop.budget import HopStats, HopUnavailable
+from omni_mesh.sidecar.hop.client import HopClient
 from omni_mesh.sidecar.hop.http import HopHttpClient
 from omni_mesh.sidecar.hop.router import Replica, Router
-from tests.sidecar.hops import send
+from tests.sidecar.hops import send, serve_hops
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -56,13 +57,7 @@ class FakeReplica:
         self.port = 0
 
     async def start(self) -> FakeReplica:
-        app = web.Application()
-        app.router.add_post(HOP_PATH, self.hop)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = self.runner.addresses[0][1]
+        self.runner, self.port = await serve_hops(self.hop)
         return self
 
     async def stop(self) -> None:

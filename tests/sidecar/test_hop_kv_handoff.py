@@ -20,10 +20,11 @@ from omni_mesh.data_plane.constants import MSGPACK
 from omni_mesh.data_plane.kv_transfer import PREFILL_REQUEST, KvTransferError, decode_params
 from omni_mesh.data_plane.messages import HopResult, Payload, StageError, StageInput
 from omni_mesh.data_plane.shm import ShmReader
-from omni_mesh.sidecar.hop.client import HOP_PATH, HopClient, HopStats
+from omni_mesh.sidecar.hop.budget import HopStats
+from omni_mesh.sidecar.hop.client import HopClient
 from omni_mesh.sidecar.hop.http import HopHttpClient
 from omni_mesh.sidecar.hop.router import Replica, Router
-from tests.sidecar.hops import send
+from tests.sidecar.hops import send, serve_hops
 
 pytestmark = pytest.mark.unit
 
@@ -46,13 +47,7 @@ class Receiver:
         self.port = 0
 
     async def start(self) -> Receiver:
-        app = web.Application()
-        app.router.add_post(HOP_PATH, self.hop)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = self.runner.addresses[0][1]
+        self.runner, self.port = await serve_hops(self.hop)
         return self
 
     async def hop(self, request: web.Request) -> web.Response:

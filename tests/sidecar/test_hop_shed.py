@@ -20,11 +20,12 @@ from omni_mesh.data_plane.connectors import HttpConnector
 from omni_mesh.data_plane.constants import MSGPACK
 from omni_mesh.data_plane.messages import HopResult, Payload, StageInput
 from omni_mesh.data_plane.shm import ShmReader
-from omni_mesh.sidecar.hop.client import HOP_PATH, HopClient, HopUnavailable
+from omni_mesh.sidecar.hop.budget import HopUnavailable
+from omni_mesh.sidecar.hop.client import HopClient
 from omni_mesh.sidecar.hop.http import HopHttpClient
 from omni_mesh.sidecar.hop.router import Replica, Router
 from omni_mesh.sidecar.hop.shed import SHED_TYPE, Shed
-from tests.sidecar.hops import send
+from tests.sidecar.hops import send, serve_hops
 
 pytestmark = pytest.mark.unit
 
@@ -43,13 +44,7 @@ class Receiver:
         self.port = 0
 
     async def start(self) -> Receiver:
-        app = web.Application()
-        app.router.add_post(HOP_PATH, self.hop)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = self.runner.addresses[0][1]
+        self.runner, self.port = await serve_hops(self.hop)
         return self
 
     async def hop(self, request: web.Request) -> web.Response:

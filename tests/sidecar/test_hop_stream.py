@@ -19,7 +19,8 @@ from omni_mesh.data_plane.connectors import HttpConnector
 from omni_mesh.data_plane.constants import HOP_FRAMES
 from omni_mesh.data_plane.messages import HopResult, Payload, StageInput, StageTiming
 from omni_mesh.data_plane.shm import ShmReader
-from omni_mesh.sidecar.hop.client import HOP_PATH, HopClient, HopStats, HopUnavailable
+from omni_mesh.sidecar.hop.budget import HopStats, HopUnavailable
+from omni_mesh.sidecar.hop.client import HOP_PATH, HopClient
 from omni_mesh.sidecar.hop.http import HopConnectionError, HopHttpClient
 from omni_mesh.sidecar.hop.router import Router
 from tests.sidecar.test_handoff import STAGE, FakePools, FakeReplica, hop_input

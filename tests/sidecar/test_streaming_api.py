@@ -29,7 +29,7 @@ from omni_mesh.sidecar.api.sinks import (
     SpeechEvents,
     respond,
 )
-from omni_mesh.sidecar.hop.client import HopUnavailable
+from omni_mesh.sidecar.hop.budget import HopUnavailable
 from omni_mesh.sidecar.middleware import error_middleware
 from tests import media_readers
 from tests.sidecar.scripted import Item, Script

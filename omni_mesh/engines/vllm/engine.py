@@ -251,7 +251,7 @@ class VllmEngine(StageEngine):
         params = self._sampling(request)
         params.output_kind = RequestOutputKind.DELTA
         prefill = is_prefill(request.kv_transfer)
-        local = params
+        local = None  # a decode's params without the pull, for a failed pull
         if prefill:  # a split stage's prefill: the prompt's KV, kept for the decode replica
             params.max_tokens = 1
             params.extra_args = {"kv_transfer_params": prefill_params()}
@@ -278,7 +278,7 @@ class VllmEngine(StageEngine):
             text_final=self.text_final,
             fields=pass_fields(request.data),
         )
-        if local is not params:
+        if local is not None:
             stream.local_retry = (prompt, local)
         self._streams[vid] = stream
         return stream
@@ -297,7 +297,7 @@ class VllmEngine(StageEngine):
             ) from None
         return vid
 
-    def prefill_locally(self, stream: VllmStream, request: EngineRequest) -> None:
+    def prefill_locally(self, stream: VllmStream) -> None:
         """A decode request whose KV pull failed (vLLM failed it before its first token: the
         prefill replica died, or its lease ran out): the same request again, prefilled here,
         so the answer is the one a pull would have given. Counted as a failed pull."""
@@ -306,12 +306,12 @@ class VllmEngine(StageEngine):
         stream.local_retry = None
         self._streams.pop(stream.vid, None)
         self.kv_counts.failed += 1
-        stream.vid = self._submit(request, prompt, params)
+        stream.vid = self._submit(stream.request, prompt, params)
         self._streams[stream.vid] = stream
         logger.warning(
             "KV pull failed stage=%d id=%s: prefilling here",
             self.ctx.stage.stage_id,
-            request.request_id,
+            stream.request_id,
         )
 
     def abort(self, vid: str) -> None:

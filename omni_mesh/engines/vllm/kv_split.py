@@ -17,8 +17,9 @@ other hosts reach this pod on (in Kubernetes: the pod IP, ``fieldRef: status.pod
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any
+
+from omni_mesh.procutil import free_port
 
 PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
@@ -56,14 +57,6 @@ def with_kv_connector(
 
     config = kv_connector_config(current_platform.device_type, lease_s)
     return {**args, "kv_transfer_config": config}
-
-
-def free_port(host: str) -> int:
-    """A TCP port free on ``host`` now."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 class KvTransferCounts:

@@ -99,7 +99,7 @@ class VllmStream:
                 self._prompt_final = self._prompt_part(out)
         self.generated += len(ids)
         if out.finished and self._pull_failed(completion.finish_reason):
-            self.engine.prefill_locally(self, self.request)
+            self.engine.prefill_locally(self)
             return 0
         if out.finished:
             self.finished = True

@@ -35,7 +35,7 @@ from omni_mesh.sidecar.errors import (
     from_stage_error,
     hop_unavailable_error,
 )
-from omni_mesh.sidecar.hop.client import HopUnavailable
+from omni_mesh.sidecar.hop.budget import HopUnavailable
 from omni_mesh.sidecar.middleware import API_ROUTE, API_STARTED, STREAM_FAILED
 
 logger = logging.getLogger(__name__)

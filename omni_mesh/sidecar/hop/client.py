@@ -23,8 +23,8 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 
@@ -35,7 +35,9 @@ from omni_mesh.data_plane.kv_transfer import PREFILL_REQUEST
 from omni_mesh.data_plane.messages import HopResult, StageError, StageInput
 from omni_mesh.data_plane.shm import ShmReader
 from omni_mesh.sidecar.hop.answers import error_message, shed_retry_after_of, unseen
+from omni_mesh.sidecar.hop.budget import HopBudget, HopStats, HopUnavailable, now_ms
 from omni_mesh.sidecar.hop.http import FrameReader, HopConnectionError, HopHttpClient
+from omni_mesh.sidecar.hop.kv_handoff import KvHandoff
 from omni_mesh.sidecar.hop.router import Replica, Router
 
 logger = logging.getLogger(__name__)
@@ -50,89 +52,6 @@ _REPLICA_FAILED = frozenset({502, 503, 504})
 _BUSY = frozenset({409, 429})
 #: A hop waiting for an empty pool tells ``on_empty_pool`` again at least this often.
 EMPTY_POOL_NOTICE_S = 1.0
-
-
-class HopUnavailable(Exception):
-    """No replica of the stage could take the hop before the deadline (→ 503), or the
-    deadline had passed before the hop was even tried (``code="deadline"`` → 504)."""
-
-    def __init__(
-        self,
-        stage_id: int,
-        message: str,
-        retry_after_s: float = 1.0,
-        code: Literal["unavailable", "deadline", "shed"] = "unavailable",
-    ) -> None:
-        super().__init__(message)
-        self.stage_id = stage_id
-        self.retry_after_s = retry_after_s
-        self.code = code
-
-
-@dataclass
-class HopStats:
-    """What one hop cost; fed to metrics by the caller."""
-
-    attempts: int = 0
-    retries: int = 0
-    bytes_sent: int = 0
-    seconds: float = 0.0
-    replica: str = ""
-    waited_full: int = 0
-    shed: int = 0  # answers of replicas whose admission queue shed the hop
-    tried: list[str] = field(default_factory=list)
-    # A split stage's KV hand-offs: "remote" (prefilled on a prefill replica, the KV pulled by
-    # the decode replica) or "local" (no prefill replica could: the decode replica prefilled).
-    kv_handoffs: list[str] = field(default_factory=list)
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-@dataclass
-class HopBudget:
-    """One hop's replay budget: the request's deadline, the retries left and the attempt
-    numbers. Every replica failure of the hop, inside :meth:`HopClient.call` or mid-stream,
-    spends from this one object."""
-
-    stage_id: int
-    deadline_ms: int
-    retries: int  # replays allowed after the first failure
-    first_attempt: int = 0  # the attempt number of the hop's first try (``si.attempt``)
-    stats: HopStats = field(default_factory=HopStats)
-    failures: int = 0
-
-    @property
-    def attempt(self) -> int:
-        """The attempt number of the next try (one more per failed replica)."""
-        return self.first_attempt + self.failures
-
-    def remaining_s(self) -> float:
-        """Seconds left before the deadline; :class:`HopUnavailable` when none are."""
-        remaining_s = (self.deadline_ms - now_ms()) / 1000.0
-        if remaining_s > 0:
-            return remaining_s
-        tried = self.stats.tried
-        if not (tried or self.stats.waited_full):
-            raise HopUnavailable(
-                self.stage_id,
-                f"the request's deadline passed before its hand-off to stage {self.stage_id}",
-                code="deadline",
-            )
-        raise HopUnavailable(
-            self.stage_id,
-            f"no replica of stage {self.stage_id} answered before the request's deadline "
-            f"(tried {len(tried)}: {', '.join(tried) or 'pool empty'})",
-        )
-
-    def spend(self, spent: str) -> None:
-        """Count one failed replica; :class:`HopUnavailable` (``spent``, then the budget)
-        when that was the last retry."""
-        self.failures += 1
-        if self.failures > self.retries:
-            raise HopUnavailable(self.stage_id, f"{spent}; retry budget ({self.retries}) spent")
-        self.stats.retries += 1
 
 
 @dataclass
@@ -198,7 +117,7 @@ class HopClient:
         t0 = time.monotonic()
         connector = self.connector_for(si.from_stage, si.stage_id)
         seen: set[tuple[int, int]] = set()
-        kv = _KvHandoff()  # a split stage's: where the prompt's KV waits
+        kv = KvHandoff()  # a split stage's: where the prompt's KV waits
 
         def body_for(replica: Replica, attempt: int, kv_transfer: str = "") -> bytes:
             same_host = replica.host_id == self.router.host_id
@@ -278,9 +197,7 @@ class HopClient:
                     return result.kv_transfer
                 why = result.error.message if result.error else "an answer without KV params"
             finally:
-                stats.attempts += own.stats.attempts
-                stats.bytes_sent += own.stats.bytes_sent
-                stats.tried += own.stats.tried
+                stats.add_tries(own.stats)
             logger.warning(
                 "request_id=%s stage=%d: prefill replica unavailable, the decode replica "
                 "prefills: %s",
@@ -481,32 +398,6 @@ class HopClient:
         self.router.eject(
             replica.instance_id, why, connection_level=isinstance(exc, HopConnectionError)
         )
-
-
-class _KvHandoff:
-    """A split stage's hop: the params of its prefill and the attempt they were made for.
-    A retry of the decode on another replica (the first failed before it answered) goes
-    without them: that replica may already have pulled the KV, which the prefill engine then
-    freed, and a second read of those blocks would read whatever reuses them. It prefills for
-    itself instead (counted ``local``)."""
-
-    __slots__ = ("attempt", "dropped", "params")
-
-    def __init__(self) -> None:
-        self.params = ""
-        self.attempt = -1
-        self.dropped = False
-
-    def prefilled(self, params: str, attempt: int) -> None:
-        self.params, self.attempt, self.dropped = params, attempt, False
-
-    def params_for(self, attempt: int, stats: HopStats) -> str:
-        if not self.params or attempt == self.attempt:
-            return self.params
-        if not self.dropped:
-            self.dropped = True
-            stats.kv_handoffs.append("local")
-        return ""
 
 
 class _FullWait:

@@ -80,6 +80,10 @@ def tiny_llm(
         urls: dict[str, list[str]] = {}
         for pool, url in re.findall(r"stage 0 llm(\S*) #\d+\s+(http://\S+)", proc.stdout):
             urls.setdefault(pool.removeprefix("-"), []).append(url)
-        yield Server(proc, f"http://127.0.0.1:{port}", urls)
+        server = Server(proc, f"http://127.0.0.1:{port}", urls)
+        try:
+            yield server
+        finally:
+            server.client.close()  # its pooled connections (a ResourceWarning at exit else)
     finally:
         proc.interrupt(timeout=60)

@@ -109,33 +109,17 @@ def test_the_split_stage_answers_as_the_unsplit_one_with_the_kv_pulled(
     assert status.stdout.count("headless/decode") == 2, status
 
 
-def test_kv_that_nobody_pulls_is_freed_when_its_lease_runs_out(split: Server) -> None:
-    # A prefill request sent straight to the prefill replica (as a sender does first) whose
-    # KV no decode replica ever pulls: the answer says where the KV waits, and nothing else.
-    prefill = split.stage_urls["prefill"][0]
-    expired = kv_metric(split, "prefill", "expired")
-    si = StageInput(
+def _input(request_id: str, seed: int, kv_transfer: str, **fields: str | int) -> StageInput:
+    """A hop's input for the tiny-llm stage, as a sender builds it."""
+    return StageInput(
         pipeline=MODEL,
-        request_id="unpulled-1",
+        request_id=request_id,
         stage_id=0,
         deadline_ms=int((time.time() + 60) * 1000),
-        seed=1,
-        payload=Payload(fields={"prompt": "nobody will pull this prompt's cache"}),
-        kv_transfer=PREFILL_REQUEST,
+        seed=seed,
+        payload=Payload(fields=dict(fields)),
+        kv_transfer=kv_transfer,
     )
-    [answer] = _hop(prefill, si)
-    assert answer.error is None and not answer.outputs, answer
-    params = json.loads(answer.kv_transfer)
-    assert params["remote_engine_id"] and params["remote_block_ids"], params
-    # The prefill engine holds the blocks for a pull that never comes, then frees them (an
-    # idle engine steps while it holds any: vLLM checks leases inside a step).
-    wait_until(
-        lambda: kv_metric(split, "prefill", "expired") >= expired + 1,
-        LEASE_S + 20,
-        interval=0.5,
-        message=lambda: split.proc.stderr[-2000:],
-    )
-    assert complete(split, SEEDS[0])  # and it keeps serving
 
 
 def _hop(url: str, si: StageInput) -> list[HopResult]:
@@ -158,6 +142,27 @@ def _text(frames: list[HopResult]) -> str:
     return "".join(str(f.outputs[0].fields.get("text", "")) for f in frames if 0 in f.outputs)
 
 
+def test_kv_that_nobody_pulls_is_freed_when_its_lease_runs_out(split: Server) -> None:
+    # A prefill request sent straight to the prefill replica (as a sender does first) whose
+    # KV no decode replica ever pulls: the answer says where the KV waits, and nothing else.
+    prefill = split.stage_urls["prefill"][0]
+    expired = kv_metric(split, "prefill", "expired")
+    si = _input("unpulled-1", 1, PREFILL_REQUEST, prompt="nobody will pull this prompt's cache")
+    [answer] = _hop(prefill, si)
+    assert answer.error is None and not answer.outputs, answer
+    params = json.loads(answer.kv_transfer)
+    assert params["remote_engine_id"] and params["remote_block_ids"], params
+    # The prefill engine holds the blocks for a pull that never comes, then frees them (an
+    # idle engine steps while it holds any: vLLM checks leases inside a step).
+    wait_until(
+        lambda: kv_metric(split, "prefill", "expired") >= expired + 1,
+        LEASE_S + 20,
+        interval=0.5,
+        message=lambda: split.proc.stderr[-2000:],
+    )
+    assert complete(split, SEEDS[0])  # and it keeps serving
+
+
 def test_a_pull_that_fails_is_prefilled_where_it_is(split: Server) -> None:
     # Params of a prefill engine that is gone (nothing listens on its side channel): the pull
     # fails inside vLLM, and the decode engine runs the request again with its own prefill.
@@ -170,14 +175,8 @@ def test_a_pull_that_fails_is_prefilled_where_it_is(split: Server) -> None:
         "pp_size": 1, "remote_num_tokens": 24, "remote_blocks_expiry_time": None,
         "transfer_mode": "pull", "remote_prefill_cached_tokens": 0,
     }  # fmt: skip
-    si = StageInput(
-        pipeline=MODEL,
-        request_id="pull-from-nowhere",
-        stage_id=0,
-        deadline_ms=int((time.time() + 60) * 1000),
-        seed=4,
-        payload=Payload(fields={"prompt": "a pull from nowhere", "max_tokens": 8}),
-        kv_transfer=json.dumps(gone),
+    si = _input(
+        "pull-from-nowhere", 4, json.dumps(gone), prompt="a pull from nowhere", max_tokens=8
     )
     pulled_text = _text(_hop(decode, si))
     local = msgspec.structs.replace(si, request_id="prefilled-here", kv_transfer="")
