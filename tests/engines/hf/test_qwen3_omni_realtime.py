@@ -66,15 +66,31 @@ def session(sdk: openai.OpenAI, **update: Any) -> Iterator[Any]:
         yield conn
 
 
+#: How long :func:`until` waits for its event before it closes the socket and fails (a lost
+#: event costs this, not the module's whole timeout).
+UNTIL_S = 120.0
+
+
 def until(conn: Any, kind: str, *, where: Any = None) -> list[Any]:
     """Events up to and including the first of type ``kind`` (that ``where`` accepts)."""
-    events = []
-    while True:
-        event = conn.recv()
-        events.append(event)
-        assert event.type != "error" or kind == "error", event
-        if event.type == kind and (where is None or where(event)):
-            return events
+    events: list[Any] = []
+    watchdog = threading.Timer(UNTIL_S, conn.close)
+    watchdog.start()
+    try:
+        while True:
+            try:
+                event = conn.recv()
+            except ConnectionClosed:
+                if watchdog.is_alive():
+                    raise
+                seen = [e.type for e in events]
+                raise AssertionError(f"no {kind} within {UNTIL_S:.0f} s; got {seen}") from None
+            events.append(event)
+            assert event.type != "error" or kind == "error", event
+            if event.type == kind and (where is None or where(event)):
+                return events
+    finally:
+        watchdog.cancel()
 
 
 def user_text(conn: Any, text: str) -> None:

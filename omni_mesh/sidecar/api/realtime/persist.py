@@ -127,6 +127,10 @@ class SessionPersister:
         self._order_dirty = False
         self._items: set[str] = set()
         self._deleted: set[str] = set()
+        #: The item ids the store holds (as far as this socket's writes know): an order sent
+        #: to the store may name only those and the ones put with it (the store refuses an
+        #: order naming an unknown item).
+        self._stored: set[str] = set()
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -136,6 +140,8 @@ class SessionPersister:
 
     def start(self, *, create: bool) -> None:
         self._create = create
+        if not create:  # claimed: the store holds the conversation as it was loaded
+            self._stored = set(self.session.conversation.ids())
         if create:
             self._wake.set()
         self._task = asyncio.create_task(self._run(), name=f"realtime-persist-{self.session.id}")
@@ -211,8 +217,11 @@ class SessionPersister:
             for i in self._items
             if (item := session.conversation.find(i)) is not None
         }
-        deleted = sorted(self._deleted)
         order = session.conversation.ids() if self._order_dirty else None
+        removed = set(self._deleted)
+        if order is not None:  # the order and the items agree whoever changed them
+            self._complete(order, items, removed)
+        deleted = sorted(removed)
         self._config_dirty, self._order_dirty = False, False
         self._items, self._deleted = set(), set()
         try:
@@ -230,7 +239,23 @@ class SessionPersister:
             self._items.update(items)
             self._deleted.update(deleted)
             raise
+        self._stored.update(items)
+        self._stored.difference_update(deleted)
         self.writes += 1
+
+    def _complete(
+        self, order: list[str], items: dict[str, dict[str, Any]], removed: set[str]
+    ) -> None:
+        """Make a write that sends ``order`` name only items the store will hold: an item
+        added without a change of its own (a response's item, as it begins) is put with it,
+        and one that left without a deletion of its own (dropped from a full conversation)
+        is deleted. The store refuses an order that disagrees with its items."""
+        for item_id in order:
+            if item_id not in self._stored and item_id not in items:
+                item = self.session.conversation.find(item_id)
+                if item is not None:
+                    items[item_id] = item_builtins(item)
+        removed.update(self._stored.difference(order))
 
     async def close(self) -> None:
         """The socket closed: what is pending is written (bounded), then the session is
