@@ -2,21 +2,27 @@
 transformers.
 
 Each step the MoE talker picks codebook 0 of a frame and its code predictor the other
-``num_code_groups - 1`` codebooks, all inside ``Qwen3OmniMoeTalkerForConditionalGeneration
-.generate``, called as the monolithic model calls it (suppressed codec specials, ``codec_eos``
-as EOS, repetition penalty) on the prompt ``qwen3_omni_talker_prompt`` builds from the thinker's
+``num_code_groups - 1`` codebooks, as ``Qwen3OmniMoeTalkerForConditionalGeneration.generate``
+does when the monolithic model calls it (suppressed codec specials, ``codec_eos`` as EOS,
+repetition penalty), on the prompt ``qwen3_omni_talker_prompt`` builds from the thinker's
 output. Sampling (``engine_extras``): ``do_sample`` (true), ``temperature`` (0.9), ``top_k``
 (50), ``top_p`` (1.0), ``repetition_penalty`` (1.05), the monolithic defaults; each request
-samples from its own RNG stream seeded by its seed (``common.seeded_rng``). ``max_frames``
-(default 256) caps a request's frames (the monolithic ``talker_max_new_tokens``).
+samples from its own generator seeded by its seed (as ``torch.manual_seed(seed)`` before the
+monolithic ``generate``). ``max_frames`` (default 256) caps a request's frames (the monolithic
+``talker_max_new_tokens``).
 
-Streaming (``async_chunk``, whole input): the generation runs in a :class:`SteppedCall` and
-yields its first ``engine_extras.first_chunk_frames`` frames (default 2: the first audio comes
-early) and then every ``chunk_frames`` frames (default 10) the new frames' ``codes`` with
-the ``context_codes`` (up to ``context_frames``, default 25: Code2Wav's left context) before
-them. Streams of several requests take turns step by step, each with its own KV cache; the
-process-wide state a generation uses (RNG, the talker's ``rope_deltas``) is swapped per request
-around each turn, so a request's codes do not depend on what else runs.
+Continuous batching: every running request of the engine is a row of one
+:class:`TalkerBatch` (``qwen3_omni_talker_batch``), whose step makes one frame for all of them
+with one batched forward of the talker and one batched run of the code predictor; the engine
+runs that step in ``before_step``, once per core step, and requests opened since the last step
+prefill (alone) and join it. A request leaves when it ends or its stream is closed (an abort).
+Its codes equal what it gets alone, and what the monolithic ``generate`` gives for its seed.
+
+Streaming (``async_chunk``, whole input): a stream yields ``None`` until it has its first
+``engine_extras.first_chunk_frames`` frames (default 2: the first audio comes early) and then
+every ``chunk_frames`` frames (default 10): the new frames' ``codes`` with the
+``context_codes`` (up to ``context_frames``, default 25: Code2Wav's left context) before them.
+Not streaming, a request still runs in the batch and yields one whole result when it ends.
 
 Output: array ``codes`` int64 [F, G] (frame-major), fields ``num_frames``, ``frame_offset``;
 ``context_codes`` int64 [M, G] on every chunk but the first.
@@ -24,34 +30,25 @@ Output: array ``codes`` int64 [F, G] (frame-major), fields ``num_frames``, ``fra
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Iterator
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from omni_mesh.data_plane.messages import Scalar
-from omni_mesh.engines.base import EngineConfigError, EngineRequest, EngineResult, StageData
+from omni_mesh.engines.base import EngineConfigError, EngineRequest, EngineResult
 from omni_mesh.engines.hf.codes import codes_chunk
-from omni_mesh.engines.hf.common import load_part, model_folder, parameter_count, seeded_rng
+from omni_mesh.engines.hf.common import load_part, model_folder, parameter_count
+from omni_mesh.engines.hf.frame_engine import FrameEngine
+from omni_mesh.engines.hf.qwen3_omni_talker_batch import TalkerBatch, TalkerRow
 from omni_mesh.engines.hf.qwen3_omni_talker_prompt import TalkerPrompt, talker_prompt
 from omni_mesh.engines.hf.qwen3_omni_thinker import DEFAULT_MODEL
+from omni_mesh.engines.hf.row_sampling import Sampling, row_generator
 from omni_mesh.engines.hf.speakers import speaker_name
-from omni_mesh.engines.hf.stepped import (
-    CheckpointStreamer,
-    SteppedCall,
-    TurnState,
-    has_at_least,
-    take_turn,
-)
-from omni_mesh.engines.reference.common import ReferenceEngine, extra_float, extra_int
+from omni_mesh.engines.reference.common import extra_float, extra_int
 
 MAX_POSITIONS = 1 << 16
-#: transformers warns that the repetition penalty sees only generated codes (the prompt is
-#: embeddings): that is how the monolithic model runs its talker too.
-REPETITION_WARNING = "Passing `repetition_penalty` with `inputs_embeds`"
 
 
 @dataclass
@@ -65,7 +62,7 @@ class TalkerInput:
     audio_lengths: np.ndarray | None
 
 
-class Qwen3OmniTalkerEngine(ReferenceEngine[TalkerInput]):
+class Qwen3OmniTalkerEngine(FrameEngine[TalkerInput]):
     """Qwen3-Omni's talker + code predictor (module docstring)."""
 
     model: Any
@@ -87,14 +84,15 @@ class Qwen3OmniTalkerEngine(ReferenceEngine[TalkerInput]):
                 f"stage {ctx.stage.name!r} ({ctx.pipeline.name}): engine_extras.do_sample must "
                 f"be true or false, got {do_sample!r}"
             )
-        self.sampling: dict[str, Any] = {"do_sample": do_sample}
+        knobs: dict[str, Any] = {
+            "repetition_penalty": extra_float(ctx, "repetition_penalty", 1.05, 0.01, 10.0)
+        }
         if do_sample:
-            self.sampling.update(
+            knobs.update(
                 temperature=extra_float(ctx, "temperature", 0.9, 0.01, 10.0),
                 top_k=extra_int(ctx, "top_k", 50, 0, 1 << 20),
                 top_p=extra_float(ctx, "top_p", 1.0, 0.01, 1.0),
             )
-        self.repetition_penalty = extra_float(ctx, "repetition_penalty", 1.05, 0.01, 10.0)
         folder = model_folder(ctx, DEFAULT_MODEL)
         self.config = Qwen3OmniMoeConfig.from_pretrained(str(folder))
         self.model = load_part(
@@ -102,15 +100,10 @@ class Qwen3OmniTalkerEngine(ReferenceEngine[TalkerInput]):
         )
         tc = self.config.talker_config
         vocab = tc.text_config.vocab_size
-        self.suppressed = [i for i in range(vocab - 1024, vocab) if i != tc.codec_eos_token_id]
-        self._capture: list[np.ndarray] | None = None
-        self.model.register_forward_hook(self._on_forward)
+        suppressed = tuple(i for i in range(vocab - 1024, vocab) if i != tc.codec_eos_token_id)
+        sampling = Sampling(do_sample, suppress=suppressed, **knobs)
+        self.batch = TalkerBatch(self.model, sampling, self.max_frames)
         return parameter_count(self.model)
-
-    def _on_forward(self, module: Any, args: Any, output: Any) -> None:
-        codes = output.hidden_states[1]  # the frame the code predictor completed this step
-        if codes is not None and self._capture is not None:
-            self._capture.append(codes[0].numpy().astype(np.int64))
 
     def parse(self, request: EngineRequest) -> TalkerInput:
         fields = self.reader(request)
@@ -119,6 +112,12 @@ class Qwen3OmniTalkerEngine(ReferenceEngine[TalkerInput]):
         prompt = fields.optional_int("prompt_tokens", None, 2, MAX_POSITIONS)
         if prompt is None or prompt >= len(sequences):
             raise fields.error("field", "prompt_tokens", "must be set, below len(sequences)")
+        head = sequences[:prompt]
+        if not np.any(
+            (head[:-1] == self.config.im_start_token_id)
+            & (head[1:] == self.config.assistant_token_id)
+        ):
+            raise fields.error("array", "sequences", "has no assistant turn in its prompt")
         embed = fields.array("thinker_embed", np.float32, (len(sequences) - 1, d))
         hidden = fields.array("thinker_hidden", np.float32, (len(sequences) - 1, d))
         special = fields.array("tts_special", np.float32, (3, d))
@@ -129,8 +128,17 @@ class Qwen3OmniTalkerEngine(ReferenceEngine[TalkerInput]):
         voice = speaker_name(fields, speakers)
         return TalkerInput(sequences, prompt, embed, hidden, special, speakers[voice], lengths)
 
-    def _chunk(
-        self, request: EngineRequest, frames: list[np.ndarray], sent: int, *, last: bool
+    def row(self, request: EngineRequest, inputs: TalkerInput) -> TalkerRow | EngineResult:
+        if _too_short(inputs):
+            return self.chunk(request, [], 0, last=True)
+        return TalkerRow(
+            request.request_id,
+            row_generator(request.seed, self.model.device),
+            build=functools.partial(self._prompt, inputs),
+        )
+
+    def chunk(
+        self, request: EngineRequest, frames: list[np.ndarray], sent: int, last: bool
     ) -> EngineResult:
         groups = self.config.talker_config.num_code_groups
         return codes_chunk(request.request_id, frames, sent, groups, self.context_frames, last=last)
@@ -148,82 +156,6 @@ class Qwen3OmniTalkerEngine(ReferenceEngine[TalkerInput]):
             inputs.speaker_id,
             None if lengths is None else torch.from_numpy(np.array(lengths)),
         )
-
-    def _generate(self, prompt: TalkerPrompt, **extra: Any) -> Any:
-        kwargs: dict[str, Any] = {}
-        if prompt.audio_feature_lengths is not None:
-            kwargs["audio_feature_lengths"] = prompt.audio_feature_lengths
-        with warnings.catch_warnings():  # as the monolithic generate: the prompt is embeddings
-            warnings.filterwarnings("ignore", message=REPETITION_WARNING, category=UserWarning)
-            return self._call_generate(prompt, kwargs, extra)
-
-    def _call_generate(
-        self, prompt: TalkerPrompt, kwargs: dict[str, Any], extra: dict[str, Any]
-    ) -> Any:
-        return self.model.generate(
-            inputs_embeds=prompt.inputs_embeds,
-            trailing_text_hidden=prompt.trailing_text_hidden,
-            tts_pad_embed=prompt.tts_pad_embed,
-            talker_input_ids=prompt.talker_input_ids,
-            attention_mask=torch.ones(prompt.talker_input_ids.shape, dtype=torch.long),
-            max_new_tokens=self.max_frames,
-            eos_token_id=self.config.talker_config.codec_eos_token_id,
-            repetition_penalty=self.repetition_penalty,
-            suppress_tokens=self.suppressed,
-            output_hidden_states=True,
-            return_dict_in_generate=True,
-            **self.sampling,
-            **kwargs,
-            **extra,
-        )
-
-    def run(
-        self, request: EngineRequest, inputs: TalkerInput, generator: torch.Generator
-    ) -> EngineResult:
-        if _too_short(inputs):
-            return self._chunk(request, [], 0, last=True)
-        with seeded_rng(request.seed):
-            result = self._generate(self._prompt(inputs))
-        frames = [h[-1] for h in result.hidden_states if h[-1] is not None]
-        g = self.config.talker_config.num_code_groups
-        codes = torch.cat(frames).numpy().astype(np.int64) if frames else np.zeros((0, g))
-        fields: dict[str, Scalar] = {"num_frames": len(codes), "frame_offset": 0}
-        return EngineResult(
-            request.request_id, StageData(fields=fields, arrays={"codes": codes.astype(np.int64)})
-        )
-
-    def run_chunks(
-        self, request: EngineRequest, inputs: TalkerInput, generator: torch.Generator
-    ) -> Iterator[EngineResult | None]:
-        """One frame per step (``None`` until a chunk is full), so requests interleave frame
-        by frame and an abort waits for one frame, not for a whole chunk."""
-        if _too_short(inputs):
-            yield self._chunk(request, [], 0, last=True)
-            return
-        state = TurnState.start(request.seed, ("rope_deltas",))
-        frames: list[np.ndarray] = []
-        prompt = self._prompt(inputs)
-        call = SteppedCall(
-            lambda checkpoint: self._generate(prompt, streamer=CheckpointStreamer(checkpoint)),
-            name=f"talker-{request.request_id}",
-        )
-        sent = 0
-        try:
-            done = False
-            while not done:
-                goal = sent + (self.chunk_frames if sent else self.first_chunk_frames)
-                self._capture = frames
-                try:
-                    done = take_turn(call, state, self.model, has_at_least(frames, len(frames) + 1))
-                finally:
-                    self._capture = None
-                if len(frames) < goal and not done:
-                    yield None
-                    continue
-                yield self._chunk(request, frames, sent, last=done)
-                sent = len(frames)
-        finally:
-            call.close()
 
 
 def _too_short(inputs: TalkerInput) -> bool:

@@ -66,6 +66,38 @@ def generate_whole(
     return int(prompt.input_ids.shape[1]), sequences[0].numpy(), wav.reshape(-1).numpy()
 
 
+def monolithic_codes(
+    model: Any,
+    messages: list[dict[str, Any]],
+    *,
+    seed: int,
+    max_tokens: int,
+    frames: int,
+    sample_talker: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`generate_whole`'s (sequences, codes [F, G], waveform), the codes read off the
+    talker's forward outputs as the monolithic generate itself collects them."""
+    codes: list[np.ndarray] = []
+
+    def grab(module: Any, args: Any, output: Any) -> None:
+        if output.hidden_states[1] is not None:
+            codes.append(output.hidden_states[1][0].numpy())
+
+    hook = model.talker.register_forward_hook(grab)
+    try:
+        _, sequences, wav = generate_whole(
+            model,
+            messages,
+            seed=seed,
+            max_tokens=max_tokens,
+            frames=frames,
+            sample_talker=sample_talker,
+        )
+    finally:
+        hook.remove()
+    return sequences, np.stack(codes), wav
+
+
 def expected(messages: list[dict[str, Any]], seed: int, max_tokens: int) -> tuple[str, np.ndarray]:
     """(text, PCM16 samples) of the monolithic model with the deploy config's talker defaults
     (sampled, ``TALKER_FRAMES``)."""

@@ -79,27 +79,10 @@ def one(engine: StageEngine, data: StageData, seed: int = 5) -> EngineResult:
 def reference(
     model: Any, messages: list[dict[str, Any]], *, sample_talker: bool, seed: int = 5
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Monolithic generate: (sequences, codes [F, G], waveform), the codes read off the talker's
-    forward outputs as generate itself collects them."""
-    codes: list[np.ndarray] = []
-
-    def grab(module: Any, args: Any, output: Any) -> None:
-        if output.hidden_states[1] is not None:
-            codes.append(output.hidden_states[1][0].numpy())
-
-    hook = model.talker.register_forward_hook(grab)
-    try:
-        _, sequences, wav = omni_reference.generate_whole(
-            model,
-            messages,
-            seed=seed,
-            max_tokens=TOKENS,
-            frames=FRAMES,
-            sample_talker=sample_talker,
-        )
-    finally:
-        hook.remove()
-    return sequences, np.stack(codes), wav
+    """Monolithic generate: (sequences, codes [F, G], waveform)."""
+    return omni_reference.monolithic_codes(
+        model, messages, seed=seed, max_tokens=TOKENS, frames=FRAMES, sample_talker=sample_talker
+    )
 
 
 def chat(messages: list[dict[str, Any]], **fields: Any) -> StageData:

@@ -1,0 +1,128 @@
+"""The engine side of a batched talker: every request a row of one :class:`FrameBatch`.
+
+:class:`FrameEngine` is a :class:`ReferenceEngine` whose requests never run alone: ``open``
+gives each request a :class:`FrameStream` over the engine's one batch (chunks under
+``async_chunk`` for a whole input, else one whole result when the row ends), ``before_step``
+advances the batch by one frame once per core step, and ``execute`` drives a batch of whole
+results the same way until every request has its answer. A bad input is answered at once
+(the :meth:`ReferenceEngine.parse` error), and so is a request the subclass answers without the
+model (:meth:`FrameEngine.row` returning a result).
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import abstractmethod
+from collections.abc import Iterator, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from omni_mesh.engines.base import EngineInputError, EngineRequest, EngineResult
+from omni_mesh.engines.hf.frame_batch import FrameBatch, Row
+from omni_mesh.engines.hf.frame_stream import FrameStream
+from omni_mesh.engines.reference.common import ReferenceEngine
+
+logger = logging.getLogger(__name__)
+
+InputT = TypeVar("InputT")
+
+
+class FrameEngine(ReferenceEngine[InputT]):
+    """Base of the batched talkers (module docstring). A subclass's ``build`` sets ``batch``,
+    ``first_chunk_frames`` and ``chunk_frames``."""
+
+    batch: FrameBatch[Any]
+    first_chunk_frames: int
+    chunk_frames: int
+
+    @abstractmethod
+    def row(self, request: EngineRequest, inputs: InputT) -> Row | EngineResult:
+        """The request's row for the batch, or its whole answer when it needs no model."""
+
+    @abstractmethod
+    def chunk(
+        self, request: EngineRequest, frames: list[np.ndarray], sent: int, last: bool
+    ) -> EngineResult:
+        """The result carrying ``frames[sent:]`` (``last``: the request's final one)."""
+
+    def open(self, batch: Sequence[EngineRequest]) -> list[Iterator[EngineResult | None]]:
+        return self._streams(batch, streaming=self.ctx.async_chunk)
+
+    def execute(self, batch: Sequence[EngineRequest]) -> list[EngineResult]:
+        """Every request's whole result, all of them decoded together in one batch."""
+        streams = self._streams(batch, streaming=False)
+        results: list[EngineResult | None] = [None] * len(streams)
+        while any(result is None for result in results):
+            self.before_step(len(streams))
+            for i, (request, stream) in enumerate(zip(batch, streams, strict=True)):
+                if results[i] is None:
+                    results[i] = _next_or_error(request, stream)
+        return [result for result in results if result is not None]
+
+    def before_step(self, streams: int) -> None:
+        """One frame for every running request (the rows opened since the last step join)."""
+        if self.batch.busy:
+            with torch.inference_mode():
+                self.batch.step()
+
+    def run(
+        self, request: EngineRequest, inputs: InputT, generator: torch.Generator
+    ) -> EngineResult:
+        """One request's whole result (in a batch of its own)."""
+        stream = self._stream(request, inputs, streaming=False)
+        result = None
+        while result is None:
+            result = next(stream)
+        return result
+
+    def _streams(
+        self, batch: Sequence[EngineRequest], *, streaming: bool
+    ) -> list[Iterator[EngineResult | None]]:
+        """One stream per request (module docstring); nothing is computed yet."""
+        if not self._loaded:
+            raise RuntimeError(f"{self.where}: execute() called before load()")
+        streams: list[Iterator[EngineResult | None]] = []
+        for request in batch:
+            try:
+                inputs = self.parse(request)
+            except EngineInputError as exc:
+                logger.info(
+                    "bad input stage=%s request_id=%s: %s",
+                    self.ctx.stage.name,
+                    request.request_id,
+                    exc,
+                )
+                streams.append(iter([EngineResult(request.request_id, error=str(exc))]))
+                continue
+            streams.append(self._stream(request, inputs, streaming=streaming))
+        return streams
+
+    def _stream(
+        self, request: EngineRequest, inputs: InputT, *, streaming: bool
+    ) -> Iterator[EngineResult | None]:
+        row = self.row(request, inputs)
+        if isinstance(row, EngineResult):
+            return iter([row])
+        return FrameStream(
+            self.batch,
+            row,
+            lambda frames, sent, last: self.chunk(request, frames, sent, last),
+            streaming=streaming and request.whole,
+            first_chunk_frames=self.first_chunk_frames,
+            chunk_frames=self.chunk_frames,
+        )
+
+
+def _next_or_error(
+    request: EngineRequest, stream: Iterator[EngineResult | None]
+) -> EngineResult | None:
+    """The stream's next item; an exception or an early end as the request's error result."""
+    try:
+        return next(stream)
+    except StopIteration:
+        return EngineResult(request.request_id, error="engine returned no result")
+    except Exception as exc:
+        logger.exception("talker request failed request_id=%s", request.request_id)
+        return EngineResult(request.request_id, error=f"{type(exc).__name__}: {exc}")
