@@ -133,15 +133,22 @@ def _stage_sizes(s: StageDeployConfig) -> list[ConfigIssue]:
                 f"{where}.data_parallel_size_local", msg, s.stage_id, "data_parallel_size_local"
             )
         )
-    pool = s.max_pool_size  # an autoscaled pool needs devices for its largest size
-    if s.devices is not None and len(s.device_ids) != s.world_size * pool:
-        need = s.world_size * pool
+    slots = s.device_slots  # an autoscaled pool needs devices for its largest size
+    if s.devices is not None and len(s.device_ids) != s.world_size * slots:
+        need = s.world_size * slots
         pool_field = "autoscale.max_replicas" if s.autoscale else "num_replicas"
+        pool = f"{pool_field} {s.max_pool_size}"
+        if s.autoscale and s.autoscale.standby_replicas:
+            pool += f" + autoscale.standby_replicas {s.autoscale.standby_replicas}"
+        if s.prefill:
+            pool += f" + prefill.num_replicas {s.prefill.num_replicas}"
+        if slots != s.max_pool_size:
+            pool = f"({pool})"
         msg = (
             f"stage {s.stage_id} lists {len(s.device_ids)} device(s) ({s.devices!r}) but needs "
             f"{need} = world_size {s.world_size} (tp {s.tensor_parallel_size} x dp "
-            f"{dp_local or s.data_parallel_size} x pp {s.pipeline_parallel_size}) x {pool_field} "
-            f"{pool}; set tensor_parallel_size and devices together for this stage "
+            f"{dp_local or s.data_parallel_size} x pp {s.pipeline_parallel_size}) x {pool}"
+            f"; set tensor_parallel_size and devices together for this stage "
             f'with --stage-overrides \'{{"{s.stage_id}": {{"tensor_parallel_size": T, '
             f'"devices": "<T x num_replicas ids>"}}}}\''
         )

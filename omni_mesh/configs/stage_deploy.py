@@ -84,7 +84,8 @@ class StageDeployConfig(BaseModel):
     )
     devices: DeviceList | None = Field(
         default=None,
-        description="Device indices for the whole pool, e.g. '0,1,2,3'; null = CPU, no accounting.",
+        description="GPU indices for the whole pool, world_size per replica slot, e.g. '0,1,2,3'; "
+        "each replica's engine sees only its slice (CUDA_VISIBLE_DEVICES); null = CPU.",
     )
     tensor_parallel_size: int = Field(
         default=1, ge=1, le=MAX_PARALLEL, description="Tensor-parallel ranks per replica."
@@ -231,10 +232,22 @@ class StageDeployConfig(BaseModel):
     def device_ids(self) -> tuple[int, ...]:
         return tuple(int(d) for d in self.devices.split(",")) if self.devices else ()
 
+    @property
+    def device_slots(self) -> int:
+        """Replicas that may run at once, each on its own slice of ``devices``: the largest
+        pool, its warm standbys and a split stage's prefill pool (numbered after the others)."""
+        standby = self.autoscale.standby_replicas if self.autoscale else 0
+        prefill = self.prefill.num_replicas if self.prefill else 0
+        return self.max_pool_size + standby + prefill
+
     def replica_devices(self, replica: int) -> tuple[int, ...]:
-        """The slice of ``devices`` that replica ``replica`` (0-based) runs on; () on CPU."""
-        if not 0 <= replica < self.max_pool_size:
-            raise ValueError(f"stage {self.stage_id} has no replica {replica}")
+        """The slice of ``devices`` that replica slot ``replica`` (0-based, below
+        :attr:`device_slots`) runs on; () on CPU."""
+        if not 0 <= replica < self.device_slots:
+            raise ValueError(
+                f"stage {self.stage_id} has no replica slot {replica} (it has "
+                f"{self.device_slots}: 0 to {self.device_slots - 1})"
+            )
         ws = self.world_size
         return self.device_ids[replica * ws : (replica + 1) * ws]
 

@@ -42,6 +42,13 @@ class StageSettings(BaseSettings):
         default="both",
         description="A split stage's pool (deploy prefill:): prefill or decode; both = unsplit.",
     )
+    replica_index: int = Field(
+        default=0,
+        ge=0,
+        lt=4096,
+        description="This pod's replica slot in its stage's pool: its slice of the stage's "
+        "devices (omni-up numbers its replicas; one pod per GPU set: 0).",
+    )
     control_plane: Annotated[tuple[str, ...], NoDecode] = Field(
         default=(),
         description="Control plane base URLs, repeated or comma-separated (several: failover).",

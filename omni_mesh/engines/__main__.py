@@ -50,10 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     tune_malloc()
     load_pipeline_modules(pipeline_modules_from(args.pipeline_module, os.environ))
     pipeline = get_pipeline(args.pipeline)
+    config = StageDeployConfig.model_validate_json(args.config_json)
     ctx = EngineContext(
         pipeline=pipeline,
         stage=pipeline.stage(args.stage_id),
-        config=StageDeployConfig.model_validate_json(args.config_json),
+        config=config,
+        device="cuda" if config.devices else "cpu",  # its slice only: CUDA_VISIBLE_DEVICES
         async_chunk=args.async_chunk,
     )
     sock = socket.socket(fileno=args.channel_fd)

@@ -117,6 +117,9 @@ class EngineContext:
     pipeline: PipelineSpec
     stage: StageSpec
     config: StageDeployConfig
+    #: Where the model runs: "cuda" when the stage lists ``devices`` (the process sees only
+    #: its replica's slice, as cuda:0, …), else "cpu". Engines on torch place their weights
+    #: and inputs there (``engines/devices.py``); vLLM reads the visible devices itself.
     device: str = "cpu"
     async_chunk: bool = False  # the pipeline streams chunks between stages (engines may stream)
 

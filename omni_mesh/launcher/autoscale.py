@@ -65,6 +65,8 @@ class StagePool:
     children: list[Child] = field(default_factory=list)  # oldest first, none retiring
     leaving: list[tuple[Child, float, str]] = field(default_factory=list)  # SIGTERM due at, why
     next_replica: int = 0  # number of the next replica's name
+    # Each child's replica slot (its slice of the stage's devices), kept until it has exited.
+    slots: list[tuple[Child, int]] = field(default_factory=list)
     warned_at: float = -QUIET_S
 
     def live(self) -> list[Child]:
@@ -83,7 +85,7 @@ class StageActuator:
         pipeline: str,
         policies: Mapping[int, AutoscaleConfig],
         cp_url: str,
-        plan_replica: Callable[[int, int], Planned],
+        plan_replica: Callable[[int, int, int], Planned],
         env: Mapping[str, str],
         restart: RestartPolicy,
         poll_s: float,
@@ -113,6 +115,7 @@ class StageActuator:
             pool = self.pools.get(plan.stage_id) if plan.stage_id is not None else None
             if pool is not None:
                 pool.children.append(child)
+                pool.slots.append((child, plan.slot))
                 pool.next_replica += 1
 
     def start(self) -> None:
@@ -272,7 +275,7 @@ class StageActuator:
         return drained
 
     def _start_replica(self, pool: StagePool, why: str, *, standby: bool = False) -> None:
-        plan = self._plan_replica(pool.stage_id, pool.next_replica)
+        plan = self._plan_replica(pool.stage_id, pool.next_replica, _free_slot(pool))
         pool.next_replica += 1
         child = self._sup.start(
             plan.name,
@@ -284,6 +287,7 @@ class StageActuator:
             probe=True,
         )
         pool.children.append(child)
+        pool.slots.append((child, plan.slot))
         logger.info(
             "autoscale stage=%d starting %sprocess=%s pid=%d on %s: %s",
             pool.stage_id,
@@ -312,6 +316,18 @@ class StageActuator:
             pool.warned_at = now
             logger.warning("autoscale stage=%d %s (keeping %d replicas)", pool.stage_id, what,
                            len(pool.live()))  # fmt: skip
+
+
+def _free_slot(pool: StagePool) -> int:
+    """The replica slot (slice of the stage's devices) for a new replica: the lowest that no
+    running replica holds (a retired one holds its slot until it has exited); when every slot
+    is held, the least held one."""
+    pool.slots = [(child, slot) for child, slot in pool.slots if child.returncode is None]
+    held = [0] * (pool.policy.max_replicas + pool.policy.standby_replicas)
+    for _, slot in pool.slots:
+        if slot < len(held):
+            held[slot] += 1
+    return held.index(min(held))
 
 
 def _port(url: str) -> int | None:

@@ -100,6 +100,12 @@ class UpConfig:
     # their count in ``replicas`` is the decode pool's.
     prefill: Mapping[int, int] = field(default_factory=dict)
 
+    def pool_slots(self, stage_id: int, count: int) -> int:
+        """Replica slots of the stage's (decode) pool of ``count`` replicas: an autoscaled
+        pool's largest size and its standbys (a split stage's prefill slots follow them)."""
+        policy = self.autoscale.get(stage_id)
+        return count if policy is None else policy.max_replicas + policy.standby_replicas
+
     def pool_role(self, stage_id: int) -> str:
         """The ``--role`` of the stage's replicas counted in ``replicas``: ``decode`` for a
         split stage, else none."""
@@ -122,6 +128,7 @@ class Planned:
     stop_rank: int = 0  # stopped in ascending rank: API server, stage 0, 1, …, control plane
     stage_id: int | None = None  # a stage replica's stage
     role: str = ""  # a split stage's replica: "prefill" or "decode"
+    slot: int = 0  # a stage replica's slot: its slice of the stage's devices (--replica-index)
 
     @property
     def ready_url(self) -> str:
@@ -147,9 +154,10 @@ def plan_stages(config: UpConfig, cp_url: str) -> list[Planned]:
     plans = []
     for stage_id, count in zip(sorted(config.pipeline.stage_ids), config.replicas, strict=True):
         for n in range(config.prefill.get(stage_id, 0)):
-            plans.append(plan_replica(config, cp_url, stage_id, n, role="prefill"))
+            slot = config.pool_slots(stage_id, count) + n  # after the decode pool's slots
+            plans.append(plan_replica(config, cp_url, stage_id, n, slot, role="prefill"))
         role = config.pool_role(stage_id)
-        plans += [plan_replica(config, cp_url, stage_id, n, role=role) for n in range(count)]
+        plans += [plan_replica(config, cp_url, stage_id, n, n, role=role) for n in range(count)]
     entry = str(config.pipeline.entry_stage_id)
     api = ("--stage-id", entry, "--api-only", "--host", config.host, "--port", str(config.port))
     url = _url(config.host, config.port)
@@ -158,14 +166,16 @@ def plan_stages(config: UpConfig, cp_url: str) -> list[Planned]:
 
 
 def plan_replica(
-    config: UpConfig, cp_url: str, stage_id: int, replica: int, *, role: str = ""
+    config: UpConfig, cp_url: str, stage_id: int, replica: int, slot: int, *, role: str = ""
 ) -> Planned:
-    """Replica number ``replica`` of ``stage_id``: a headless ``omni-stage`` on a free port;
-    ``role``: of a split stage's prefill or decode pool."""
+    """Replica number ``replica`` of ``stage_id``: a headless ``omni-stage`` on a free port,
+    in replica slot ``slot`` (its slice of the stage's devices); ``role``: of a split stage's
+    prefill or decode pool."""
     name = config.pipeline.stage(stage_id).name
     port = free_port(LOCALHOST)
     argv: tuple[str, ...] = ("--stage-id", str(stage_id), "--headless", "--host", LOCALHOST)
-    argv += ("--port", str(port), *(("--role", role) if role else ()))
+    argv += ("--port", str(port), "--replica-index", str(slot))
+    argv += ("--role", role) if role else ()
     pool = f"{name}-{role}" if role else name
     return Planned(
         f"stage{stage_id}-{pool}-{replica}",
@@ -175,6 +185,7 @@ def plan_replica(
         stop_rank=stage_rank(config, stage_id),
         stage_id=stage_id,
         role=role,
+        slot=slot,
     )
 
 
@@ -303,8 +314,8 @@ def _follow(
         pipeline=config.pipeline.name,
         policies=config.autoscale,
         cp_url=cp_url,
-        plan_replica=lambda stage_id, n: plan_replica(
-            config, cp_url, stage_id, n, role=config.pool_role(stage_id)
+        plan_replica=lambda stage_id, n, slot: plan_replica(
+            config, cp_url, stage_id, n, slot, role=config.pool_role(stage_id)
         ),
         env=env,
         restart=replace(config.restart, ready_timeout_s=config.ready_timeout_s),

@@ -217,10 +217,12 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
         return
     await sweep_orphaned_shm()
+    config = pod.stage_config
     engine = EngineClient(
         pod.pipeline.name,
         pod.stage_id,
-        pod.stage_config,
+        config,
+        devices=config.replica_devices(pod.settings.replica_index) if config.devices else None,
         threads=pod.settings.engine_threads,
         log_level=pod.settings.log_level,
         async_chunk=pod.deploy.async_chunk,

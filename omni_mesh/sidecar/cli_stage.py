@@ -77,6 +77,9 @@ def resolve(
                 f"--role {settings.role}: stage {settings.stage_id} is not split into prefill "
                 "and decode pools (its deploy entry has no prefill: block)"
             )
+    stage = deploy.stage(settings.stage_id)
+    if stage.devices is not None and not settings.api_only:
+        stage.replica_devices(settings.replica_index)  # an index past the slots: ValueError
     return settings, pipeline, deploy, modules
 
 

@@ -64,8 +64,22 @@ def test_bad_devices_are_rejected(bad: object) -> None:
 def test_replica_devices_split_the_pool() -> None:
     s = StageDeployConfig(stage_id=1, devices="0,1,2,3", tensor_parallel_size=2, num_replicas=2)
     assert s.replica_devices(0) == (0, 1) and s.replica_devices(1) == (2, 3)
-    with pytest.raises(ValueError, match="no replica 2"):
+    with pytest.raises(ValueError, match="no replica slot 2"):
         s.replica_devices(2)
+
+
+def test_standbys_and_a_prefill_pool_have_device_slots_of_their_own() -> None:
+    s = StageDeployConfig.model_validate(
+        {
+            "stage_id": 1,
+            "devices": "0,1,2,3,4",
+            "num_replicas": 1,
+            "autoscale": {"min_replicas": 1, "max_replicas": 3, "standby_replicas": 1},
+            "prefill": {"num_replicas": 1},
+        }
+    )
+    assert s.device_slots == 5  # 3 (largest pool) + 1 standby + 1 prefill
+    assert [s.replica_devices(i) for i in range(5)] == [(0,), (1,), (2,), (3,), (4,)]
 
 
 @pytest.mark.parametrize(

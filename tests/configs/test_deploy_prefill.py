@@ -67,6 +67,10 @@ def test_omni_up_plans_both_pools_of_a_split_stage(tmp_path: Path) -> None:
         "stage0-llm-decode-0": "decode",
         "stage0-llm-decode-1": "decode",
     }
+    slots = {p.name: p.argv[p.argv.index("--replica-index") + 1] for p in plans if p.stage_id == 0}
+    # the prefill pool's slots (slices of the stage's devices) follow the decode pool's
+    assert slots == {"stage0-llm-prefill-0": "2", "stage0-llm-decode-0": "0",
+                     "stage0-llm-decode-1": "1"}  # fmt: skip
     # Autoscaled: the actuator adopts the decode pool only and starts decode replicas.
     scaled = tmp_path / "scaled.yaml"
     scaled.write_text(
@@ -79,14 +83,15 @@ def test_omni_up_plans_both_pools_of_a_split_stage(tmp_path: Path) -> None:
     sup = Supervisor(log_dir=tmp_path / "logs")
     with StageActuator(
         sup, pipeline="tiny-llm", policies=config.autoscale, cp_url="http://127.0.0.1:1",
-        plan_replica=lambda s, n: local_deploy.plan_replica(config, "http://x:1", s, n,
-                                                            role="decode"),
+        plan_replica=lambda s, n, slot: local_deploy.plan_replica(config, "http://x:1", s, n,
+                                                                  slot, role="decode"),
         env={}, restart=RestartPolicy(), poll_s=1.0,
     ) as actuator:  # fmt: skip
         children = [(p, object()) for p in plans if p.stage_id == 0]
         actuator.adopt(children)  # type: ignore[arg-type]
         assert len(actuator.pools[0].children) == 1  # the decode replica, not the prefill one
     assert [p.role for p in plans if p.stage_id == 0] == ["prefill", "decode"]
+    assert [p.slot for p in plans if p.stage_id == 0] == [3, 0]  # after max_replicas 3
     unsplit = cli_up.parse_args(["--pipeline", "tiny-llm"], {})
     assert unsplit.prefill == {}
     assert all("--role" not in p.argv for p in local_deploy.plan_stages(unsplit, "http://x:1"))

@@ -156,6 +156,21 @@ def test_devices_must_match_world_size(write_yaml: WriteYaml, chain3: PipelineSp
     assert err.issues[0].stage_id == 1
 
 
+def test_standbys_and_a_prefill_pool_need_devices_too(
+    write_yaml: WriteYaml, chain3: PipelineSpec
+) -> None:
+    bad = write_yaml(
+        "bad.yaml",
+        'stages: [{stage_id: 1, devices: "0,1", num_replicas: 1, prefill: {num_replicas: 1},\n'
+        "          autoscale: {min_replicas: 1, max_replicas: 2, standby_replicas: 1}}]",
+    )
+    msg = str(_error(bad, chain3))
+    assert "lists 2 device(s) ('0,1') but needs 4" in msg
+    assert (
+        "(autoscale.max_replicas 2 + autoscale.standby_replicas 1 + prefill.num_replicas 1)" in msg
+    )
+
+
 def test_broadcast_tensor_parallel_size_blames_both_sources(
     write_yaml: WriteYaml, chain3: PipelineSpec
 ) -> None:

@@ -15,14 +15,13 @@ seed alone, whatever else runs in the process.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
 from omni_mesh.engines.base import EngineConfigError, EngineContext
+from omni_mesh.engines.devices import seeded_rng, torch_device, torch_dtype
 from omni_mesh.engines.hf.folders import ModelFolderError, resolve_folder
 
 logger = logging.getLogger(__name__)
@@ -48,8 +47,19 @@ def model_folder(ctx: EngineContext, default: str) -> Path:
         raise EngineConfigError(f"stage {ctx.stage.name!r} ({ctx.pipeline.name}): {exc}") from None
 
 
-def load_part(cls: type[ModelT], folder: Path, config: Any, prefix: str) -> ModelT:
-    """Submodule ``prefix`` of the checkpoint in ``folder``, as ``cls`` with ``config``.
+__all__ = ["load_part", "model_folder", "parameter_count", "seeded_rng"]
+
+
+def load_part(
+    cls: type[ModelT],
+    folder: Path,
+    config: Any,
+    prefix: str,
+    ctx: EngineContext | None = None,
+) -> ModelT:
+    """Submodule ``prefix`` of the checkpoint in ``folder``, as ``cls`` with ``config``, on the
+    stage's device in its dtype (``ctx``: its ``devices`` and ``dtype``; without: the CPU and
+    the checkpoint's dtype).
 
     A tensor of the part missing from the checkpoint (a folder without a talker, say) is an
     :class:`EngineConfigError`: random weights are never served. The part's generation config
@@ -67,6 +77,7 @@ def load_part(cls: type[ModelT], folder: Path, config: Any, prefix: str) -> Mode
             config=config,
             key_mapping={rf"^{prefix}\.": ""},
             output_loading_info=True,
+            dtype="auto" if ctx is None else torch_dtype(ctx),
         )
     finally:
         hf_logging.set_verbosity(verbosity)
@@ -78,6 +89,8 @@ def load_part(cls: type[ModelT], folder: Path, config: Any, prefix: str) -> Mode
         )
     if getattr(model, "generation_config", None) is not None:
         model.generation_config = GenerationConfig.from_model_config(model.config)
+    if ctx is not None:
+        model = model.to(torch_device(ctx))
     model.eval()
     return model  # type: ignore[no-any-return]
 
@@ -90,14 +103,6 @@ def _register_moe_conversions() -> None:
             cm.register_checkpoint_conversion_mapping(
                 model_type, cm.get_checkpoint_conversion_mapping(base)
             )
-
-
-@contextmanager
-def seeded_rng(seed: int) -> Iterator[None]:
-    """The torch RNG seeded with ``seed`` inside, the caller's state restored after."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
-        yield
 
 
 def parameter_count(model: torch.nn.Module) -> int:

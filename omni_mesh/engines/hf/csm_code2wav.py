@@ -72,7 +72,8 @@ class CsmCode2WavEngine(ReferenceEngine[Code2WavInput]):
         self.groups = int(config.num_quantizers)
         self.codebook = int(config.codebook_size)
         self.sample_rate = int(config.sampling_rate)
-        self.model = load_part(MimiModel, folder, config, "codec_model")
+        self.model = load_part(MimiModel, folder, config, "codec_model", self.ctx)
+        self.device = next(self.model.parameters()).device
         self.hop, self.drop, self.tail = self._measure()
         return parameter_count(self.model)
 
@@ -94,7 +95,8 @@ class CsmCode2WavEngine(ReferenceEngine[Code2WavInput]):
         return hop, drop, tail
 
     def _decode(self, frames: torch.Tensor) -> torch.Tensor:
-        return self.model.decode(frames[None]).audio_values[0, 0]  # type: ignore[no-any-return]
+        audio = self.model.decode(frames[None].to(self.device)).audio_values[0, 0]
+        return audio.cpu()  # type: ignore[no-any-return]
 
     def parse(self, request: EngineRequest) -> Code2WavInput:
         fields = self.reader(request)

@@ -69,10 +69,11 @@ class Qwen3OmniCode2WavEngine(ReferenceEngine[Code2WavInput]):
         config = Qwen3OmniMoeConfig.from_pretrained(str(folder)).code2wav_config
         self.groups = int(config.num_quantizers)
         self.codebook = int(config.codebook_size)
-        self.model = load_part(Qwen3OmniMoeCode2Wav, folder, config, "code2wav")
+        self.model = load_part(Qwen3OmniMoeCode2Wav, folder, config, "code2wav", self.ctx)
+        self.device = next(self.model.parameters()).device
         self.upsample = int(self.model.total_upsample)
         with torch.inference_mode():
-            probe = self.model(torch.zeros((1, self.groups, 2), dtype=torch.long))
+            probe = self.model(self._tensor(np.zeros((1, self.groups, 2), np.int64)))
         self.tail = 2 * self.upsample - int(probe.shape[-1])
         return parameter_count(self.model)
 
@@ -127,7 +128,10 @@ class Qwen3OmniCode2WavEngine(ReferenceEngine[Code2WavInput]):
         codes = np.zeros((len(rows), self.groups, longest), np.int64)
         for b, frames in enumerate(rows):
             codes[b, :, : len(frames)] = frames.T
-        return self.model(torch.from_numpy(codes))  # type: ignore[no-any-return]
+        return self.model(self._tensor(codes))  # type: ignore[no-any-return]
+
+    def _tensor(self, codes: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(codes).to(self.device)
 
     def _final(self, request: EngineRequest, wave: np.ndarray) -> EngineResult:
         final = StageData(fields={"sample_rate": SAMPLE_RATE}, arrays={"waveform": wave})
@@ -145,17 +149,17 @@ class Qwen3OmniCode2WavEngine(ReferenceEngine[Code2WavInput]):
         if len(codes) == 0:
             return np.zeros(0, np.float32)
         if context is None or len(context) == 0:
-            frames = torch.from_numpy(np.array(codes.T))[None]
+            frames = self._tensor(np.array(codes.T))[None]
             wave = self.model.chunked_decode(
                 frames, chunk_size=CHUNK_SIZE, left_context_size=LEFT_CONTEXT
             )
             return _f32(wave)
         if len(context) * self.upsample < self.tail:
             raise EngineInputError(f"{self.where}: context_codes too short for the decoder")
-        frames = torch.from_numpy(np.concatenate([context, codes]).T.copy())[None]
+        frames = self._tensor(np.concatenate([context, codes]).T.copy())[None]
         wave = self.model(frames)
         return _f32(wave[..., len(context) * self.upsample - self.tail :])
 
 
 def _f32(wave: torch.Tensor) -> np.ndarray:
-    return wave.reshape(-1).to(torch.float32).contiguous().numpy()
+    return wave.reshape(-1).to("cpu", torch.float32).contiguous().numpy()

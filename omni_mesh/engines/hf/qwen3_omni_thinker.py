@@ -87,7 +87,9 @@ class Qwen3OmniThinkerEngine(ReferenceEngine[ThinkerInput]):
             folder,
             self.config.thinker_config,
             "thinker",
+            self.ctx,
         )
+        self.device = self.model.device
         return parameter_count(self.model)
 
     def parse(self, request: EngineRequest) -> ThinkerInput:
@@ -126,7 +128,7 @@ class Qwen3OmniThinkerEngine(ReferenceEngine[ThinkerInput]):
     def run(
         self, request: EngineRequest, inputs: ThinkerInput, generator: torch.Generator
     ) -> EngineResult:
-        with seeded_rng(request.seed):
+        with seeded_rng(request.seed, self.device):
             return self._result(request, inputs, self._generate(inputs))
 
     def run_chunks(
@@ -168,14 +170,15 @@ class Qwen3OmniThinkerEngine(ReferenceEngine[ThinkerInput]):
         return str(self.tokenizer.decode(tokens, skip_special_tokens=True)).rstrip("\ufffd")
 
     def _generate(self, inputs: ThinkerInput, **extra: Any) -> Any:
-        prompt = inputs.prompt
+        prompt, device = inputs.prompt, self.device
         kwargs: dict[str, Any] = {}
-        if prompt.input_features is not None:
-            kwargs["input_features"] = prompt.input_features
-            kwargs["feature_attention_mask"] = prompt.feature_attention_mask
+        features, mask = prompt.input_features, prompt.feature_attention_mask
+        if features is not None and mask is not None:
+            kwargs["input_features"] = features.to(device, self.model.dtype)
+            kwargs["feature_attention_mask"] = mask.to(device)
         return self.model.generate(
-            input_ids=prompt.input_ids,
-            attention_mask=prompt.attention_mask,
+            input_ids=prompt.input_ids.to(device),
+            attention_mask=prompt.attention_mask.to(device),
             max_new_tokens=inputs.max_tokens,
             eos_token_id=self.config.im_end_token_id,
             use_audio_in_video=False,
@@ -196,9 +199,10 @@ class Qwen3OmniThinkerEngine(ReferenceEngine[ThinkerInput]):
                 self.config.tts_bos_token_id,
                 self.config.tts_eos_token_id,
                 self.config.tts_pad_token_id,
-            ]
+            ],
+            device=self.device,
         )
-        sequences = result.sequences[0]
+        sequences = result.sequences[0].cpu()
         prompt_tokens = int(prompt.input_ids.shape[1])
         generated = sequences[prompt_tokens:]
         text = self.tokenizer.decode(generated, skip_special_tokens=True)
@@ -244,4 +248,4 @@ def _sampling(request: EngineRequest) -> dict[str, Any]:
 
 
 def _f32(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to(torch.float32).contiguous().numpy()
+    return t.detach().to("cpu", torch.float32).contiguous().numpy()

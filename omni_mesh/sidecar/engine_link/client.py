@@ -26,7 +26,7 @@ import msgspec
 
 from omni_mesh.configs.deploy import StageDeployConfig
 from omni_mesh.data_plane.channel import AsyncChannel, ChannelError, Delivery, make_socketpair
-from omni_mesh.data_plane.constants import ENGINE_TMP_ENV, INLINE_MAX
+from omni_mesh.data_plane.constants import ENGINE_TMP_ENV, INLINE_MAX, VISIBLE_DEVICES_ENV
 from omni_mesh.data_plane.messages import (
     Abort,
     Fatal,
@@ -120,6 +120,7 @@ class EngineClient:
         stage_id: int,
         config: StageDeployConfig,
         *,
+        devices: tuple[int, ...] | None = None,
         threads: int = 1,
         log_level: str = "INFO",
         async_chunk: bool = False,
@@ -128,6 +129,7 @@ class EngineClient:
         self.pipeline = pipeline
         self.stage_id = stage_id
         self.config = config
+        self.devices = devices  # the GPUs the engine may see; None: as this process does
         self.async_chunk = async_chunk
         self.threads = threads
         self.log_level = log_level
@@ -181,6 +183,8 @@ class EngineClient:
         self.engine_tmp = tempfile.mkdtemp(prefix=f"omni-engine-s{self.stage_id}-")
         tmp = {"TMPDIR": self.engine_tmp, "TMP": self.engine_tmp, "TEMP": self.engine_tmp}
         tmp[ENGINE_TMP_ENV] = self.engine_tmp  # the engine removes it too (a killed sidecar)
+        if self.devices is not None:  # its slice of the stage's devices, seen as cuda:0, …
+            tmp[VISIBLE_DEVICES_ENV] = ",".join(str(d) for d in self.devices)
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *argv,
