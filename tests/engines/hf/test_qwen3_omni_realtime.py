@@ -23,6 +23,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_connect
 
+from omni_mesh.sidecar.api.realtime import audio_formats
 from tests.procs import ManagedProcess, clean_env, wait_until
 from tests.sidecar.realtime.sdk import RATE, send_audio
 from tests.sidecar.realtime.speech import noise, silence, speech
@@ -278,6 +279,55 @@ def spans(stderr: str, request_id: str) -> list[dict[str, Any]]:
             if span["attributes"].get("omni.request_id") == request_id:
                 found.append(span)
     return found
+
+
+def test_a_manual_turn_in_g711_is_committed_and_answered_in_g711(sdk: openai.OpenAI) -> None:
+    """turn_detection null: nothing commits the buffer but the client; audio/pcma in and out
+    (8 kHz, one byte a sample), resampled for the thinker and from the code2wav stage."""
+    pcma = {"type": "audio/pcma"}
+    audio = {"input": {"turn_detection": None, "format": pcma}, "output": {"format": pcma}}
+    with session(sdk, audio=audio, max_output_tokens=6) as conn:
+        spoken = np.concatenate([speech("what is the weather like", 8000), silence(600, 8000)])
+        data = audio_formats.encode("audio/pcma", spoken)
+        for i in range(0, len(data), 800):  # 100 ms a chunk
+            conn.input_audio_buffer.append(audio=base64.b64encode(data[i : i + 800]).decode())
+        time.sleep(0.5)  # nothing commits it by itself
+        conn.input_audio_buffer.commit()
+        committed = until(conn, "input_audio_buffer.committed")
+        assert not [e for e in committed if e.type.startswith("input_audio_buffer.speech")]
+        conn.response.create()
+        events = until(conn, "response.done")
+        assert events[-1].response.status in ANSWERED
+        out = b"".join(
+            base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta"
+        )
+        wave = audio_formats.decode("audio/pcma", out)
+        assert len(wave) == len(out) and len(wave) > 8000 // 2  # > 0.5 s at 8 kHz
+        assert np.abs(wave.astype(np.int32)).max() > 0
+    user = next(e.item for e in committed + events if e.type == "conversation.item.done")
+    assert (user.role, user.content[0].type) == ("user", "input_audio")
+
+
+def test_sessions_and_responses_are_counted_in_metrics(sdk: openai.OpenAI, topo: Topology) -> None:
+    """The API server's /metrics: sessions by state while a socket holds one (and not after),
+    responses by status, the first audio's latency."""
+
+    def metric(name: str, **labels: str) -> float:
+        return topo.metric(topo.api_url, name, pipeline=PIPELINE, **labels)
+
+    responses = metric("omni_realtime_responses_total")
+    first_audio = metric("omni_realtime_first_audio_seconds_count")
+    idle = metric("omni_realtime_sessions", state="idle")
+    with session(sdk, max_output_tokens=4) as conn:
+        assert metric("omni_realtime_sessions", state="idle") == idle + 1
+        user_text(conn, "count to three")
+        conn.response.create()
+        status = until(conn, "response.done")[-1].response.status
+        assert status in ANSWERED
+        assert metric("omni_realtime_responses_total", status=status) >= 1
+        assert metric("omni_realtime_responses_total") == responses + 1
+        assert metric("omni_realtime_first_audio_seconds_count") == first_audio + 1
+    wait_until(lambda: metric("omni_realtime_sessions", state="idle") == idle, 10)
 
 
 def test_bad_events_get_errors_and_the_session_goes_on(sdk: openai.OpenAI) -> None:
