@@ -164,21 +164,39 @@ def load_with_replicas(
         "cli_overrides": cli,
         "stage_overrides": settings.stage_overrides,
     }
-    deploy = load_deploy_config(path, pipeline, **layers)
     if settings.replicas is None:
+        deploy = load_deploy_config(path, pipeline, **layers)
         return deploy, parse_replicas(None, pipeline, deploy)
+    # The counts take part in the config's own checks (a stage's devices cover its replicas),
+    # so the config is loaded with them; a 0 (allowed only where autoscale may scale the stage
+    # to zero, which the loaded config says) is loaded as 1 until that is known.
+    stage_ids = sorted(pipeline.stage_ids)
+    try:
+        given = parse_replicas(settings.replicas, pipeline, least=0)
+    except ValueError:  # said with the bounds of each stage, which the config knows
+        parse_replicas(settings.replicas, pipeline, load_deploy_config(path, pipeline, **layers))
+        raise
+
+    def loaded(counts: tuple[int, ...]) -> DeployConfig:
+        per_stage = {sid: {"num_replicas": n} for sid, n in zip(stage_ids, counts, strict=True)}
+        return load_deploy_config(path, pipeline, cli_stage_overrides=per_stage, **layers)
+
+    deploy = loaded(tuple(max(n, 1) for n in given))
     counts = parse_replicas(settings.replicas, pipeline, deploy)
-    per_stage = {
-        sid: {"num_replicas": n} for sid, n in zip(sorted(pipeline.stage_ids), counts, strict=True)
-    }
-    deploy = load_deploy_config(path, pipeline, cli_stage_overrides=per_stage, **layers)
+    if 0 in counts:
+        deploy = loaded(counts)
     return deploy, parse_replicas(None, pipeline, deploy)
 
 
 def parse_replicas(
-    spec: str | None, pipeline: PipelineSpec, deploy: DeployConfig | None = None
+    spec: str | None,
+    pipeline: PipelineSpec,
+    deploy: DeployConfig | None = None,
+    *,
+    least: int | None = None,
 ) -> tuple[int, ...]:
-    """``1:2:1`` → (1, 2, 1): one positive count per stage, in stage id order. Without a
+    """``1:2:1`` → (1, 2, 1): one positive count per stage (0 where ``deploy``'s autoscale
+    may scale the stage to zero; ``least`` overrides that), in stage id order. Without a
     spec, each stage's ``num_replicas`` from ``deploy`` (1 without a deploy config)."""
     stage_ids = sorted(pipeline.stage_ids)
     if spec is None:
@@ -194,12 +212,13 @@ def parse_replicas(
     out = []
     for stage_id, count in zip(stage_ids, counts, strict=True):
         scale = deploy.stage(stage_id).autoscale if deploy else None
-        least = 0 if scale is not None and scale.min_replicas == 0 else 1
+        low = 0 if scale is not None and scale.min_replicas == 0 else 1
+        low = low if least is None else least
         text = count.strip()
-        if not text.isdigit() or not least <= int(text) <= MAX_REPLICAS:
+        if not text.isdigit() or not low <= int(text) <= MAX_REPLICAS:
             raise ValueError(
                 f"--replicas: the count for stage {stage_id} ({pipeline.stage(stage_id).name}) "
-                f"must be an integer from {least} to {MAX_REPLICAS}, got {count!r}"
+                f"must be an integer from {low} to {MAX_REPLICAS}, got {count!r}"
             )
         out.append(int(text))
     return tuple(out)

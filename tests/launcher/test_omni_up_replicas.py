@@ -72,3 +72,16 @@ def test_num_replicas_zero_in_yaml_or_overrides_needs_autoscale(
     overrides = '{"1": {"num_replicas": 0}}'
     err = _refused(["--pipeline", "synthetic", "--stage-overrides", overrides], capsys)
     assert "num_replicas is 0 but stage 1 has no autoscale policy" in err
+
+
+def test_replicas_count_in_the_devices_check(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A stage's devices cover the replicas --replicas asks for, not the YAML's count."""
+    path = tmp_path / "gpus.yaml"
+    path.write_text('pipeline: synthetic\nstages:\n  - {stage_id: 1, devices: "4,7"}\n')
+    argv = ["--pipeline", "synthetic", "--deploy-config", str(path), "--replicas", "1:2:1"]
+    config = cli_up.parse_args(argv, {})
+    assert config.replicas == (1, 2, 1)
+    argv[-1] = "1:3:1"
+    assert "lists 2 device(s) ('4,7') but needs 3" in _refused(argv, capsys)
