@@ -139,9 +139,9 @@ async def speech(request: web.Request) -> web.StreamResponse:
     si = entry(pod, request, prompt)
     sink: Sink
     if req.stream_format == "sse":
-        sink = SpeechEvents(audio_stage)
+        sink = SpeechEvents(audio_stage, req.speed)
     else:
-        sink = SpeechAudio(audio_stage, req.response_format)
+        sink = SpeechAudio(audio_stage, req.response_format, req.speed)
     return await respond(request, pod.pipeline, request_frames(pod, request, si), sink)
 
 

@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator
 from typing import Protocol
 
 import msgspec
+import numpy as np
 from aiohttp import web
 
 from omni_mesh.configs.pipeline import PipelineSpec
@@ -28,6 +29,7 @@ from omni_mesh.sidecar.api.outputs import (
     OutputChunk,
     joined_off_loop,
 )
+from omni_mesh.sidecar.api.time_stretch import SpeechPace
 from omni_mesh.sidecar.appkeys import POD
 from omni_mesh.sidecar.errors import (
     ApiError,
@@ -193,43 +195,55 @@ def sse(event: object) -> bytes:
     return b"data: " + codec.encode_json(event) + b"\n\n"
 
 
-def _pcm(chunk: OutputChunk) -> bytes:
-    return b"" if chunk.output.array is None else media.pcm_bytes(chunk.output.array)
+def _delta(samples: np.ndarray) -> bytes:
+    audio = base64.b64encode(media.pcm_bytes(samples)).decode()
+    return sse({"type": "speech.audio.delta", "audio": audio})
 
 
 class SpeechAudio:
     """``/v1/audio/speech`` audio: streamed as a WAV of unknown length (or raw PCM16) when the
-    pipeline streams; otherwise the whole file with its length, as without ``async_chunk``."""
+    pipeline streams; otherwise the whole file with its length, as without ``async_chunk``.
+    At a ``speed`` other than 1 the samples are time-stretched (``time_stretch.py``)."""
 
     always_stream = False
-    encodes = False
 
-    def __init__(self, audio_stage: int, response_format: str) -> None:
+    def __init__(self, audio_stage: int, response_format: str, speed: float = 1.0) -> None:
         self.audio_stage = audio_stage
         self.raw = response_format == "pcm"
         self.content_type = "audio/pcm" if self.raw else "audio/wav"
-        self._header_sent = False
+        self.pace = SpeechPace(speed)
+        self.encodes = speed != 1.0  # stretching is compute: off the event loop
+        self._rate = 0  # the sample rate of the stream, once its first piece is sent
 
     def piece(self, chunk: OutputChunk) -> bytes:
-        if chunk.stage_id != self.audio_stage:
+        if chunk.stage_id != self.audio_stage or chunk.output.array is None:
             return b""
-        data = _pcm(chunk)
-        if not self.raw and not self._header_sent:
-            self._header_sent = True
-            data = media.wav_stream_header(chunk.sample_rate) + data
+        rate = chunk.sample_rate
+        return self._send(self.pace.stream(chunk.output.array, rate), rate)
+
+    def _send(self, samples: np.ndarray, rate: int) -> bytes:
+        data = media.pcm_bytes(samples)
+        if not self.raw and not self._rate:
+            data = media.wav_stream_header(rate) + data
+        self._rate = rate
         return data
 
     def unary(self, outputs: list[FinalOutput]) -> web.StreamResponse:
         audio = next((o for o in outputs if o.stage_id == self.audio_stage), None)
         if audio is None or audio.data is None or audio.array is None:
             raise ApiError(500, f"stage {self.audio_stage}: no audio output", type_="engine_error")
+        rate = int((audio.fields or {}).get("sample_rate") or 24000)
         if self.raw:
-            rate = int((audio.fields or {}).get("sample_rate") or 24000)
-            return web.Response(body=media.pcm_bytes(audio.array, rate), content_type="audio/pcm")
-        return web.Response(body=audio.data, content_type="audio/wav")
+            samples = self.pace.whole(audio.array, rate)
+            return web.Response(body=media.pcm_bytes(samples, rate), content_type="audio/pcm")
+        if self.pace.speed == 1.0:
+            return web.Response(body=audio.data, content_type="audio/wav")
+        wav = media.wav_bytes(self.pace.whole(audio.array, rate), rate)
+        return web.Response(body=wav, content_type="audio/wav")
 
     def tail(self, outputs: list[FinalOutput]) -> bytes:
-        return b""
+        rest = self.pace.rest()
+        return self._send(rest, self._rate or 24000) if len(rest) else b""
 
     def error_event(self, err: ApiError) -> bytes:
         return b""
@@ -242,21 +256,24 @@ class SpeechEvents:
     encodes = False
     content_type = SSE_CONTENT_TYPE
 
-    def __init__(self, audio_stage: int) -> None:
+    def __init__(self, audio_stage: int, speed: float = 1.0) -> None:
         self.audio_stage = audio_stage
+        self.pace = SpeechPace(speed)
+        self.encodes = speed != 1.0  # stretching is compute: off the event loop
 
     def piece(self, chunk: OutputChunk) -> bytes:
-        if chunk.stage_id != self.audio_stage:
+        if chunk.stage_id != self.audio_stage or chunk.output.array is None:
             return b""
-        audio = base64.b64encode(_pcm(chunk)).decode()
-        return sse({"type": "speech.audio.delta", "audio": audio})
+        return _delta(self.pace.stream(chunk.output.array, chunk.sample_rate))
 
     def unary(self, outputs: list[FinalOutput]) -> web.StreamResponse:
         raise AssertionError("an event stream is always streamed")
 
     def tail(self, outputs: list[FinalOutput]) -> bytes:
+        rest = self.pace.rest()
         usage = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
-        return sse({"type": "speech.audio.done", "usage": usage})
+        done = sse({"type": "speech.audio.done", "usage": usage})
+        return _delta(rest) + done if len(rest) else done
 
     def error_event(self, err: ApiError) -> bytes:
         return sse({"type": "error", "error": error_body(err)})

@@ -118,6 +118,32 @@ def test_concurrent_speeches_each_equal_the_monolithic_model(topo: Topology) -> 
     assert not np.array_equal(got[21], got[22])
 
 
+def test_speed_time_stretches_the_streamed_speech(topo: Topology) -> None:
+    """``speed`` (CSM has no rate input): the answer time-stretched as it streams, pitch kept
+    (``sidecar/api/time_stretch.py``, where a stream cut anywhere gives the samples of the
+    whole stretched at once); the same samples as WAV or raw PCM, 1/speed as long."""
+    sdk = client(topo)
+    body = {"seed": 5}
+    whole = sdk.audio.speech.create(
+        model=PIPELINE, input=TEXT, voice="0", response_format="wav", speed=1.5, extra_body=body
+    )
+    fast = wav_samples(whole.content)
+    assert fast.shape == (round(SAMPLES / 1.5),)
+    data = b""
+    with sdk.audio.speech.with_streaming_response.create(
+        model=PIPELINE, input=TEXT, voice="0", response_format="pcm", speed=1.5, extra_body=body
+    ) as resp:
+        for piece in resp.iter_bytes():
+            data += piece
+    assert np.array_equal(np.frombuffer(data, np.int16), fast)
+    slow = wav_samples(
+        sdk.audio.speech.create(
+            model=PIPELINE, input=TEXT, voice="0", speed=0.5, extra_body=body
+        ).content
+    )
+    assert slow.shape == (SAMPLES * 2,)
+
+
 def test_a_bad_voice_is_a_400_naming_the_allowed_ones(topo: Topology) -> None:
     with pytest.raises(openai.BadRequestError, match=r"unknown voice 'alloy'; allowed: default"):
         client(topo).audio.speech.create(model=PIPELINE, input="hi", voice="alloy")

@@ -181,13 +181,7 @@ def _apply_audio(
                     param="session.audio.output.voice",
                 )
             new.voice = audio_out.voice
-        if audio_out.speed is not UNSET:
-            if audio_out.speed != 1.0:
-                raise EventError(
-                    "session.audio.output.speed: only 1.0 is served (the engines have no "
-                    "speed control and a resampled voice changes pitch)",
-                    param="session.audio.output.speed",
-                )
+        if audio_out.speed is not UNSET:  # the answer is time-stretched, pitch kept
             new.speed = audio_out.speed
 
 

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 
 from omni_mesh.configs.pipeline import OutputKind
@@ -36,6 +37,7 @@ from omni_mesh.sidecar.api.realtime import audio_formats
 from omni_mesh.sidecar.api.realtime.config import SessionConfig
 from omni_mesh.sidecar.api.realtime.conversation import Conversation, Item, Part, new_id
 from omni_mesh.sidecar.api.realtime.sender import EventSender
+from omni_mesh.sidecar.api.time_stretch import SpeechPace
 from omni_mesh.sidecar.errors import ApiError
 from omni_mesh.sidecar.pod import Pod
 
@@ -94,6 +96,8 @@ class ResponseRun:
         self.text_fields: dict[str, Any] = {}
         self.item: Item | None = None
         self._resampler: audio_formats.StreamResampler | None = None
+        self._pace = SpeechPace(inp.config.speed)  # session.audio.output.speed
+        self._audio_rate = 0  # the audio stage's sample rate, once it has sent some
         self.task: asyncio.Task[None] | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -151,6 +155,9 @@ class ResponseRun:
                     if assembler.error is not None:
                         break
             error = assembler.end()
+            rest = self._pace.rest()  # the end of a time-stretched answer
+            if len(rest) and error is None:
+                self._audio(rest, self._audio_rate, time.perf_counter() - self.stats.started)
             if error is not None:
                 self._failed(error.code, f"stage {error.stage_id}: {error.message}")
             else:
@@ -254,11 +261,17 @@ class ResponseRun:
             return
         if chunk.stage_id != self.audio_stage or chunk.output.array is None:
             return
+        self._audio_rate = chunk.sample_rate
+        wave = self._pace.stream(chunk.output.array.reshape(-1), chunk.sample_rate)
+        self._audio(wave, chunk.sample_rate, now)
+
+    def _audio(self, wave: np.ndarray, source_rate: int, now: float) -> None:
+        """Send ``wave`` (at ``source_rate``) in the session's output format."""
         fmt = self.inp.config.output_format
         rate = audio_formats.format_rate(fmt)
-        if self._resampler is None or self._resampler.source_rate != chunk.sample_rate:
-            self._resampler = audio_formats.StreamResampler(chunk.sample_rate, rate)
-        samples = self._resampler.feed(chunk.output.array.reshape(-1))
+        if self._resampler is None or self._resampler.source_rate != source_rate:
+            self._resampler = audio_formats.StreamResampler(source_rate, rate)
+        samples = self._resampler.feed(wave)
         if len(samples) == 0:
             return
         if self.stats.first_audio_s is None:
