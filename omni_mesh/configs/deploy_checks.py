@@ -140,7 +140,12 @@ def _stage_sizes(s: StageDeployConfig) -> list[ConfigIssue]:
         pool = f"{pool_field} {s.max_pool_size}"
         if s.autoscale and s.autoscale.standby_replicas:
             pool += f" + autoscale.standby_replicas {s.autoscale.standby_replicas}"
-        if s.prefill:
+        if s.prefill and s.prefill.autoscale:
+            pool += f" + prefill.autoscale.max_replicas {s.prefill.autoscale.max_replicas}"
+            if s.prefill.autoscale.standby_replicas:
+                standby = s.prefill.autoscale.standby_replicas
+                pool += f" + prefill.autoscale.standby_replicas {standby}"
+        elif s.prefill:
             pool += f" + prefill.num_replicas {s.prefill.num_replicas}"
         if slots != s.max_pool_size:
             pool = f"({pool})"

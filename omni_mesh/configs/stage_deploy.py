@@ -30,16 +30,50 @@ from omni_mesh.configs.pipeline import MAX_STAGES
 
 class PrefillPool(BaseModel):
     """``prefill:`` of a stage entry: the stage is split into a prefill pool (this block) and a
-    decode pool (the entry's own ``num_replicas``, and ``autoscale:`` when set: it scales the
-    decode pool; the prefill pool keeps its size). A request's prompt is prefilled on a
-    prefill replica; its KV cache moves engine to engine (vLLM's ``NixlConnector``) to the
-    decode replica that generates the tokens (docs/operations.md, "Prefill/decode split")."""
+    decode pool (the entry's own ``num_replicas``, and its ``autoscale:``). A request's prompt
+    is prefilled on a prefill replica; its KV cache moves engine to engine (vLLM's
+    ``NixlConnector``) to the decode replica that generates the tokens (docs/operations.md,
+    "Prefill/decode split"). The prefill pool autoscales on its own with an ``autoscale:`` of
+    its own (``num_replicas`` is then its starting count); without one it keeps its size."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     num_replicas: int = Field(
-        default=1, ge=1, le=MAX_REPLICAS, description="Replicas in the stage's prefill pool."
+        default=1,
+        ge=1,
+        le=MAX_REPLICAS,
+        description="Replicas in the stage's prefill pool (its starting count when it autoscales).",
     )
+    autoscale: AutoscaleConfig | None = Field(
+        default=None,
+        description="The prefill pool's own autoscaling policy, decided from its replicas' "
+        "load only; null = the pool keeps num_replicas.",
+    )
+
+    @model_validator(mode="after")
+    def _check_autoscale(self, info: ValidationInfo) -> Self:
+        scale = self.autoscale
+        if scale is None or context_flag(info, "layer"):
+            return self
+        if scale.min_replicas < 1:
+            raise ValueError(
+                "autoscale.min_replicas is 0, but a prefill pool cannot scale to zero: with no "
+                "prefill replica the decode replicas prefill locally, so no load would ever "
+                "wake it; set autoscale.min_replicas to at least 1"
+            )
+        if not scale.min_replicas <= self.num_replicas <= scale.max_replicas:
+            raise ValueError(
+                f"num_replicas ({self.num_replicas}) is the starting count of an autoscaled "
+                f"prefill pool and must lie in [autoscale.min_replicas, "
+                f"autoscale.max_replicas] = [{scale.min_replicas}, {scale.max_replicas}]"
+            )
+        return self
+
+    @property
+    def device_slots(self) -> int:
+        """Replicas of the pool that may run at once: its largest size and its standbys."""
+        scale = self.autoscale
+        return self.num_replicas if scale is None else scale.max_replicas + scale.standby_replicas
 
 
 class ConnectorSpec(BaseModel):
@@ -173,8 +207,9 @@ class StageDeployConfig(BaseModel):
     )
     prefill: PrefillPool | None = Field(
         default=None,
-        description="vLLM stages: split prefill from decode; this block sizes the prefill "
-        "pool, num_replicas (and autoscale) the decode pool (KV moved over NIXL).",
+        description="vLLM stages: split prefill from decode; this block sizes (and may "
+        "autoscale) the prefill pool, num_replicas and autoscale the decode pool (KV moved "
+        "over NIXL).",
     )
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
@@ -235,10 +270,16 @@ class StageDeployConfig(BaseModel):
     @property
     def device_slots(self) -> int:
         """Replicas that may run at once, each on its own slice of ``devices``: the largest
-        pool, its warm standbys and a split stage's prefill pool (numbered after the others)."""
+        pool, its warm standbys and a split stage's prefill pool (numbered after the others;
+        an autoscaled one at its largest, with its standbys)."""
+        return self.pool_slots + (self.prefill.device_slots if self.prefill else 0)
+
+    @property
+    def pool_slots(self) -> int:
+        """Slots of the stage's own pool (a split stage's decode pool): its largest size and
+        its warm standbys; a split stage's prefill slots follow them."""
         standby = self.autoscale.standby_replicas if self.autoscale else 0
-        prefill = self.prefill.num_replicas if self.prefill else 0
-        return self.max_pool_size + standby + prefill
+        return self.max_pool_size + standby
 
     def replica_devices(self, replica: int) -> tuple[int, ...]:
         """The slice of ``devices`` that replica slot ``replica`` (0-based, below

@@ -8,6 +8,7 @@ versioned by its path (``/v1``); instance records in Redis carry ``keys.RECORD_S
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
@@ -106,6 +107,26 @@ def validate_address(value: str) -> str:
 #: The registration label naming a split stage's pool: ``prefill`` or ``decode`` (the
 #: deploy config's ``prefill:``; routers send prefill requests only to the prefill pool).
 KV_ROLE_LABEL = "kv_role"
+
+
+class ScalePool(StrEnum):
+    """Which pool of a stage a scale resource sizes (query parameter ``pool`` of the scale
+    routes): the stage's own pool, or a split stage's prefill pool, which autoscales apart."""
+
+    STAGE = "stage"  # the stage's replicas; a split stage's decode pool (no kv_role=prefill)
+    PREFILL = "prefill"  # a split stage's prefill pool: its replicas labelled kv_role=prefill
+
+    def holds(self, labels: Mapping[str, str]) -> bool:
+        """Whether a replica registered with ``labels`` belongs to this pool."""
+        return (labels.get(KV_ROLE_LABEL) == "prefill") == (self is ScalePool.PREFILL)
+
+    def where(self, stage_id: int) -> str:
+        """``stage=N`` (``stage=N pool=prefill``): how logs name the pool."""
+        return f"stage={stage_id}" if self is ScalePool.STAGE else f"stage={stage_id} pool={self}"
+
+    def label(self, stage_id: int) -> str:
+        """The ``stage`` label of the pool's autoscaling metrics: ``N`` (``N/prefill``)."""
+        return str(stage_id) if self is ScalePool.STAGE else f"{stage_id}/{self}"
 
 
 class LoadReport(_Request):
@@ -281,10 +302,16 @@ class ScaleDecision(_Response):
 
 
 class ScaleStatus(_Response):
-    """``GET /v1/pipelines/{p}/stages/{s}/scale``: policy, desired and ready replicas."""
+    """``GET /v1/pipelines/{p}/stages/{s}/scale[?pool=prefill]``: policy, desired and ready
+    replicas of the stage's pool (or of a split stage's prefill pool)."""
 
     pipeline: str
     stage_id: int
+    pool: ScalePool = Field(
+        default=ScalePool.STAGE,
+        description="stage: the stage's own pool (a split stage's decode pool); prefill: a "
+        "split stage's prefill pool.",
+    )
     policy: AutoscaleConfig | None = Field(default=None, description="null: not autoscaled.")
     desired: int | None = Field(default=None, description="null until the first decision.")
     ready: int = Field(default=0, description="Healthy replicas now.")
@@ -395,6 +422,10 @@ class PipelineStatus(_Response):
     )
     desired: dict[int, int] = Field(
         default_factory=dict, description="Autoscaled stages: stage id -> desired replicas."
+    )
+    prefill_desired: dict[int, int] = Field(
+        default_factory=dict,
+        description="Split stages whose prefill pool autoscales: stage id -> its desired replicas.",
     )
 
 

@@ -1,6 +1,7 @@
 """``omni-cp status``: a ``kubectl get``-like table of every instance the control plane knows,
-with each autoscaled stage's desired replica count (a stage at zero gets a row of its own), and
-a line per pipeline with realtime sessions."""
+with each autoscaled pool's desired replica count (a stage at zero gets a row of its own; a
+split stage's prefill replicas show their own pool's), and a line per pipeline with realtime
+sessions."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ COLUMNS = (
     "LOAD",
     "HEARTBEAT-AGE",
     "REASON",
-    "DESIRED",  # the stage's desired replicas (autoscaled stages), else "-"
+    # the desired replicas of the instance's pool (autoscaled stages; a split stage's prefill
+    # replicas: their prefill pool's, when it autoscales), else "-"
+    "DESIRED",
 )
 
 
@@ -60,9 +63,17 @@ def _role(info: InstanceInfo) -> str:
     return f"{role}/{pool}" if pool else role
 
 
-def _empty_stage_row(pipeline: str, stage_id: int, desired: int) -> tuple[str, ...]:
-    """An autoscaled stage with no instance at all (scaled to zero, or not started yet)."""
-    return (pipeline, str(stage_id), "-", "-", "-", "-", "-", "-", "-", "no_replicas", str(desired))
+def _empty_stage_row(
+    pipeline: str, stage_id: int, desired: int, role: str = "-"
+) -> tuple[str, ...]:
+    """An autoscaled pool with no instance at all (scaled to zero, or not started yet); a
+    prefill pool's ROLE is ``-/prefill``."""
+    return (pipeline, str(stage_id), role, "-", "-", "-", "-", "-", "-", "no_replicas",
+            str(desired))  # fmt: skip
+
+
+def _is_prefill(info: InstanceInfo) -> bool:
+    return info.labels.get(KV_ROLE_LABEL) == "prefill"
 
 
 def render_table(rows: Sequence[Sequence[str]], header: Sequence[str] = COLUMNS) -> str:
@@ -80,19 +91,27 @@ def render_status(listing: PipelineList, *, pipeline: str | None = None) -> str:
     """The status table, sorted by pipeline, stage and registration time."""
     shown = [p for p in listing.pipelines if pipeline is None or p.pipeline == pipeline]
     desired = {(p.pipeline, s): n for p in shown for s, n in p.desired.items()}
-    occupied = {(i.pipeline, i.stage_id) for p in shown for i in p.instances}
+    prefill = {(p.pipeline, s): n for p in shown for s, n in p.prefill_desired.items()}
+    stages = [i for p in shown for i in p.instances]
+    occupied = {(i.pipeline, i.stage_id) for i in stages if not _is_prefill(i)}
+    prefilled = {(i.pipeline, i.stage_id) for i in stages if _is_prefill(i)}
     infos = [i for p in shown for i in (*p.instances, *p.api_servers)]
     empty = sorted(k for k in desired if k not in occupied)
-    if not infos and not empty:
+    empty_prefill = sorted(k for k in prefill if k not in prefilled)
+    if not infos and not empty and not empty_prefill:
         return "no instances registered" + (f" for pipeline {pipeline!r}" if pipeline else "")
     keyed = [
         (
             (i.pipeline, i.stage_id, i.registered_at_ms, i.instance_id),
-            _row(i, desired.get((i.pipeline, i.stage_id))),
+            _row(i, (prefill if _is_prefill(i) else desired).get((i.pipeline, i.stage_id))),
         )
         for i in infos
     ]
     keyed += [((p, s, -1, ""), _empty_stage_row(p, s, desired[(p, s)])) for p, s in empty]
+    keyed += [
+        ((p, s, -1, "prefill"), _empty_stage_row(p, s, prefill[(p, s)], "-/prefill"))
+        for p, s in empty_prefill
+    ]
     keyed.sort(key=lambda kr: kr[0])
     return render_table([row for _, row in keyed])
 

@@ -3,8 +3,11 @@ control plane's desired replica counts (DESIGN §9, "Autoscaling"; docs/operatio
 
 At start (:meth:`StageActuator.start`) each stage whose deploy entry has ``autoscale:`` gets its
 policy ``PUT`` on the control plane's stage scale resource, with the replicas omni-up started
-as the starting desired count. Then :meth:`StageActuator.tick` (called from the supervisor's
-thread every ``poll_s``) reads each stage's scale resource and
+as the starting desired count. A split stage's prefill pool with an ``autoscale:`` of its own
+(``prefill: {autoscale: …}``) is a second pool of the stage, with its own policy on the
+resource's ``?pool=prefill`` variant: it is followed the same way, with ``--role prefill``
+replicas in the replica slots after the decode pool's. Then :meth:`StageActuator.tick`
+(called from the supervisor's thread every ``poll_s``) reads each pool's scale resource and
 
 - re-``PUT``s the policy when the control plane answers ``policy: null`` (it was restarted, or
   Redis lost its data), with the replicas running now as the starting count;
@@ -40,6 +43,7 @@ from omni_mesh.control_plane.client import (
     ControlPlaneClient,
     ControlPlaneError,
     InstanceState,
+    ScalePool,
     ScaleStatus,
 )
 from omni_mesh.launcher.supervisor import Child, RestartPolicy, Supervisor
@@ -58,10 +62,13 @@ QUIET_S = 30.0  # between two "control plane unreachable" warnings per stage
 
 @dataclass
 class StagePool:
-    """The replicas omni-up runs for one autoscaled stage."""
+    """The replicas omni-up runs for one autoscaled pool: a stage's own (a split stage's decode
+    pool), or a split stage's prefill pool."""
 
     stage_id: int
     policy: AutoscaleConfig
+    pool: ScalePool = ScalePool.STAGE
+    first_slot: int = 0  # its replica slots are first_slot + [0, max_replicas + standbys)
     children: list[Child] = field(default_factory=list)  # oldest first, none retiring
     leaving: list[tuple[Child, float, str]] = field(default_factory=list)  # SIGTERM due at, why
     next_replica: int = 0  # number of the next replica's name
@@ -73,10 +80,15 @@ class StagePool:
         self.children = [c for c in self.children if c.retiring_since is None]
         return self.children
 
+    @property
+    def where(self) -> str:
+        """``stage=N`` (``stage=N pool=prefill``) for logs."""
+        return self.pool.where(self.stage_id)
+
 
 class StageActuator:
-    """Makes omni-up's pools of the autoscaled stages follow the control plane's desired
-    counts; see the module docstring. Close it when done."""
+    """Makes omni-up's autoscaled pools follow the control plane's desired counts; see the
+    module docstring. Close it when done."""
 
     def __init__(
         self,
@@ -85,12 +97,15 @@ class StageActuator:
         pipeline: str,
         policies: Mapping[int, AutoscaleConfig],
         cp_url: str,
-        plan_replica: Callable[[int, int, int], Planned],
+        plan_replica: Callable[[int, int, int, ScalePool], Planned],
         env: Mapping[str, str],
         restart: RestartPolicy,
         poll_s: float,
+        prefill_policies: Mapping[int, tuple[AutoscaleConfig, int]] | None = None,
     ) -> None:
-        """``plan_replica(stage_id, n)``: the command line of the stage's replica number n."""
+        """``policies``: stage id -> the stage's policy. ``prefill_policies``: stage id -> the
+        policy of its prefill pool and the pool's first replica slot. ``plan_replica(stage_id,
+        n, slot, pool)``: the command line of the pool's replica number n in ``slot``."""
         self._sup = sup
         self._pipeline = pipeline
         self._plan_replica = plan_replica
@@ -103,35 +118,45 @@ class StageActuator:
         self.pools: dict[int, StagePool] = {
             stage_id: StagePool(stage_id, policy) for stage_id, policy in sorted(policies.items())
         }
+        self.prefill_pools: dict[int, StagePool] = {
+            stage_id: StagePool(stage_id, policy, ScalePool.PREFILL, first_slot)
+            for stage_id, (policy, first_slot) in sorted((prefill_policies or {}).items())
+        }
+
+    def all_pools(self) -> list[StagePool]:
+        """Every autoscaled pool: the stages' own, then the prefill pools."""
+        return [*self.pools.values(), *self.prefill_pools.values()]
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     def adopt(self, started: Iterable[tuple[Planned, Child]]) -> None:
-        """Take over the replicas omni-up started for the autoscaled stages (a split stage's
-        decode pool: its prefill pool keeps its size)."""
+        """Take over the replicas omni-up started for the autoscaled pools (a split stage's
+        prefill replicas go to its prefill pool when that autoscales; else it keeps its
+        size)."""
         for plan, child in started:
-            if plan.role == "prefill":
+            if plan.stage_id is None:
                 continue
-            pool = self.pools.get(plan.stage_id) if plan.stage_id is not None else None
+            pools = self.prefill_pools if plan.role == "prefill" else self.pools
+            pool = pools.get(plan.stage_id)
             if pool is not None:
                 pool.children.append(child)
                 pool.slots.append((child, plan.slot))
                 pool.next_replica += 1
 
     def start(self) -> None:
-        """Set every autoscaled stage's policy on the control plane (starting count: the
+        """Set every autoscaled pool's policy on the control plane (starting count: the
         replicas running now). One the control plane does not take now is set by a later
         :meth:`tick`."""
-        for pool in self.pools.values():
+        for pool in self.all_pools():
             try:
                 status = self._put_policy(pool)
             except ControlPlaneError as exc:
                 self._warn(pool, f"cannot set its policy yet: {exc}")
                 continue
             logger.info(
-                "autoscale stage=%d policy set: min=%d max=%d target_utilization=%g "
+                "autoscale %s policy set: min=%d max=%d target_utilization=%g "
                 "replicas=%d desired=%s",
-                pool.stage_id,
+                pool.where,
                 pool.policy.min_replicas,
                 pool.policy.max_replicas,
                 pool.policy.target_utilization,
@@ -156,9 +181,9 @@ class StageActuator:
 
     def tick(self, now: float | None = None) -> None:
         """SIGTERM the drained replicas that are due; every ``poll_s``: read each autoscaled
-        stage's desired count and act on it."""
+        pool's desired count and act on it."""
         now = time.monotonic() if now is None else now
-        for pool in self.pools.values():
+        for pool in self.all_pools():
             due = [leaving for leaving in pool.leaving if leaving[1] <= now]
             pool.leaving = [leaving for leaving in pool.leaving if leaving[1] > now]
             for child, _, why in due:
@@ -166,14 +191,16 @@ class StageActuator:
         if now < self._next_tick:
             return
         self._next_tick = now + self.poll_s
-        for pool in self.pools.values():
+        for pool in self.all_pools():
             try:
-                status = self._run(self._client.scale(self._pipeline, pool.stage_id))
+                status = self._run(
+                    self._client.scale(self._pipeline, pool.stage_id, pool=pool.pool)
+                )
                 if status.policy is None:
                     logger.warning(
-                        "autoscale stage=%d: the control plane has no policy for it (restarted, "
+                        "autoscale %s: the control plane has no policy for it (restarted, "
                         "or Redis lost its data); setting it again with replicas=%d",
-                        pool.stage_id,
+                        pool.where,
                         len(pool.live()),
                     )
                     status = self._put_policy(pool)
@@ -240,7 +267,7 @@ class StageActuator:
         due = time.monotonic() + DRAIN_NOTICE_S
         for child in leaving:
             pool.children.remove(child)
-            reason = f"autoscale stage={pool.stage_id} {why}"
+            reason = f"autoscale {pool.where} {why}"
             if child in drained:
                 pool.leaving.append((child, due, reason))
             else:  # not registered (still starting), or no control plane: its own drain
@@ -265,8 +292,8 @@ class StageActuator:
                 self._warn(pool, f"cannot drain instance={instance_id}: {exc}")
                 continue
             logger.info(
-                "autoscale stage=%d drained process=%s instance=%s: SIGTERM in %gs",
-                pool.stage_id,
+                "autoscale %s drained process=%s instance=%s: SIGTERM in %gs",
+                pool.where,
                 child.name,
                 instance_id,
                 DRAIN_NOTICE_S,
@@ -275,7 +302,7 @@ class StageActuator:
         return drained
 
     def _start_replica(self, pool: StagePool, why: str, *, standby: bool = False) -> None:
-        plan = self._plan_replica(pool.stage_id, pool.next_replica, _free_slot(pool))
+        plan = self._plan_replica(pool.stage_id, pool.next_replica, _free_slot(pool), pool.pool)
         pool.next_replica += 1
         child = self._sup.start(
             plan.name,
@@ -289,8 +316,8 @@ class StageActuator:
         pool.children.append(child)
         pool.slots.append((child, plan.slot))
         logger.info(
-            "autoscale stage=%d starting %sprocess=%s pid=%d on %s: %s",
-            pool.stage_id,
+            "autoscale %s starting %sprocess=%s pid=%d on %s: %s",
+            pool.where,
             "standby " if standby else "",
             plan.name,
             child.pid,
@@ -303,7 +330,7 @@ class StageActuator:
     def _put_policy(self, pool: StagePool) -> ScaleStatus:
         replicas = pool.policy.clamp(len(pool.live()))
         coro = self._client.set_scale_policy(
-            self._pipeline, pool.stage_id, pool.policy, replicas=replicas
+            self._pipeline, pool.stage_id, pool.policy, replicas=replicas, pool=pool.pool
         )
         return self._run(coro)
 
@@ -314,20 +341,20 @@ class StageActuator:
         now = time.monotonic()
         if now - pool.warned_at >= QUIET_S:
             pool.warned_at = now
-            logger.warning("autoscale stage=%d %s (keeping %d replicas)", pool.stage_id, what,
+            logger.warning("autoscale %s %s (keeping %d replicas)", pool.where, what,
                            len(pool.live()))  # fmt: skip
 
 
 def _free_slot(pool: StagePool) -> int:
-    """The replica slot (slice of the stage's devices) for a new replica: the lowest that no
-    running replica holds (a retired one holds its slot until it has exited); when every slot
-    is held, the least held one."""
+    """The replica slot (slice of the stage's devices) for a new replica of the pool: the
+    lowest of its slots that no running replica holds (a retired one holds its slot until it
+    has exited); when every slot is held, the least held one."""
     pool.slots = [(child, slot) for child, slot in pool.slots if child.returncode is None]
     held = [0] * (pool.policy.max_replicas + pool.policy.standby_replicas)
     for _, slot in pool.slots:
-        if slot < len(held):
-            held[slot] += 1
-    return held.index(min(held))
+        if 0 <= slot - pool.first_slot < len(held):
+            held[slot - pool.first_slot] += 1
+    return pool.first_slot + held.index(min(held))
 
 
 def _port(url: str) -> int | None:

@@ -9,6 +9,8 @@ prints the endpoints and a final ``omni-up ready: …`` line; stays up until Ctr
 A stage whose deploy entry has ``autoscale:`` follows the control plane's desired replica count
 (:mod:`omni_mesh.launcher.autoscale`): ``--replicas`` gives its starting count (0 allowed when
 its ``min_replicas`` is 0), replicas are started on free ports and removed by draining them.
+A split stage's prefill pool with an ``autoscale:`` of its own (``prefill: {autoscale: …}``)
+follows its own desired count the same way, starting at its ``prefill.num_replicas``.
 
 A process that dies while it runs is restarted on the same port with exponential backoff
 (0.5 s doubling to 10 s); omni-up gives up, stops everything, names the process and exits 1 only
@@ -150,6 +152,7 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str]) -> UpConfig:
         autoscale=autoscale,
         stage_flags=tuple(stage_flags),
         prefill=split_stages(pipeline, deploy),
+        prefill_autoscale=autoscaled_prefill_pools(pipeline, deploy),
     )
 
 
@@ -256,6 +259,21 @@ def split_stages(pipeline: PipelineSpec, deploy: DeployConfig | None) -> dict[in
         pool = deploy.stage(stage_id).prefill
         if pool is not None:
             out[stage_id] = pool.num_replicas
+    return out
+
+
+def autoscaled_prefill_pools(
+    pipeline: PipelineSpec, deploy: DeployConfig | None
+) -> dict[int, AutoscaleConfig]:
+    """The split stages whose prefill pool autoscales (``prefill: {autoscale: …}``) and its
+    policy; the pool's starting count is its ``num_replicas`` (checked by the deploy model)."""
+    if deploy is None:
+        return {}
+    out = {}
+    for stage_id in sorted(pipeline.stage_ids):
+        pool = deploy.stage(stage_id).prefill
+        if pool is not None and pool.autoscale is not None:
+            out[stage_id] = pool.autoscale
     return out
 
 

@@ -43,6 +43,7 @@ from omni_mesh.configs.pipeline import PipelineSpec
 from omni_mesh.configs.settings import ControlPlaneSettings, LogLevel
 from omni_mesh.configs.settings_flags import env_names
 from omni_mesh.configs.stage_settings import StageSettings
+from omni_mesh.control_plane.client import ScalePool
 from omni_mesh.data_plane.shm_cleanup import (
     sweep_orphans,  # the host janitor, after the pods are gone
 )
@@ -96,15 +97,28 @@ class UpConfig:
     scale_poll_s: float = 0.5  # how often the actuator reads the desired counts
     # Flags every omni-stage gets as given (--async-chunk, --pipeline-module M, …).
     stage_flags: tuple[str, ...] = ()
-    # Split stages (the deploy config's ``prefill:``) and the size of their prefill pools;
-    # their count in ``replicas`` is the decode pool's.
+    # Split stages (the deploy config's ``prefill:``) and the size of their prefill pools
+    # (the starting size of one that autoscales); their count in ``replicas`` is the decode
+    # pool's.
     prefill: Mapping[int, int] = field(default_factory=dict)
+    # Split stages whose prefill pool follows its own desired count (``prefill.autoscale:``).
+    prefill_autoscale: Mapping[int, AutoscaleConfig] = field(default_factory=dict)
 
     def pool_slots(self, stage_id: int, count: int) -> int:
         """Replica slots of the stage's (decode) pool of ``count`` replicas: an autoscaled
         pool's largest size and its standbys (a split stage's prefill slots follow them)."""
         policy = self.autoscale.get(stage_id)
         return count if policy is None else policy.max_replicas + policy.standby_replicas
+
+    def prefill_first_slot(self, stage_id: int) -> int:
+        """The first replica slot of the stage's prefill pool: after its decode pool's."""
+        count = self.replicas[sorted(self.pipeline.stage_ids).index(stage_id)]
+        return self.pool_slots(stage_id, count)
+
+    @property
+    def autoscaled(self) -> bool:
+        """Whether any pool follows the control plane's desired count (the actuator runs)."""
+        return bool(self.autoscale or self.prefill_autoscale)
 
     def pool_role(self, stage_id: int) -> str:
         """The ``--role`` of the stage's replicas counted in ``replicas``: ``decode`` for a
@@ -154,7 +168,7 @@ def plan_stages(config: UpConfig, cp_url: str) -> list[Planned]:
     plans = []
     for stage_id, count in zip(sorted(config.pipeline.stage_ids), config.replicas, strict=True):
         for n in range(config.prefill.get(stage_id, 0)):
-            slot = config.pool_slots(stage_id, count) + n  # after the decode pool's slots
+            slot = config.prefill_first_slot(stage_id) + n  # after the decode pool's slots
             plans.append(plan_replica(config, cp_url, stage_id, n, slot, role="prefill"))
         role = config.pool_role(stage_id)
         plans += [plan_replica(config, cp_url, stage_id, n, n, role=role) for n in range(count)]
@@ -257,7 +271,7 @@ def run_local(
         if _start(sup, plans, child_env, config, stop):
             plans += plan_stages(config, plans[0].url)
             if _start(sup, plans[1:], child_env, config, stop):
-                if config.autoscale:
+                if config.autoscaled:
                     _follow(sup, config, plans, child_env, stop, on_ready)
                 else:
                     on_ready(endpoints_text(config, plans, sup.log_dir))
@@ -309,14 +323,21 @@ def _follow(
     """Run with the autoscaling actuator: set the policies, then until ``stop`` keep the
     children up and the autoscaled pools at their desired counts."""
     cp_url = plans[0].url
+
+    def plan(stage_id: int, n: int, slot: int, pool: ScalePool) -> Planned:
+        role = "prefill" if pool is ScalePool.PREFILL else config.pool_role(stage_id)
+        return plan_replica(config, cp_url, stage_id, n, slot, role=role)
+
     with StageActuator(
         sup,
         pipeline=config.pipeline.name,
         policies=config.autoscale,
+        prefill_policies={
+            stage_id: (policy, config.prefill_first_slot(stage_id))
+            for stage_id, policy in config.prefill_autoscale.items()
+        },
         cp_url=cp_url,
-        plan_replica=lambda stage_id, n, slot: plan_replica(
-            config, cp_url, stage_id, n, slot, role=config.pool_role(stage_id)
-        ),
+        plan_replica=plan,
         env=env,
         restart=replace(config.restart, ready_timeout_s=config.ready_timeout_s),
         poll_s=config.scale_poll_s,

@@ -27,6 +27,7 @@ from omni_mesh.configs.deploy import ConnectorSpec, DeployConfig, PlatformSectio
 from omni_mesh.configs.deploy_fields import StageSampling
 from omni_mesh.configs.settings import ControlPlaneSettings, UpSettings
 from omni_mesh.configs.settings_flags import SettingFlag, env_names
+from omni_mesh.configs.stage_deploy import PrefillPool
 from omni_mesh.configs.stage_settings import STAGE_FLAGS, StageSettings
 from omni_mesh.control_plane.cli import SERVE_FLAGS
 from omni_mesh.launcher.cli import UP_FLAGS
@@ -40,6 +41,7 @@ MODELS: dict[str, type[BaseModel]] = {
     "stage": StageDeployConfig,
     "sampling": StageSampling,
     "autoscale": AutoscaleConfig,
+    "prefill": PrefillPool,
     "platform": PlatformSection,
 }
 _BLOCK = re.compile(r"(<!-- generated:([\w-]+):begin -->\n).*?(<!-- generated:\2:end -->)", re.S)

@@ -44,6 +44,7 @@ from omni_mesh.control_plane.schema import (
     ReadmitRequest,
     RegisterRequest,
     Registration,
+    ScalePool,
     SuspectRequest,
     SuspectResult,
 )
@@ -300,7 +301,12 @@ async def pipelines(request: web.Request) -> web.Response:
         except UnknownPipelineError:
             continue
         if status.instances or status.api_servers or name in desired:
-            statuses.append(status.model_copy(update={"desired": desired.get(name, {})}))
+            pools = desired.get(name, {})
+            counts = {
+                "desired": pools.get(ScalePool.STAGE, {}),
+                "prefill_desired": pools.get(ScalePool.PREFILL, {}),
+            }
+            statuses.append(status.model_copy(update=counts))
     return _json(PipelineList(pipelines=tuple(statuses)))
 
 

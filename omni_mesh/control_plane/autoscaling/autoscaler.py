@@ -1,7 +1,12 @@
 """The autoscaling loop around the pure policy (``policy.py``): run by the sweeper-lock holder
-after each sweep, it reads every autoscaled stage's policy, last decision and ready replicas,
+after each sweep, it reads every autoscaled pool's policy, last decision and ready replicas,
 decides, and stores the decision (only while it holds the lock, checked in Redis). Also the
 scrape-time refresh of the autoscaling gauges, which every omni-cp serves from Redis.
+
+A pool is a stage's own (a split stage's decode pool: its replicas not labelled
+``kv_role=prefill``) or a split stage's prefill pool (those labelled so), each with its own
+policy and decision (:class:`~omni_mesh.control_plane.schema.ScalePool`): one pool's load never
+sizes the other. The prefill pool's gauges carry the stage label ``N/prefill``.
 """
 
 from __future__ import annotations
@@ -10,7 +15,6 @@ import logging
 
 from omni_mesh.control_plane.autoscaling.policy import decide, stage_inputs
 from omni_mesh.control_plane.schema import (
-    KV_ROLE_LABEL,
     InstanceInfo,
     InstanceState,
     ScaleDecision,
@@ -24,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 
 class Autoscaler:
-    """Decides the desired replicas of every autoscaled stage; one :meth:`tick` per sweep."""
+    """Decides the desired replicas of every autoscaled pool; one :meth:`tick` per sweep."""
 
     def __init__(self, store: InstanceStore, scale: ScaleStore, metrics: AutoscaleMetrics) -> None:
         self._store = store
@@ -32,19 +36,19 @@ class Autoscaler:
         self._metrics = metrics
 
     async def tick(self, token: str) -> list[ScaleDecision]:
-        """Decide every autoscaled stage; stops early if the lock turns out to be lost."""
-        stages = await self._scale.stages()
-        if not stages:
+        """Decide every autoscaled pool; stops early if the lock turns out to be lost."""
+        pools = await self._scale.pools()
+        if not pools:
             return []
         now_ms = await self._scale.now_ms()
         decisions: list[ScaleDecision] = []
-        for pipeline, stage_id in stages:
-            scale = await self._scale.stage(pipeline, stage_id)
+        for pipeline, stage_id, which in pools:
+            scale = await self._scale.stage(pipeline, stage_id, which)
             if scale is None:
                 continue
             pool = await self._store.pool(pipeline, stage_id, healthy_only=False)
-            # A split stage scales its decode pool; its prefill pool keeps its size.
-            scaled = [i for i in pool.instances if i.labels.get(KV_ROLE_LABEL) != "prefill"]
+            # A split stage's pools scale apart: each from its own replicas' figures only.
+            scaled = [i for i in pool.instances if which.holds(i.labels)]
             ready = [i for i in scaled if i.state is InstanceState.HEALTHY]
             standby = sorted(  # oldest first (the epoch orders two of the same millisecond)
                 (i for i in scaled if i.state is InstanceState.STANDBY),
@@ -64,7 +68,7 @@ class Autoscaler:
                 self._record(scale, decision)
                 decisions.append(decision)
                 if inputs.ready > 0 and scale.wake_waiting > 0:  # the waiters are served
-                    await self._scale.clear_wake(pipeline, stage_id)
+                    await self._scale.clear_wake(pipeline, stage_id, which)
                 await self._promote(scale, inputs.ready, decision.desired, standby)
         return decisions
 
@@ -78,12 +82,11 @@ class Autoscaler:
             result = await self._store.set_state(info.instance_id, StateAction.PROMOTE)
             if result is None or not result.changed:
                 continue  # gone, or no longer a standby (drained, isolated) since the read
-            self._metrics.promotions.labels(scale.pipeline, str(scale.stage_id)).inc()
+            self._metrics.promotions.labels(*_labels(scale)).inc()
             logger.info(
-                "autoscale promoted standby pipeline=%s stage=%s instance=%s address=%s "
+                "autoscale promoted standby %s instance=%s address=%s "
                 "(ready=%d desired=%d standby=%d before)",
-                scale.pipeline,
-                scale.stage_id,
+                scale.where,
                 info.instance_id,
                 info.address,
                 ready,
@@ -92,16 +95,14 @@ class Autoscaler:
             )
 
     def _record(self, scale: StageScale, d: ScaleDecision) -> None:
-        labels = (scale.pipeline, str(scale.stage_id))
-        self._metrics.decisions.labels(*labels, d.direction.value, d.reason).inc()
+        self._metrics.decisions.labels(*_labels(scale), d.direction.value, d.reason).inc()
         level = logging.INFO if d.direction is not ScaleDirection.HOLD else logging.DEBUG
         logger.log(
             level,
-            "autoscale %s pipeline=%s stage=%s desired=%d->%d reason=%s recommended=%d ready=%d "
+            "autoscale %s %s desired=%d->%d reason=%s recommended=%d ready=%d "
             "utilization=%.2f in_flight=%d queued=%d latency_ms=%s kv_cache=%s wake=%d",
             d.direction.value,
-            scale.pipeline,
-            scale.stage_id,
+            scale.where,
             d.previous,
             d.desired,
             d.reason,
@@ -117,14 +118,14 @@ class Autoscaler:
 
 
 async def refresh_gauges(scale_store: ScaleStore, metrics: AutoscaleMetrics) -> None:
-    """Set the per-stage autoscaling gauges from the decisions stored in Redis."""
-    scales = [await scale_store.stage(p, s) for p, s in await scale_store.stages()]
+    """Set the per-pool autoscaling gauges from the decisions stored in Redis."""
+    scales = [await scale_store.stage(p, s, pool) for p, s, pool in await scale_store.pools()]
     for gauge in metrics.stage_gauges():
         gauge.clear()
     for scale in scales:
         if scale is None or scale.decision is None:
             continue
-        d, labels = scale.decision, (scale.pipeline, str(scale.stage_id))
+        d, labels = scale.decision, _labels(scale)
         metrics.desired.labels(*labels).set(d.desired)
         metrics.recommended.labels(*labels).set(d.recommended)
         metrics.ready.labels(*labels).set(d.inputs.ready)
@@ -135,3 +136,8 @@ async def refresh_gauges(scale_store: ScaleStore, metrics: AutoscaleMetrics) -> 
         if d.inputs.kv_cache_usage is not None:
             metrics.kv_cache.labels(*labels).set(d.inputs.kv_cache_usage)
         metrics.standby.labels(*labels).set(d.inputs.standby)
+
+
+def _labels(scale: StageScale) -> tuple[str, str]:
+    """(pipeline, stage) labels of a pool's metrics: stage ``N``, a prefill pool's ``N/prefill``."""
+    return scale.pipeline, scale.pool.label(scale.stage_id)

@@ -43,6 +43,7 @@ from omni_mesh.control_plane.schema import (
     ScaleDecision,
     ScaleDirection,
     ScaleInputs,
+    ScalePool,
     ScaleStatus,
     SuspectResult,
 )
@@ -81,6 +82,7 @@ __all__ = [
     "ScaleDecision",
     "ScaleDirection",
     "ScaleInputs",
+    "ScalePool",
     "ScaleStatus",
     "SessionCounts",
     "SessionFenced",

@@ -43,6 +43,7 @@ from omni_mesh.control_plane.schema import (
     RegisterRequest,
     Registration,
     ScalePolicyRequest,
+    ScalePool,
     ScaleStatus,
     SuspectRequest,
     SuspectResult,
@@ -175,30 +176,46 @@ class ControlPlaneClient:
 
     # ---- autoscaling (the launcher's actuator) ---------------------------------------------
 
-    async def scale(self, pipeline: str, stage_id: int) -> ScaleStatus:
-        """The stage's scale resource: policy (None: not autoscaled), desired and ready
-        replicas, and the last decision with its inputs and reason."""
+    async def scale(
+        self, pipeline: str, stage_id: int, *, pool: ScalePool = ScalePool.STAGE
+    ) -> ScaleStatus:
+        """The pool's scale resource (the stage's own, or ``pool=PREFILL``: a split stage's
+        prefill pool): policy (None: not autoscaled), desired and ready replicas, and the last
+        decision with its inputs and reason."""
         path = f"/v1/pipelines/{pipeline}/stages/{stage_id}/scale"
-        return _parse(ScaleStatus, await self._call("GET", path))
+        return _parse(ScaleStatus, await self._call("GET", path, params=_pool_params(pool)))
 
     async def set_scale_policy(
-        self, pipeline: str, stage_id: int, policy: AutoscaleConfig, *, replicas: int | None = None
+        self,
+        pipeline: str,
+        stage_id: int,
+        policy: AutoscaleConfig,
+        *,
+        replicas: int | None = None,
+        pool: ScalePool = ScalePool.STAGE,
     ) -> ScaleStatus:
-        """Set (idempotently) the stage's autoscale policy; ``replicas`` is the starting desired
-        count if the stage has no decision yet (default: its ready count)."""
+        """Set (idempotently) the pool's autoscale policy; ``replicas`` is the starting desired
+        count if the pool has no decision yet (default: its ready count)."""
         path = f"/v1/pipelines/{pipeline}/stages/{stage_id}/scale"
         req = ScalePolicyRequest(autoscale=policy, replicas=replicas)
-        return _parse(ScaleStatus, await self._call("PUT", path, body=req))
+        body = await self._call("PUT", path, body=req, params=_pool_params(pool))
+        return _parse(ScaleStatus, body)
 
-    async def remove_scale_policy(self, pipeline: str, stage_id: int) -> None:
-        """Stop autoscaling the stage (its policy and decision are forgotten)."""
-        await self._call("DELETE", f"/v1/pipelines/{pipeline}/stages/{stage_id}/scale")
+    async def remove_scale_policy(
+        self, pipeline: str, stage_id: int, *, pool: ScalePool = ScalePool.STAGE
+    ) -> None:
+        """Stop autoscaling the pool (its policy and decision are forgotten)."""
+        path = f"/v1/pipelines/{pipeline}/stages/{stage_id}/scale"
+        await self._call("DELETE", path, params=_pool_params(pool))
 
-    async def wake_stage(self, pipeline: str, stage_id: int, waiting: int = 1) -> ScaleStatus:
-        """Tell the policy that ``waiting`` requests wait for a stage with no ready replica."""
+    async def wake_stage(
+        self, pipeline: str, stage_id: int, waiting: int = 1, *, pool: ScalePool = ScalePool.STAGE
+    ) -> ScaleStatus:
+        """Tell the policy that ``waiting`` requests wait for a pool with no ready replica."""
         path = f"/v1/pipelines/{pipeline}/stages/{stage_id}/scale/wake"
         req = WakeRequest(waiting=waiting)
-        return _parse(ScaleStatus, await self._call("POST", path, body=req))
+        body = await self._call("POST", path, body=req, params=_pool_params(pool))
+        return _parse(ScaleStatus, body)
 
     # ---- transport -----------------------------------------------------------------------
 
@@ -350,3 +367,8 @@ def _parse(model: type[M], payload: bytes) -> M:
         return model.model_validate_json(payload)
     except ValidationError as exc:
         raise ControlPlaneError(f"unexpected answer from the control plane: {exc}") from exc
+
+
+def _pool_params(pool: ScalePool) -> dict[str, str] | None:
+    """The scale routes' query: none for the stage's own pool (what every omni-cp knows)."""
+    return None if pool is ScalePool.STAGE else {"pool": pool.value}

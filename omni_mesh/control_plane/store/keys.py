@@ -11,11 +11,15 @@
     omni:epoch                       string  registration epoch counter (global)
     omni:sweeper:lock                string  owner token of the liveness sweeper (SET NX PX)
     omni:changes:{pipeline}          channel pub/sub hint: the pipeline's new version
-    omni:scale:stages                set     "{pipeline}:{stage_id}" of every autoscaled stage
+    omni:scale:stages                set     "{pipeline}:{stage_id}" of every autoscaled stage,
+                                             "{pipeline}:{stage_id}:prefill" of every split
+                                             stage whose prefill pool autoscales
     omni:scale:policy:{p}:{s}        string  the stage's AutoscaleConfig (JSON), no expiry
     omni:scale:decision:{p}:{s}      string  the last ScaleDecision (JSON), written by the
                                              sweeper-lock holder only (checked in Lua)
     omni:scale:wake:{p}:{s}          string  requests waiting for a stage at zero (PX expiry)
+    omni:scale:{policy,decision,wake}:{p}:{s}:prefill
+                                             the same for a split stage's prefill pool
     omni:fingerprint:{pipeline}      hash    pipeline-wide settings its pods agree on (async_chunk,
                                              a digest of the stage list); replaced by the next
                                              registration once no instance of the pipeline holds
@@ -36,6 +40,8 @@ Redis (or a primary with replicas), not Redis Cluster.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from omni_mesh.control_plane.schema import ScalePool
 
 DEFAULT_PREFIX = "omni:"
 
@@ -152,23 +158,29 @@ class KeySchema:
         return f"{self.prefix}scale:stages"
 
     @staticmethod
-    def scale_member(pipeline: str, stage_id: int) -> str:
-        """The member of :attr:`scale_stages` naming one stage."""
-        return f"{pipeline}:{stage_id}"
+    def scale_member(pipeline: str, stage_id: int, pool: ScalePool = ScalePool.STAGE) -> str:
+        """The member of :attr:`scale_stages` naming one autoscaled pool."""
+        return f"{pipeline}:{stage_id}{_pool_suffix(pool)}"
 
     @staticmethod
-    def parse_scale_member(member: str) -> tuple[str, int] | None:
+    def parse_scale_member(member: str) -> tuple[str, int, ScalePool] | None:
+        """(pipeline, stage id, pool) of a :attr:`scale_stages` member; None if malformed."""
+        pool, suffix = ScalePool.STAGE, _pool_suffix(ScalePool.PREFILL)
+        if member.endswith(suffix):  # a stage pool's member ends in the stage id's digits
+            pool, member = ScalePool.PREFILL, member.removesuffix(suffix)
         pipeline, _, stage = member.rpartition(":")
-        return (pipeline, int(stage)) if pipeline and stage.isdigit() else None
+        return (pipeline, int(stage), pool) if pipeline and stage.isdigit() else None
 
-    def scale_policy(self, pipeline: str, stage_id: int) -> str:
-        return f"{self.prefix}scale:policy:{pipeline}:{stage_id}"
+    def scale_policy(self, pipeline: str, stage_id: int, pool: ScalePool = ScalePool.STAGE) -> str:
+        return f"{self.prefix}scale:policy:{pipeline}:{stage_id}{_pool_suffix(pool)}"
 
-    def scale_decision(self, pipeline: str, stage_id: int) -> str:
-        return f"{self.prefix}scale:decision:{pipeline}:{stage_id}"
+    def scale_decision(
+        self, pipeline: str, stage_id: int, pool: ScalePool = ScalePool.STAGE
+    ) -> str:
+        return f"{self.prefix}scale:decision:{pipeline}:{stage_id}{_pool_suffix(pool)}"
 
-    def scale_wake(self, pipeline: str, stage_id: int) -> str:
-        return f"{self.prefix}scale:wake:{pipeline}:{stage_id}"
+    def scale_wake(self, pipeline: str, stage_id: int, pool: ScalePool = ScalePool.STAGE) -> str:
+        return f"{self.prefix}scale:wake:{pipeline}:{stage_id}{_pool_suffix(pool)}"
 
     # ---- pipeline-wide settings -----------------------------------------------------------
 
@@ -199,3 +211,8 @@ class KeySchema:
     def lua_prefixes(self) -> tuple[str, str, str, str]:
         """(instance, pool, version, channel) prefixes, in the order the scripts expect."""
         return (self.instance_prefix, self.pool_prefix, self.version_prefix, self.channel_prefix)
+
+
+def _pool_suffix(pool: ScalePool) -> str:
+    """What a pool adds to its stage's scale keys: nothing for the stage's own pool."""
+    return "" if pool is ScalePool.STAGE else f":{pool}"

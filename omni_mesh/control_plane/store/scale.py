@@ -1,4 +1,6 @@
-"""Redis state of autoscaling: policies, decisions and wake hints of autoscaled stages.
+"""Redis state of autoscaling: policies, decisions and wake hints of autoscaled stages, and of
+the prefill pools of split stages that autoscale apart (:class:`ScalePool`; every method takes
+the pool, the stage's own by default).
 
 Policies have no expiry (a stage scaled to zero has no pod to carry its policy; the launcher
 ``PUT``s it again if Redis lost it). Decisions are written only by the sweeper-lock holder (the
@@ -15,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from redis.asyncio import Redis
 
 from omni_mesh.configs.autoscale import AutoscaleConfig
-from omni_mesh.control_plane.schema import ScaleDecision
+from omni_mesh.control_plane.schema import ScaleDecision, ScalePool
 from omni_mesh.control_plane.store import scripts
 from omni_mesh.control_plane.store.keys import KeySchema
 
@@ -30,7 +32,7 @@ WAKE_TTL_MS = 10_000
 
 @dataclass(frozen=True, slots=True)
 class StageScale:
-    """One autoscaled stage as stored: its policy (with the raw JSON the save script compares)
+    """One autoscaled pool as stored: its policy (with the raw JSON the save script compares)
     and its last decision."""
 
     pipeline: str
@@ -39,6 +41,12 @@ class StageScale:
     policy_json: str
     decision: ScaleDecision | None
     wake_waiting: int
+    pool: ScalePool = ScalePool.STAGE
+
+    @property
+    def where(self) -> str:
+        """``pipeline=P stage=N[ pool=prefill]`` for logs."""
+        return f"pipeline={self.pipeline} {self.pool.where(self.stage_id)}"
 
 
 def _str(value: bytes | str | None) -> str | None:
@@ -69,7 +77,12 @@ class ScaleStore:
         return int(seconds) * 1000 + int(micros) // 1000
 
     async def put_policy(
-        self, pipeline: str, stage_id: int, policy: AutoscaleConfig, initial: ScaleDecision
+        self,
+        pipeline: str,
+        stage_id: int,
+        policy: AutoscaleConfig,
+        initial: ScaleDecision,
+        pool: ScalePool = ScalePool.STAGE,
     ) -> bool:
         """Store the policy (and ``initial`` where no decision exists). True if ``initial``
         was stored."""
@@ -77,49 +90,60 @@ class ScaleStore:
         res = await self._put(
             keys=[
                 k.scale_stages,
-                k.scale_policy(pipeline, stage_id),
-                k.scale_decision(pipeline, stage_id),
+                k.scale_policy(pipeline, stage_id, pool),
+                k.scale_decision(pipeline, stage_id, pool),
             ],
             args=[
-                k.scale_member(pipeline, stage_id),
+                k.scale_member(pipeline, stage_id, pool),
                 policy.model_dump_json(),
                 initial.model_dump_json(),
             ],
         )
         return bool(int(res))
 
-    async def delete_policy(self, pipeline: str, stage_id: int) -> bool:
-        """Forget the stage's policy, decision and wake hint. True if it had a policy."""
+    async def delete_policy(
+        self, pipeline: str, stage_id: int, pool: ScalePool = ScalePool.STAGE
+    ) -> bool:
+        """Forget the pool's policy, decision and wake hint. True if it had a policy."""
         k = self.keys
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(k.scale_policy(pipeline, stage_id))
-            pipe.delete(k.scale_decision(pipeline, stage_id), k.scale_wake(pipeline, stage_id))
-            pipe.srem(k.scale_stages, k.scale_member(pipeline, stage_id))
+            pipe.delete(k.scale_policy(pipeline, stage_id, pool))
+            pipe.delete(
+                k.scale_decision(pipeline, stage_id, pool), k.scale_wake(pipeline, stage_id, pool)
+            )
+            pipe.srem(k.scale_stages, k.scale_member(pipeline, stage_id, pool))
             removed, _, _ = await pipe.execute()
         return bool(removed)
 
-    async def wake(self, pipeline: str, stage_id: int, waiting: int) -> None:
-        """Record that ``waiting`` requests wait for the stage (kept for ``WAKE_TTL_MS``)."""
-        await self.redis.set(self.keys.scale_wake(pipeline, stage_id), str(waiting), px=WAKE_TTL_MS)
+    async def wake(
+        self, pipeline: str, stage_id: int, waiting: int, pool: ScalePool = ScalePool.STAGE
+    ) -> None:
+        """Record that ``waiting`` requests wait for the pool (kept for ``WAKE_TTL_MS``)."""
+        key = self.keys.scale_wake(pipeline, stage_id, pool)
+        await self.redis.set(key, str(waiting), px=WAKE_TTL_MS)
 
-    async def clear_wake(self, pipeline: str, stage_id: int) -> None:
+    async def clear_wake(
+        self, pipeline: str, stage_id: int, pool: ScalePool = ScalePool.STAGE
+    ) -> None:
         """Forget the stage's wake hint: it has a ready replica, so the requests that posted
         it are served; one that still waits posts it again. Left standing, a served hint would
         wake the stage again when it next drops to zero."""
-        await self.redis.delete(self.keys.scale_wake(pipeline, stage_id))
+        await self.redis.delete(self.keys.scale_wake(pipeline, stage_id, pool))
 
-    async def stage(self, pipeline: str, stage_id: int) -> StageScale | None:
-        """The stage's policy and last decision; None when it is not autoscaled."""
+    async def stage(
+        self, pipeline: str, stage_id: int, pool: ScalePool = ScalePool.STAGE
+    ) -> StageScale | None:
+        """The pool's policy and last decision; None when it is not autoscaled."""
         k = self.keys
         raw_policy, raw_decision, raw_wake = (
             _str(v)
             for v in await self.redis.mget(
-                k.scale_policy(pipeline, stage_id),
-                k.scale_decision(pipeline, stage_id),
-                k.scale_wake(pipeline, stage_id),
+                k.scale_policy(pipeline, stage_id, pool),
+                k.scale_decision(pipeline, stage_id, pool),
+                k.scale_wake(pipeline, stage_id, pool),
             )
         )
-        where = f"pipeline={pipeline} stage={stage_id}"
+        where = f"pipeline={pipeline} {pool.where(stage_id)}"
         policy = _parse(AutoscaleConfig, raw_policy, f"scale policy {where}")
         if policy is None or raw_policy is None:
             return None
@@ -130,13 +154,22 @@ class ScaleStore:
             policy_json=raw_policy,
             decision=_parse(ScaleDecision, raw_decision, f"scale decision {where}"),
             wake_waiting=int(raw_wake) if raw_wake and raw_wake.isdigit() else 0,
+            pool=pool,
+        )
+
+    async def pools(self) -> list[tuple[str, int, ScalePool]]:
+        """(pipeline, stage id, pool) of every autoscaled pool, sorted (a stage's own pool
+        before its prefill pool)."""
+        members = await self.redis.smembers(self.keys.scale_stages)
+        parsed = (self.keys.parse_scale_member(_str(m) or "") for m in members)
+        order = list(ScalePool)
+        return sorted(
+            (p for p in parsed if p is not None), key=lambda p: (p[0], p[1], order.index(p[2]))
         )
 
     async def stages(self) -> list[tuple[str, int]]:
-        """(pipeline, stage id) of every autoscaled stage, sorted."""
-        members = await self.redis.smembers(self.keys.scale_stages)
-        parsed = (self.keys.parse_scale_member(_str(m) or "") for m in members)
-        return sorted(p for p in parsed if p is not None)
+        """(pipeline, stage id) of every autoscaled stage (its own pool), sorted."""
+        return [(p, s) for p, s, pool in await self.pools() if pool is ScalePool.STAGE]
 
     async def save_decision(self, token: str, scale: StageScale, decision: ScaleDecision) -> int:
         """Store ``decision`` if ``token`` holds the sweeper lock and the policy is unchanged:
@@ -145,8 +178,8 @@ class ScaleStore:
         res = await self._save(
             keys=[
                 k.sweeper_lock,
-                k.scale_policy(scale.pipeline, scale.stage_id),
-                k.scale_decision(scale.pipeline, scale.stage_id),
+                k.scale_policy(scale.pipeline, scale.stage_id, scale.pool),
+                k.scale_decision(scale.pipeline, scale.stage_id, scale.pool),
             ],
             args=[token, decision.model_dump_json(), scale.policy_json],
         )
