@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 
 from benchmarks.omni import (
+    ENGINE,
     MONO_BATCHED,
     MONO_ONE,
     Answer,
     Phase,
     best_mono,
+    engine_cores_cell,
     foreign_cores,
     pcm_seconds,
     stat_cpu_seconds,
@@ -55,6 +57,16 @@ def test_stat_cpu_seconds_reads_utime_and_stime() -> None:
     # pid (comm with a ") " inside) state ppid ... utime (field 14) stime (field 15)
     line = "42 (python3 (x) y) S 1 42 42 0 -1 4194304 100 0 0 0 250 50 0 0 20 0 9 0 7"
     assert stat_cpu_seconds(line, clock_ticks=100) == pytest.approx(3.0)
+
+
+def test_engine_processes_are_read_by_stage() -> None:
+    line = "/v/bin/python -m omni_mesh.engines --pipeline qwen3-omni --stage-id 12 --channel-fd 13"
+    match = ENGINE.search(line)
+    assert match is not None and match.group(1) == "12"
+    assert ENGINE.search("/v/bin/python -m omni_mesh.sidecar.cli_stage --stage-id 1") is None
+    phase = Phase("omni-mesh 1:1:1", 8, stage_cores={0: 0.31, 1: 0.5, 2: 0.694})
+    assert engine_cores_cell(phase) == "0.31 / 0.50 / 0.69"
+    assert engine_cores_cell(Phase(MONO_ONE, 8)) == "-"
 
 
 def _phase(system: str, concurrency: int, total: float, wall: float) -> Phase:
