@@ -96,7 +96,11 @@ class Qwen3OmniTalkerEngine(FrameEngine[TalkerInput]):
         folder = model_folder(ctx, DEFAULT_MODEL)
         self.config = Qwen3OmniMoeConfig.from_pretrained(str(folder))
         self.model = load_part(
-            Qwen3OmniMoeTalkerForConditionalGeneration, folder, self.config.talker_config, "talker"
+            Qwen3OmniMoeTalkerForConditionalGeneration,
+            folder,
+            self.config.talker_config,
+            "talker",
+            self.ctx,
         )
         tc = self.config.talker_config
         vocab = tc.text_config.vocab_size

@@ -38,25 +38,30 @@ def talker_prompt(
     speaker_id: int,
     audio_feature_lengths: Tensor | None,
 ) -> TalkerPrompt:
-    """The talker's inputs (module docstring); tensors are the thinker's, batch dim added here."""
+    """The talker's inputs (module docstring); tensors are the thinker's, batch dim added here,
+    all on the talker's device."""
     tc = config.talker_config
-    dtype = talker.dtype
+    dtype, device = talker.dtype, talker.device
+    sequences, thinker_embed = sequences.to(device), thinker_embed.to(device)
+    thinker_hidden, tts_special = thinker_hidden.to(device), tts_special.to(device)
     seq = sequences[None]
     embed = thinker_embed[None].to(dtype)
     hidden = thinker_hidden[None].to(dtype)
     input_ids = seq[:, :prompt_tokens]
     mm_ids = torch.tensor(
-        [tc.audio_token_id, tc.image_token_id, tc.video_token_id], dtype=seq.dtype
+        [tc.audio_token_id, tc.image_token_id, tc.video_token_id], dtype=seq.dtype, device=device
     )
     multimodal = torch.isin(seq, mm_ids)
 
     # user turns: every position whose last <|im_start|> is followed by the user role token
-    positions = torch.arange(prompt_tokens)[None]
+    positions = torch.arange(prompt_tokens, device=device)[None]
     im_start = torch.where(input_ids == config.im_start_token_id, positions, -1)
     previous = torch.cummax(im_start, dim=-1).values.clamp_min(0)
     roles = input_ids.gather(1, (previous + 1).clamp_max(prompt_tokens - 1))
     user = (roles == config.user_token_id)[0]
-    user_part = torch.empty((1, prompt_tokens, tc.text_config.hidden_size), dtype=dtype)
+    user_part = torch.empty(
+        (1, prompt_tokens, tc.text_config.hidden_size), dtype=dtype, device=device
+    )
     mm = multimodal[:, :prompt_tokens]
     if mm.any():
         user_part[mm] = talker.hidden_projection(hidden[:, :prompt_tokens][mm])
@@ -81,24 +86,29 @@ def talker_prompt(
                 tc.codec_pad_id,
                 tc.codec_bos_id,
             ]
-        ]
+        ],
+        device=device,
     )
     codec_part = torch.cat(
         (
-            torch.zeros((1, 3, tc.text_config.hidden_size), dtype=dtype),
+            torch.zeros((1, 3, tc.text_config.hidden_size), dtype=dtype, device=device),
             talker.get_input_embeddings()(codec_ids),
         ),
         dim=1,
     )
     trailing = torch.cat((assistant[:, 4:], eos), dim=1)
     trailing = _end_at_first_eos(trailing, seq[0, prompt_tokens:], config.im_end_token_id, eos, pad)
-    assistant_ids = torch.full((1, text_part.shape[1]), config.tts_pad_token_id, dtype=torch.long)
+    assistant_ids = torch.full(
+        (1, text_part.shape[1]), config.tts_pad_token_id, dtype=torch.long, device=device
+    )
     return TalkerPrompt(
         inputs_embeds=torch.cat((user_embeds, text_part + codec_part), dim=1),
         talker_input_ids=torch.cat((user_ids, assistant_ids), dim=1),
         trailing_text_hidden=trailing,
         tts_pad_embed=pad,
-        audio_feature_lengths=audio_feature_lengths,
+        audio_feature_lengths=(
+            None if audio_feature_lengths is None else audio_feature_lengths.to(device)
+        ),
     )
 
 
@@ -109,6 +119,6 @@ def _end_at_first_eos(
     generated token j + 1), as the monolithic generate does for every row of a batch."""
     hits = torch.nonzero(generated == eos_id).flatten()
     first = int(hits[0]) if len(hits) else len(generated)
-    index = torch.arange(trailing.shape[1])[None, :, None]
+    index = torch.arange(trailing.shape[1], device=trailing.device)[None, :, None]
     trailing = torch.where(index > first, pad.to(trailing.dtype), trailing)
     return torch.where(index == first, eos.to(trailing.dtype), trailing)
