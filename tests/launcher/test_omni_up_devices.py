@@ -56,7 +56,7 @@ def test_each_replica_engine_sees_only_its_slice_of_the_stage_devices(tmp_path: 
             stage = pod_argv[pod_argv.index("--stage-id") + 1]
             visible = _environ(engine_pid(SimpleNamespace(pid=pid)))  # type: ignore[arg-type]
             seen.setdefault(stage, []).append(visible.get("CUDA_VISIBLE_DEVICES"))
-        assert sorted(seen["1"]) == ["4", "7"]  # one device each, by replica slot
+        assert sorted(str(v) for v in seen["1"]) == ["4", "7"]  # one device each, by slot
         assert seen["0"] == [None] and seen["2"] == [None]  # no devices: untouched
         assert up.interrupt(timeout=60) == 0
 
