@@ -18,6 +18,7 @@ import pytest
 from omni_mesh.procutil import free_port
 from tests.procs import ManagedProcess, clean_env, descendants, pid_alive
 from tests.sidecar.realtime.sdk import RATE, send_audio
+from tests.sidecar.realtime.sdk import until as read_until
 from tests.sidecar.realtime.speech import noise, silence, speech
 
 pytestmark = [
@@ -32,12 +33,8 @@ ANSWERED = ("completed", "incomplete")  # incomplete: max_output_tokens reached 
 
 def until(conn: Any, kind: str, events: list[Any]) -> Any:
     """Read events into ``events`` up to the first of type ``kind``; return it."""
-    while True:
-        event = conn.recv()
-        events.append(event)
-        assert event.type != "error", event
-        if event.type == kind:
-            return event
+    events += read_until(conn, kind)
+    return events[-1]
 
 
 def audio_of(events: list[Any], response_id: str) -> int:

@@ -25,7 +25,7 @@ from websockets.sync.client import connect as ws_connect
 
 from omni_mesh.sidecar.api.realtime import audio_formats
 from tests.procs import ManagedProcess, clean_env, wait_until
-from tests.sidecar.realtime.sdk import RATE, send_audio
+from tests.sidecar.realtime.sdk import RATE, send_audio, until
 from tests.sidecar.realtime.speech import noise, silence, speech
 from tests.sidecar.topology import LOCALHOST, Topology, engine_pid, free_port, http_get
 
@@ -65,33 +65,6 @@ def session(sdk: openai.OpenAI, **update: Any) -> Iterator[Any]:
             conn.session.update(session={"type": "realtime", **update})
             until(conn, "session.updated")
         yield conn
-
-
-#: How long :func:`until` waits for its event before it closes the socket and fails (a lost
-#: event costs this, not the module's whole timeout).
-UNTIL_S = 120.0
-
-
-def until(conn: Any, kind: str, *, where: Any = None) -> list[Any]:
-    """Events up to and including the first of type ``kind`` (that ``where`` accepts)."""
-    events: list[Any] = []
-    watchdog = threading.Timer(UNTIL_S, conn.close)
-    watchdog.start()
-    try:
-        while True:
-            try:
-                event = conn.recv()
-            except ConnectionClosed:
-                if watchdog.is_alive():
-                    raise
-                seen = [e.type for e in events]
-                raise AssertionError(f"no {kind} within {UNTIL_S:.0f} s; got {seen}") from None
-            events.append(event)
-            assert event.type != "error" or kind == "error", event
-            if event.type == kind and (where is None or where(event)):
-                return events
-    finally:
-        watchdog.cancel()
 
 
 def user_text(conn: Any, text: str) -> None:

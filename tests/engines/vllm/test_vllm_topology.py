@@ -21,6 +21,8 @@ import openai
 import pytest
 
 from omni_mesh.configs.loader import bundled_deploy_path
+from tests.procs import wait_until
+from tests.sidecar.realtime.sdk import until
 from tests.sidecar.topology import Topology, kill_a_busy_engine, post_json
 
 # 600 s: the first test's timeout also covers the module's start-up (three vLLM engines on the
@@ -139,6 +141,47 @@ def test_bad_sampling_is_a_400_naming_the_field(
     )
     assert status == 400, body[:500]
     assert field in json.loads(body)["error"]["message"]
+
+
+def test_a_realtime_cancel_aborts_the_responses_vllm_requests(topo: Topology) -> None:
+    """``response.cancel`` on a realtime session: response.done(cancelled) and no audio after
+    it, and the vLLM requests of the response, the thinker's and the talker's, are aborted in
+    their engines (each stage counts a cancelled request; nothing is left running)."""
+    sdk = openai.OpenAI(base_url=f"{topo.api_url}/v1", api_key="none", max_retries=0)
+    vllm_urls = topo.urls[0] + topo.urls[1]
+    before = sum(
+        topo.metric(u, "omni_stage_requests_total", outcome="cancelled") for u in vllm_urls
+    )
+    try:
+        with sdk.realtime.connect(model=PIPELINE) as conn:
+            until(conn, "session.created")
+            conn.conversation.item.create(
+                item={
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "tell me a very long story"}],
+                }
+            )
+            until(conn, "conversation.item.done")
+            conn.response.create(response={"max_output_tokens": 400})
+            first = until(conn, "response.output_audio.delta")[-1]
+            conn.response.cancel()
+            events = until(conn, "response.done")
+            assert events[-1].response.status == "cancelled", events[-1]
+            assert events[-1].response.id == first.response_id
+    finally:
+        sdk.close()
+
+    def aborted() -> bool:
+        logs = [p.stderr for p in topo.stages[0] + topo.stages[1]]
+        cancelled = sum(
+            topo.metric(u, "omni_stage_requests_total", outcome="cancelled") for u in vllm_urls
+        )
+        running = sum(topo.metric(u, "omni_stage_engine_running_requests") for u in vllm_urls)
+        thinker_aborted = f"vLLM request aborted stage=0 id={first.response_id}" in logs[0]
+        return thinker_aborted and cancelled >= before + 2 and running == 0
+
+    wait_until(aborted, 30, interval=0.2)
 
 
 def test_kill_9_of_a_talker_engine_mid_generation_is_replayed(topo: Topology) -> None:
