@@ -136,7 +136,7 @@ class Qwen3OmniThinkerEngine(ReferenceEngine[ThinkerInput]):
     ) -> Iterator[EngineResult]:
         """The answer's text every ``chunk_tokens`` tokens, for the client alone (no next-stage
         input), then the whole output: the talker gets one whole input (module docstring)."""
-        state = TurnState.start(request.seed, ("rope_deltas",))
+        state = TurnState.start(request.seed, ("rope_deltas",), self.device)
         tokens: list[int] = []
         call = SteppedCall(
             lambda checkpoint: self._generate(

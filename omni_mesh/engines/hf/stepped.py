@@ -117,25 +117,37 @@ class CheckpointStreamer:
 
 @dataclass
 class TurnState:
-    """What one request's generation keeps between its turns: its torch RNG state and the model
-    attributes ``generate()`` leaves on the module for the next step (``rope_deltas``)."""
+    """What one request's generation keeps between its turns: its torch RNG states (the CPU's,
+    and the CUDA device's it samples on, if any) and the model attributes ``generate()`` leaves
+    on the module for the next step (``rope_deltas``)."""
 
     rng: torch.Tensor
     attrs: dict[str, Any]
+    device: torch.device | None = None
+    cuda_rng: torch.Tensor | None = None
 
     @classmethod
-    def start(cls, seed: int, names: Sequence[str]) -> TurnState:
-        """A fresh state: the RNG as ``torch.manual_seed(seed)`` leaves it, attributes None."""
-        with seeded_rng(seed):
+    def start(
+        cls, seed: int, names: Sequence[str], device: torch.device | None = None
+    ) -> TurnState:
+        """A fresh state: the RNGs as ``torch.manual_seed(seed)`` leaves them, attributes
+        None."""
+        cuda = device if device is not None and device.type == "cuda" else None
+        with seeded_rng(seed, cuda):
             rng = torch.get_rng_state()
-        return cls(rng, dict.fromkeys(names))
+            cuda_rng = torch.cuda.get_rng_state(cuda) if cuda is not None else None
+        return cls(rng, dict.fromkeys(names), cuda, cuda_rng)
 
 
 def take_turn(call: SteppedCall, state: TurnState, model: Any, until: Callable[[], bool]) -> bool:
-    """``call.advance(until)`` with the request's RNG and model attributes swapped in (and the
+    """``call.advance(until)`` with the request's RNGs and model attributes swapped in (and the
     caller's put back after); True when the call has returned."""
     saved = torch.get_rng_state()
     torch.set_rng_state(state.rng)
+    cuda = state.device
+    saved_cuda = torch.cuda.get_rng_state(cuda) if cuda is not None else None
+    if cuda is not None and state.cuda_rng is not None:
+        torch.cuda.set_rng_state(state.cuda_rng, cuda)
     for name, value in state.attrs.items():
         setattr(model, name, value)
     try:
@@ -145,6 +157,9 @@ def take_turn(call: SteppedCall, state: TurnState, model: Any, until: Callable[[
             state.attrs[name] = getattr(model, name)
         state.rng = torch.get_rng_state()
         torch.set_rng_state(saved)
+        if cuda is not None and saved_cuda is not None:
+            state.cuda_rng = torch.cuda.get_rng_state(cuda)
+            torch.cuda.set_rng_state(saved_cuda, cuda)
 
 
 def has_at_least(items: Sized, n: int) -> Callable[[], bool]:
