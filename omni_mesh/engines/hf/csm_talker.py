@@ -1,18 +1,16 @@
 """csm-tts stage 0, the talker: CSM's backbone with its depth decoder, on transformers.
 
 Each step the Llama backbone picks codebook 0 of a frame and the depth decoder the other
-``num_codebooks - 1`` codebooks, all inside ``CsmForConditionalGeneration.generate``, called as a
-user of the monolithic model calls it (the prompt through the folder's ``CsmProcessor`` chat
-template, ``<|begin_of_text|>[speaker]text<|end_of_text|>``), only without ``output_audio``: the
-Mimi codec is the next stage's. The stage loads the checkpoint's backbone, depth decoder, text
+``num_codebooks - 1`` codebooks, as ``CsmForConditionalGeneration.generate`` does when a user of
+the monolithic model calls it (the prompt through the folder's ``CsmProcessor`` chat template,
+``<|begin_of_text|>[speaker]text<|end_of_text|>``), only without ``output_audio``: the Mimi
+codec is the next stage's. The stage loads the checkpoint's backbone, depth decoder, text
 embedding and head, and leaves the ``codec_model.*`` tensors unread.
 
 Sampling: the folder's generation config (``do_sample``, ``temperature``, ``top_k`` and their
 ``depth_decoder_*`` twins, as a plain ``generate()`` uses them); ``engine_extras`` ``do_sample``,
-``temperature``, ``top_k`` override both models alike. They are passed to every call: CSM's
-``generate`` writes ``depth_decoder_*`` arguments into the depth decoder's own generation config,
-where they would outlive the call. Each request samples from its own RNG stream seeded by its
-seed (``common.seeded_rng``), as ``torch.manual_seed(seed)`` before the monolithic ``generate``.
+``temperature``, ``top_k`` override both models alike. Each request samples from its own
+generator seeded by its seed, as ``torch.manual_seed(seed)`` before the monolithic ``generate``.
 ``max_frames`` (default 256, 20.5 s at 12.5 frames/s) caps a request's frames; the request's
 ``max_tokens`` (at most ``max_frames``) lowers the cap. An utterance ends at CSM's end frame (every
 codebook ``codebook_eos_token_id``), which is not part of the output, as the monolithic decode
@@ -22,13 +20,19 @@ Input fields: ``prompt`` (the text to speak, UTF-8, at most ``max_prompt_bytes``
 ``voice`` (a CSM speaker id ``"0"`` … ``"N-1"``, N = ``engine_extras.speakers``, default 2;
 ``default`` is speaker 0; anything else is a 400 listing the allowed voices), ``max_tokens``.
 
-Streaming (``async_chunk``, whole input): the generation runs in a :class:`SteppedCall` and
-yields its first ``engine_extras.first_chunk_frames`` frames (default 2: the first audio comes
-early), then every ``chunk_frames`` frames (default 10), the new frames' ``codes`` with
-the ``context_codes`` (up to ``context_frames``, default 25: the codec's left context) before
-them. Streams of several requests take turns frame by frame, each with its own KV cache; the
-torch RNG is swapped per request around each turn, so a request's codes do not depend on what
-else runs.
+Continuous batching: every running request of the engine is a row of one :class:`CsmBatch`
+(``csm_talker_batch``), whose step makes one frame for all of them with one batched run of the
+depth decoder and one batched forward of the backbone; the engine runs that step once per core
+step (``before_step``), requests opened since the last step prefill alone and join it, and a
+request leaves when it ends or its stream is closed. Its codes equal what it gets alone, and
+what the monolithic ``generate`` gives for its seed.
+
+Streaming (``async_chunk``, whole input): a stream yields ``None`` until it has its first
+``engine_extras.first_chunk_frames`` frames (default 2: the first audio comes early), then
+every ``chunk_frames`` frames (default 10), the new frames' ``codes`` with the
+``context_codes`` (up to ``context_frames``, default 25: the codec's left context) before them;
+the chunk that holds the last frame is the last. Not streaming, a request still runs in the
+batch and yields one whole result when it ends.
 
 Output: array ``codes`` int64 [F, G] (frame-major), fields ``num_frames``, ``frame_offset``;
 ``context_codes`` int64 [M, G] on every chunk but the first.
@@ -36,30 +40,25 @@ Output: array ``codes`` int64 [F, G] (frame-major), fields ``num_frames``, ``fra
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from omni_mesh.data_plane.messages import Scalar
-from omni_mesh.engines.base import EngineConfigError, EngineRequest, EngineResult, StageData
+from omni_mesh.engines.base import EngineConfigError, EngineRequest, EngineResult
 from omni_mesh.engines.hf.codes import codes_chunk
-from omni_mesh.engines.hf.common import model_folder, parameter_count, seeded_rng
-from omni_mesh.engines.hf.stepped import SteppedCall, TurnState, has_at_least, take_turn
+from omni_mesh.engines.hf.common import model_folder, parameter_count
+from omni_mesh.engines.hf.csm_talker_batch import CsmBatch, CsmRow
+from omni_mesh.engines.hf.frame_engine import FrameEngine
+from omni_mesh.engines.hf.row_sampling import Sampling, row_generator
 from omni_mesh.engines.reference.common import (
     DEFAULT_MAX_PROMPT_BYTES,
     FieldReader,
-    ReferenceEngine,
     extra_float,
     extra_int,
 )
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "tiny-csm"
 DEFAULT_SPEAKERS = 2
@@ -70,39 +69,6 @@ class TalkerInput:
     input_ids: np.ndarray  # [T] int64: the chat-templated prompt
     speaker: int
     frames: int  # this request's cap on frames (max_new_tokens)
-
-
-class _FrameStreamer:
-    """A generate() streamer that keeps each new frame (not the prompt, not the end frame) and
-    then calls ``checkpoint``."""
-
-    def __init__(self, frames: list[np.ndarray], eos: int, checkpoint: Callable[[], None]):
-        self._frames = frames
-        self._eos = eos
-        self._checkpoint = checkpoint
-        self._seen_prompt = False
-        self._ended = False
-
-    def put(self, value: Any) -> None:
-        if not self._seen_prompt:
-            self._seen_prompt = True
-            return
-        frame = value[0].numpy().astype(np.int64)
-        if not self._ended:
-            if bool((frame == self._eos).all()):
-                self._ended = True
-            else:
-                self._frames.append(frame)
-        self._checkpoint()
-
-    def end(self) -> None:
-        pass
-
-
-def spoken_frames(codes: np.ndarray, eos: int) -> np.ndarray:
-    """``codes`` [F, G] up to (not including) the first end frame, as CSM's decode cuts them."""
-    ends = np.flatnonzero((codes == eos).all(axis=1))
-    return codes[: int(ends[0])] if len(ends) else codes
 
 
 @cache
@@ -137,7 +103,7 @@ def load_talker(folder: Path) -> Any:
     return model
 
 
-class CsmTalkerEngine(ReferenceEngine[TalkerInput]):
+class CsmTalkerEngine(FrameEngine[TalkerInput]):
     """CSM's backbone + depth decoder (module docstring)."""
 
     model: Any
@@ -158,34 +124,33 @@ class CsmTalkerEngine(ReferenceEngine[TalkerInput]):
         self.model = load_talker(folder)
         self.processor = AutoProcessor.from_pretrained(str(folder))
         self.config = self.model.config
-        self.eos = int(self.config.codebook_eos_token_id)
-        self.sampling = self._sampling()
+        self.batch = CsmBatch(
+            self.model,
+            self._sampling(self.model.generation_config),
+            self._sampling(self.model.depth_decoder.generation_config),
+        )
         return parameter_count(self.model)
 
-    def _sampling(self) -> dict[str, Any]:
-        """Every sampling argument of generate(), backbone and depth decoder (module docstring)."""
+    def _sampling(self, gen: Any) -> Sampling:
+        """The sampling of the backbone's or the depth decoder's generation config ``gen``, with
+        the engine's overrides (module docstring)."""
         ctx = self.ctx
         extras = ctx.config.engine_extras
-        out: dict[str, Any] = {}
-        for prefix, gen in (
-            ("", self.model.generation_config),
-            ("depth_decoder_", self.model.depth_decoder.generation_config),
-        ):
-            do_sample = extras.get("do_sample", bool(gen.do_sample))
-            if not isinstance(do_sample, bool):
-                raise EngineConfigError(
-                    f"stage {ctx.stage.name!r} ({ctx.pipeline.name}): engine_extras.do_sample "
-                    f"must be true or false, got {do_sample!r}"
-                )
-            out[f"{prefix}do_sample"] = do_sample
-            if do_sample:
-                temperature = gen.temperature if gen.temperature is not None else 1.0
-                top_k = gen.top_k if gen.top_k is not None else 50
-                out[f"{prefix}temperature"] = extra_float(
-                    ctx, "temperature", float(temperature), 0.01, 10.0
-                )
-                out[f"{prefix}top_k"] = extra_int(ctx, "top_k", int(top_k), 0, 1 << 20)
-        return out
+        do_sample = extras.get("do_sample", bool(gen.do_sample))
+        if not isinstance(do_sample, bool):
+            raise EngineConfigError(
+                f"stage {ctx.stage.name!r} ({ctx.pipeline.name}): engine_extras.do_sample "
+                f"must be true or false, got {do_sample!r}"
+            )
+        if not do_sample:
+            return Sampling(False)
+        temperature = gen.temperature if gen.temperature is not None else 1.0
+        top_k = gen.top_k if gen.top_k is not None else 50
+        return Sampling(
+            True,
+            temperature=extra_float(ctx, "temperature", float(temperature), 0.01, 10.0),
+            top_k=extra_int(ctx, "top_k", int(top_k), 0, 1 << 20),
+        )
 
     def parse(self, request: EngineRequest) -> TalkerInput:
         fields = self.reader(request)
@@ -217,51 +182,16 @@ class CsmTalkerEngine(ReferenceEngine[TalkerInput]):
             allowed += f", … {self.speakers - 1}"
         raise fields.error("field", "voice", f"names unknown voice {voice!r}; allowed: {allowed}")
 
-    def _generate(self, inputs: TalkerInput, **extra: Any) -> Any:
-        ids = torch.from_numpy(np.array(inputs.input_ids))[None]
-        return self.model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=inputs.frames,
-            **self.sampling,
-            **extra,
+    def row(self, request: EngineRequest, inputs: TalkerInput) -> CsmRow:
+        return CsmRow(
+            request.request_id,
+            row_generator(request.seed, self.model.device),
+            input_ids=inputs.input_ids,
+            cap=inputs.frames,
         )
 
-    def run(
-        self, request: EngineRequest, inputs: TalkerInput, generator: torch.Generator
-    ) -> EngineResult:
-        with seeded_rng(request.seed):
-            sequences = self._generate(inputs)
-        codes = spoken_frames(sequences[0].numpy().astype(np.int64), self.eos)
-        fields: dict[str, Scalar] = {"num_frames": len(codes), "frame_offset": 0}
-        return EngineResult(request.request_id, StageData(fields=fields, arrays={"codes": codes}))
-
-    def run_chunks(
-        self, request: EngineRequest, inputs: TalkerInput, generator: torch.Generator
-    ) -> Iterator[EngineResult]:
-        state = TurnState.start(request.seed, ())
-        frames: list[np.ndarray] = []
-        call = SteppedCall(
-            lambda checkpoint: self._generate(
-                inputs, streamer=_FrameStreamer(frames, self.eos, checkpoint)
-            ),
-            name=f"csm-talker-{request.request_id}",
-        )
-        sent = 0
-        try:
-            done = False
-            while not done:
-                goal = sent + (self.chunk_frames if sent else self.first_chunk_frames)
-                done = take_turn(call, state, self.model, has_at_least(frames, goal))
-                if len(frames) == sent and not done:
-                    continue
-                yield self._chunk(request, frames, sent, last=done)
-                sent = len(frames)
-        finally:
-            call.close()
-
-    def _chunk(
-        self, request: EngineRequest, frames: list[np.ndarray], sent: int, *, last: bool
+    def chunk(
+        self, request: EngineRequest, frames: list[np.ndarray], sent: int, last: bool
     ) -> EngineResult:
         groups = int(self.config.num_codebooks)
         return codes_chunk(request.request_id, frames, sent, groups, self.context_frames, last=last)

@@ -52,9 +52,8 @@ RowT = TypeVar("RowT", bound=Row)
 class FrameBatch(ABC, Generic[RowT]):
     """The running rows of one engine and their batched decode (module docstring)."""
 
-    def __init__(self, cache_config: Any) -> None:
-        self._cache_config = cache_config
-        self.cache = PaddedCache(cache_config)
+    def __init__(self) -> None:
+        self.cache = PaddedCache()
         self.running: list[RowT] = []  # in the cache's row order
         self.pending: list[RowT] = []  # joined since the last step, not prefilled yet
 
@@ -125,10 +124,10 @@ class FrameBatch(ABC, Generic[RowT]):
 
     def _decode_alone(self, rows: list[RowT]) -> None:
         """Each row decoded with its own cache; the ones that pass form the new batch."""
-        batch = PaddedCache(self._cache_config)
+        batch = PaddedCache()
         survivors = []
         for row, row_cache in zip(rows, self.cache.split(), strict=True):
-            alone = PaddedCache(self._cache_config)
+            alone = PaddedCache()
             alone.join(row_cache)
             try:
                 self.decode([row], alone)

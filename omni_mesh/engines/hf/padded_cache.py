@@ -25,8 +25,7 @@ from torch import Tensor
 class PaddedCache:
     """Left-padded KV cache of the running rows, in row order (module docstring)."""
 
-    def __init__(self, config: Any) -> None:
-        self.config = config
+    def __init__(self) -> None:
         self.cache: Any = None  # DynamicCache over every row; None while empty
         self.mask = torch.zeros((0, 0), dtype=torch.long)
 
@@ -36,6 +35,8 @@ class PaddedCache:
 
     def join(self, row_cache: Any) -> None:
         """Add a row's own (unpadded, batch of one) cache as the last row."""
+        if any(getattr(row_cache, "is_sliding", ())):
+            raise ValueError("a batched decode needs full-attention layers (no sliding window)")
         layers = _layers(row_cache)
         keys = layers[0][0]
         length = int(keys.shape[-2])
@@ -75,7 +76,7 @@ class PaddedCache:
         for i in range(self.rows):
             first = int(torch.nonzero(self.mask[i]).flatten()[0])
             data = [tuple(t[i : i + 1, ..., first:, :] for t in kv) for kv in _layers(self.cache)]
-            out.append(DynamicCache(ddp_cache_data=data, config=self.config))
+            out.append(DynamicCache(ddp_cache_data=data))
         return out
 
     def step_mask(self) -> Tensor | None:
@@ -100,9 +101,7 @@ class PaddedCache:
     def _set(self, layers: list[tuple[Tensor, ...]], mask: Tensor) -> None:
         from transformers import DynamicCache
 
-        self.cache = DynamicCache(ddp_cache_data=layers, config=self.config)
-        if any(self.cache.is_sliding):
-            raise ValueError("a batched decode needs full-attention layers (no sliding window)")
+        self.cache = DynamicCache(ddp_cache_data=layers)
         self.mask = mask
 
 

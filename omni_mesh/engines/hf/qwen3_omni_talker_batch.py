@@ -75,7 +75,7 @@ class TalkerBatch(FrameBatch[TalkerRow]):
     """The qwen3-omni talker's running requests (module docstring)."""
 
     def __init__(self, talker: Any, sampling: Sampling, max_frames: int) -> None:
-        super().__init__(talker.config.text_config)
+        super().__init__()
         self.talker = talker
         self.device = talker.device
         self.predictor = talker.code_predictor

@@ -2,8 +2,9 @@
 ``CsmForConditionalGeneration.generate(..., output_audio=True)`` on the same tiny folder and
 prompt: every codec code and every waveform sample are equal (greedy; and sampled from the same
 seed), whole and streamed (chunk by chunk with context: codes equal, samples within float
-rounding), with two streams interleaved frame by frame; bad inputs fail their request alone
-with a message naming what is wrong."""
+rounding), with two streams interleaved frame by frame (batched, as several requests joining at
+different steps and an aborted one are); bad inputs fail their request alone with a message
+naming what is wrong."""
 
 from __future__ import annotations
 
@@ -102,7 +103,9 @@ def test_sampled_talker_equals_the_monolithic_model_with_the_same_seed(
 def chunks_of(engine: StageEngine, data: StageData, seed: int) -> Iterator[EngineResult]:
     (stream,) = engine.open([EngineRequest("r1", seed, data)])
     for result in stream:
-        assert result is not None and result.error is None
+        if result is None:  # a step with no chunk (the talker makes one frame per step)
+            continue
+        assert result.error is None
         yield result
 
 
@@ -125,9 +128,9 @@ def test_streamed_codes_and_audio_equal_the_whole(
     talker = stages.streaming(stages.sampled)
     chunks = list(chunks_of(talker, speak(voice="1"), 11))
     sizes = [c.output.arrays["codes"].shape[0] for c in chunks]
-    assert sizes == [CHUNK, CHUNK, CHUNK, 0]  # the end of the generation comes after its frames
-    assert [c.last for c in chunks] == [False, False, False, True]
-    assert [c.output.fields["frame_offset"] for c in chunks] == [0, 8, 16, 24]
+    assert sizes == [CHUNK, CHUNK, CHUNK]  # the chunk with the last frame is the last
+    assert [c.last for c in chunks] == [False, False, True]
+    assert [c.output.fields["frame_offset"] for c in chunks] == [0, 8, 16]
     assert np.array_equal(np.concatenate([c.output.arrays["codes"] for c in chunks]), codes)
     assert "context_codes" not in chunks[0].output.arrays
     assert chunks[1].output.arrays["context_codes"].shape == (CHUNK, 8)  # the whole history
@@ -136,7 +139,7 @@ def test_streamed_codes_and_audio_equal_the_whole(
     for i, chunk in enumerate(chunks):  # as the core hands code2wav the talker's chunks
         data = talker_to_code2wav(chunk.output)
         pieces.append(waveform(one(stages.code2wav, data, chunk=i, last=chunk.last)))
-    assert [len(p) for p in pieces] == [CHUNK * HOP] * 3 + [0]
+    assert [len(p) for p in pieces] == [CHUNK * HOP] * 3
     streamed = np.concatenate(pieces)
     assert streamed.shape == wav.shape
     assert float(np.abs(streamed - wav).max()) < 1e-6
@@ -149,10 +152,12 @@ def test_interleaved_streams_give_what_each_gives_alone(stages: Stages) -> None:
     streams = talker.open([EngineRequest("a", 1, data), EngineRequest("b", 2, data)])
     got: dict[int, list[np.ndarray]] = {1: [], 2: []}
     open_streams = dict(zip((1, 2), streams, strict=True))
-    while open_streams:  # one chunk of each in turn, as the core advances its streams
+    while open_streams:  # one step of each in turn (a frame), as the core advances them
         for seed, stream in list(open_streams.items()):
             result = next(stream)
-            assert result is not None and result.error is None
+            if result is None:
+                continue
+            assert result.error is None
             got[seed].append(result.output.arrays["codes"])
             if result.last:
                 del open_streams[seed]
@@ -166,7 +171,9 @@ def test_a_closed_stream_stops_its_generation(stages: Stages) -> None:
     talker = stages.streaming(stages.sampled)
     (stream,) = talker.open([EngineRequest("r", 3, speak())])
     first = next(stream)
-    assert first is not None and not first.last
+    while first is None:  # frame by frame up to the first chunk
+        first = next(stream)
+    assert not first.last
     stream.close()  # type: ignore[attr-defined]  # the core closes aborted streams
     again = one(talker, speak(max_tokens=CHUNK), 3)  # the engine serves on
     assert np.array_equal(again.output.arrays["codes"], first.output.arrays["codes"])
@@ -268,21 +275,18 @@ def test_the_end_frame_ends_the_codes_as_the_monolithic_decode_cuts_them() -> No
     """tiny-csm never ends early; a real CSM ends on a frame of EOS (0) in every codebook, which
     the monolithic decode drops with everything after it (a frame that is EOS but in its last
     codebook, which stops CSM's generate, is still spoken)."""
-    import torch
-
-    from omni_mesh.engines.hf.csm_talker import _FrameStreamer, spoken_frames
+    from omni_mesh.engines.hf.csm_talker_batch import ends_utterance, is_end_frame
 
     codes = np.arange(5 * 8).reshape(5, 8) % 7 + 1
     almost = np.zeros(8, np.int64)
     almost[-1] = 3
     ended = np.concatenate([codes[:3], almost[None], np.zeros((1, 8), np.int64), codes[3:]])
-    assert np.array_equal(spoken_frames(ended, 0), ended[:4])
-    assert np.array_equal(spoken_frames(codes, 0), codes)
-    frames: list[np.ndarray] = []
-    checkpoints: list[int] = []
-    streamer = _FrameStreamer(frames, 0, lambda: checkpoints.append(len(frames)))
-    streamer.put(torch.zeros((1, 7), dtype=torch.long))  # the prompt: not a frame
-    for frame in ended:
-        streamer.put(torch.from_numpy(frame)[None])
-    assert np.array_equal(np.stack(frames), ended[:4])
-    assert checkpoints == [1, 2, 3, 4, 4, 4, 4]
+    spoken = []
+    for frame in ended:  # as the batch takes a row's frames
+        if not is_end_frame(frame, 0):
+            spoken.append(frame)
+        if ends_utterance(frame, 0):
+            break
+    assert np.array_equal(np.stack(spoken), ended[:4])
+    assert is_end_frame(np.zeros(8, np.int64), 0) and ends_utterance(np.zeros(8, np.int64), 0)
+    assert not any(ends_utterance(frame, 0) for frame in codes)

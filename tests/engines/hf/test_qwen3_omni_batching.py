@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from omni_mesh.engines.base import EngineRequest, EngineResult, StageData, StageEngine
+from omni_mesh.engines.base import EngineRequest, StageData, StageEngine
 from omni_mesh.engines.hf.qwen3_omni_processors import thinker_to_talker
 from tests.engines.helpers import make_engine
 from tests.engines.hf import omni_reference
+from tests.engines.hf.batching import Forwards, alone, codes, drive
 
 pytestmark = [
     pytest.mark.unit,
@@ -63,73 +63,12 @@ def engines() -> Engines:
     return Engines()
 
 
-class Forwards:
-    """The talker's forwards: (rows, positions) of each, read by a hook on the MoE model."""
-
-    def __init__(self, engine: StageEngine) -> None:
-        self.shapes: list[tuple[int, int]] = []
-        model = engine.model.model  # type: ignore[attr-defined]
-        self._hook = model.register_forward_hook(self._on, with_kwargs=True)
-
-    def _on(self, module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
-        rows, length = kwargs["inputs_embeds"].shape[:2]
-        self.shapes.append((int(rows), int(length)))
-
-    def close(self) -> None:
-        self._hook.remove()
-
-
-def drive(
-    engine: StageEngine,
-    arrivals: dict[int, list[EngineRequest]],
-    aborts: dict[int, list[str]] | None = None,
-) -> tuple[dict[str, list[EngineResult]], dict[str, BaseException]]:
-    """Steps as the core runs them: open the requests arriving at step k, ``before_step``, one
-    ``next()`` on every stream, close the ones aborted at step k. Every result of every
-    request, and the exception of each stream that raised."""
-    aborts = aborts or {}
-    streams: dict[str, Iterator[EngineResult | None]] = {}
-    results: dict[str, list[EngineResult]] = {}
-    errors: dict[str, BaseException] = {}
-    step = 0
-    while streams or any(k >= step for k in arrivals):
-        new = arrivals.get(step, [])
-        streams.update(zip([r.request_id for r in new], engine.open(new), strict=True))
-        engine.before_step(len(streams))
-        for rid, stream in list(streams.items()):
-            try:
-                result = next(stream)
-            except Exception as exc:
-                errors[rid] = exc
-                del streams[rid]
-                continue
-            if result is not None:
-                results.setdefault(rid, []).append(result)
-                if result.last:
-                    del streams[rid]
-        for rid in aborts.get(step, []):
-            streams.pop(rid).close()  # type: ignore[attr-defined]
-        step += 1
-    return results, errors
-
-
-def codes(results: list[EngineResult]) -> np.ndarray:
-    assert all(r.error is None for r in results)
-    return np.concatenate([r.output.arrays["codes"] for r in results])
-
-
-def alone(engine: StageEngine, data: StageData, seed: int) -> np.ndarray:
-    (result,) = engine.execute([EngineRequest("alone", seed, data)])
-    assert result.error is None
-    return result.output.arrays["codes"]
-
-
 def test_rows_joining_at_different_steps_get_their_codes_alone_and_the_monolithic_ones(
     engines: Engines,
 ) -> None:
     talker = engines.sampled
     requests = [EngineRequest(f"r{i}", 40 + i, data) for i, data in enumerate(engines.inputs)]
-    forwards = Forwards(talker)
+    forwards = Forwards(talker.model.model)  # type: ignore[attr-defined]
     try:
         results, errors = drive(talker, {0: requests[:2], 3: [requests[2]], 7: [requests[3]]})
     finally:
@@ -137,9 +76,8 @@ def test_rows_joining_at_different_steps_get_their_codes_alone_and_the_monolithi
     assert not errors
     lengths = {data.arrays["sequences"].shape[0] for data in engines.inputs}
     assert len(lengths) == len(CHATS)  # every prompt has its own length
-    decodes = [rows for rows, length in forwards.shapes if length == 1]
-    prefills = [length for _, length in forwards.shapes if length > 1]
-    assert len(prefills) == 4 and max(decodes) == 4  # one forward per step for every row
+    decodes = forwards.decodes
+    assert len(forwards.prefills) == 4 and max(decodes) == 4  # one forward a step, every row
     assert decodes[:3] == [2, 2, 2] and decodes[7] == 4
     for i, request in enumerate(requests):
         got = codes(results[request.request_id])
@@ -160,7 +98,7 @@ def test_rows_joining_at_different_steps_get_their_codes_alone_and_the_monolithi
 def test_greedy_rows_batched_equal_the_monolithic_model(engines: Engines) -> None:
     talker = engines.greedy
     requests = [EngineRequest(f"g{i}", 1, data) for i, data in enumerate(engines.inputs)]
-    forwards = Forwards(talker)
+    forwards = Forwards(talker.model.model)  # type: ignore[attr-defined]
     try:
         together = talker.execute(requests)  # whole answers, still batched
     finally:
@@ -178,7 +116,7 @@ def test_greedy_rows_batched_equal_the_monolithic_model(engines: Engines) -> Non
 def test_whole_answers_join_the_batch_and_arrive_in_one_result(engines: Engines) -> None:
     talker = engines.greedy  # async_chunk off: every stream gives one whole result
     requests = [EngineRequest(f"w{i}", 1, data) for i, data in enumerate(engines.inputs[:3])]
-    forwards = Forwards(talker)
+    forwards = Forwards(talker.model.model)  # type: ignore[attr-defined]
     try:
         results, errors = drive(talker, {0: requests[:1], 2: requests[1:]})
     finally:
