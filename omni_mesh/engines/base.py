@@ -10,7 +10,8 @@ Streams (``async_chunk``). The core drives an engine through :meth:`StageEngine.
 iterator of results per request, in the batch's order. Each ``next()`` produces the request's
 next chunk; a result with ``last=True`` (or an ``error``) ends the stream, and ending without one
 is an engine error. A stream may also yield ``None``: no result this step, ask again at the next
-(an engine with its own scheduler, vLLM, whose request has no output yet); the request then
+(an engine with its own scheduler, vLLM, or one that batches its requests, the transformers
+talkers, whose request has no output yet); the request then
 stays running. The core keeps the streams it has opened across its steps (continuous batching
 at chunk granularity): every step it calls :meth:`StageEngine.before_step` once with the number
 of streams it is about to advance, then ``next()`` once on each, and closes a stream

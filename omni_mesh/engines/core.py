@@ -25,10 +25,11 @@ A stream that stops without a ``last`` result, or raises in ``next()``, fails it
 (``engine_error``); an error output always ends the stream. Running streams whose deadline
 passes are closed and answered with a ``deadline`` error; :meth:`EngineCore.abort` closes one.
 
-An engine with its own scheduler (vLLM) keeps every request the sidecar handed in inside that
-scheduler: its ``before_step`` runs one scheduler step (new requests join the running batch)
-and a stream whose request has no result yet yields ``None``: no output this step, the stream
-stays running (so a step may answer an admitted input later than the step that admits it).
+An engine with its own scheduler (vLLM; the transformers talkers' frame batches) keeps every
+request the sidecar handed in inside that scheduler: its ``before_step`` runs one scheduler step
+(new requests join the running batch) and a stream whose request has no result yet yields
+``None``: no output this step, the stream stays running (so a step may answer an admitted input
+later than the step that admits it).
 """
 
 from __future__ import annotations
