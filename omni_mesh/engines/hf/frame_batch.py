@@ -100,13 +100,12 @@ class FrameBatch(ABC, Generic[RowT]):
     def _prefill(self, row: RowT) -> None:
         try:
             row_cache = self.prefill(row)
+            if row_cache is not None and not row.done:
+                self.cache.join(row_cache)
+                self.running.append(row)
         except Exception as exc:
             logger.exception("prefill failed request_id=%s", row.request_id)
             row.fail(exc)
-            return
-        if row_cache is not None and not row.done:
-            self.cache.join(row_cache)
-            self.running.append(row)
 
     def _decode_all(self) -> None:
         rows = list(self.running)
