@@ -47,7 +47,8 @@ from typing import Any
 
 import numpy as np
 
-from omni_mesh.engines.base import EngineConfigError, EngineRequest, EngineResult
+from omni_mesh.engines.base import EngineConfigError, EngineContext, EngineRequest, EngineResult
+from omni_mesh.engines.devices import torch_device, torch_dtype
 from omni_mesh.engines.hf.codes import codes_chunk
 from omni_mesh.engines.hf.common import model_folder, parameter_count
 from omni_mesh.engines.hf.csm_talker_batch import CsmBatch, CsmRow
@@ -86,19 +87,26 @@ def talker_class() -> Any:
     return CsmTalkerForConditionalGeneration
 
 
-def load_talker(folder: Path) -> Any:
-    """The backbone, depth decoder, text embedding and head of the CSM checkpoint in folder."""
+def load_talker(folder: Path, ctx: EngineContext | None = None) -> Any:
+    """The backbone, depth decoder, text embedding and head of the CSM checkpoint in folder,
+    on the stage's device in its dtype (``ctx``; without: the CPU, the checkpoint's dtype)."""
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # not the table of the codec's tensors, left unread
     try:
-        model, info = talker_class().from_pretrained(str(folder), output_loading_info=True)
+        model, info = talker_class().from_pretrained(
+            str(folder),
+            output_loading_info=True,
+            dtype="auto" if ctx is None else torch_dtype(ctx),
+        )
     finally:
         hf_logging.set_verbosity(verbosity)
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
         raise EngineConfigError(f"CSM folder {str(folder)!r} lacks talker tensors {missing[:3]}")
+    if ctx is not None:
+        model = model.to(torch_device(ctx))
     model.eval()
     return model
 
@@ -121,7 +129,7 @@ class CsmTalkerEngine(FrameEngine[TalkerInput]):
             ctx, "max_prompt_bytes", DEFAULT_MAX_PROMPT_BYTES, 1, 1 << 20
         )
         folder = model_folder(ctx, DEFAULT_MODEL)
-        self.model = load_talker(folder)
+        self.model = load_talker(folder, ctx)
         self.processor = AutoProcessor.from_pretrained(str(folder))
         self.config = self.model.config
         self.batch = CsmBatch(
