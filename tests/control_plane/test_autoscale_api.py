@@ -9,9 +9,8 @@ import asyncio
 import contextlib
 import re
 import subprocess
-import time
 import urllib.request
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import aiohttp
 import pytest
@@ -23,8 +22,8 @@ from omni_mesh.control_plane.client import (
     LoadReport,
     RegisterRequest,
     ScaleDirection,
-    ScaleStatus,
 )
+from tests.control_plane.scaling import until
 from tests.procs import (
     ControlPlaneProcess,
     RedisServer,
@@ -128,20 +127,6 @@ def leader_of(
     """(lock holder, the other one)."""
     a, b = cps
     return (a, b) if metric(metrics_text(a), "omni_cp_sweeper_leader") == 1.0 else (b, a)
-
-
-async def until(
-    check: Callable[[], Awaitable[ScaleStatus]],
-    ok: Callable[[ScaleStatus], bool],
-    within_s: float = 30.0,
-) -> ScaleStatus:
-    deadline = time.monotonic() + within_s
-    while True:
-        status = await check()
-        if ok(status):
-            return status
-        assert time.monotonic() < deadline, f"condition not met; last status: {status}"
-        await asyncio.sleep(0.05)
 
 
 @contextlib.asynccontextmanager

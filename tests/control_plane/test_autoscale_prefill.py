@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import aiohttp
 import pytest
@@ -34,6 +33,7 @@ from omni_mesh.control_plane.status import render_status
 from omni_mesh.control_plane.store.instances import InstanceStore
 from omni_mesh.control_plane.store.keys import KeySchema
 from omni_mesh.observability.metrics import ControlPlaneMetrics
+from tests.control_plane.scaling import until
 from tests.procs import ControlPlaneProcess, start_control_plane
 
 PIPELINE = "tiny-llm"
@@ -193,20 +193,6 @@ async def split_stage(
             await task
         for instance_id in ids.values():
             await client.deregister(instance_id)
-
-
-async def until(
-    check: Callable[[], Awaitable[ScaleStatus]],
-    ok: Callable[[ScaleStatus], bool],
-    within_s: float = 30.0,
-) -> ScaleStatus:
-    deadline = time.monotonic() + within_s
-    while True:
-        status = await check()
-        if ok(status):
-            return status
-        assert time.monotonic() < deadline, f"condition not met; last status: {status}"
-        await asyncio.sleep(0.05)
 
 
 @pytest.mark.integration
