@@ -1,4 +1,4 @@
-"""Continuous batching of an audio talker's requests, one codec frame per step.
+"""Continuous batching of a stage's requests (an audio talker's, an LM's), one frame per step.
 
 A :class:`FrameBatch` holds the running rows (one per request) and one left-padded KV cache over
 them (``padded_cache.py``). :meth:`FrameBatch.step` advances every row by one frame: the rows
@@ -6,6 +6,10 @@ that joined since the last step prefill first, each alone (their prompts differ 
 join the batch; then one batched decode (the model's: :meth:`FrameBatch.decode`) gives every
 row its next frame. A row leaves when it ends (its model's end token, or its frame cap) or when
 its stream is closed (an abort), and the others run on undisturbed.
+
+A model whose prompt already gives a row's first frame (an LM's first token) sets
+:attr:`FrameBatch.prefill_frames`: its rows then prefill after the step's decode, so a step
+gives every row exactly one frame there too.
 
 Failures stay with their request: a prefill that raises fails its row alone; a batched decode
 that raises is undone (the cache's layers and the rows' generators as they were; ``decode``
@@ -52,6 +56,9 @@ RowT = TypeVar("RowT", bound=Row)
 class FrameBatch(ABC, Generic[RowT]):
     """The running rows of one engine and their batched decode (module docstring)."""
 
+    #: True when :meth:`prefill` makes the row's first frame (module docstring).
+    prefill_frames = False
+
     def __init__(self) -> None:
         self.cache = PaddedCache()
         self.running: list[RowT] = []  # in the cache's row order
@@ -75,12 +82,17 @@ class FrameBatch(ABC, Generic[RowT]):
         return bool(self.running or self.pending)
 
     def step(self) -> None:
-        """Every waiting row prefilled, then one frame for every running row."""
+        """Every waiting row prefilled, then one frame for every running row (with
+        :attr:`prefill_frames`, the running rows' decode first: the new rows' frame is their
+        prefill's)."""
         pending, self.pending = self.pending, []
-        for row in pending:
+        first, after = ([], pending) if self.prefill_frames else (pending, [])
+        for row in first:
             self._prefill(row)
         if self.running:
             self._decode_all()
+        for row in after:
+            self._prefill(row)
         for index in reversed(range(len(self.running))):
             if self.running[index].done:
                 self.running.pop(index)
@@ -89,7 +101,8 @@ class FrameBatch(ABC, Generic[RowT]):
     @abstractmethod
     def prefill(self, row: RowT) -> Any:
         """Run the row's prompt alone; its own (batch of one) KV cache, or None when the row
-        ended there (``row.done``). Its first frame comes from the next :meth:`decode`."""
+        ended there (``row.done``). Its first frame comes from the next :meth:`decode`, or from
+        the prefill itself with :attr:`prefill_frames`."""
 
     @abstractmethod
     def decode(self, rows: list[RowT], cache: PaddedCache) -> None:

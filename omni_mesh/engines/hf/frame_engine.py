@@ -1,4 +1,5 @@
-"""The engine side of a batched talker: every request a row of one :class:`FrameBatch`.
+"""The engine side of a batched stage (the talkers, the qwen3-omni thinker): every request a row
+of one :class:`FrameBatch`.
 
 :class:`FrameEngine` is a :class:`ReferenceEngine` whose requests never run alone: ``open``
 gives each request a :class:`FrameStream` over the engine's one batch (chunks under
@@ -21,7 +22,7 @@ import torch
 
 from omni_mesh.engines.base import EngineInputError, EngineRequest, EngineResult
 from omni_mesh.engines.hf.frame_batch import FrameBatch, Row
-from omni_mesh.engines.hf.frame_stream import FrameStream
+from omni_mesh.engines.hf.frame_stream import Chunker, FrameStream
 from omni_mesh.engines.reference.common import ReferenceEngine
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ InputT = TypeVar("InputT")
 
 
 class FrameEngine(ReferenceEngine[InputT]):
-    """Base of the batched talkers (module docstring). A subclass's ``build`` sets ``batch``,
+    """Base of the batched engines (module docstring). A subclass's ``build`` sets ``batch``,
     ``first_chunk_frames`` and ``chunk_frames``."""
 
     batch: FrameBatch[Any]
@@ -41,11 +42,17 @@ class FrameEngine(ReferenceEngine[InputT]):
     def row(self, request: EngineRequest, inputs: InputT) -> Row | EngineResult:
         """The request's row for the batch, or its whole answer when it needs no model."""
 
-    @abstractmethod
     def chunk(
         self, request: EngineRequest, frames: list[np.ndarray], sent: int, last: bool
     ) -> EngineResult:
-        """The result carrying ``frames[sent:]`` (``last``: the request's final one)."""
+        """The result carrying ``frames[sent:]`` (``last``: the request's final one); an engine
+        overrides this, or :meth:`chunker` when its results need more than the frames."""
+        raise NotImplementedError(f"{type(self).__name__} makes no chunks of frames alone")
+
+    def chunker(self, request: EngineRequest, row: Row) -> Chunker:
+        """What makes the results of ``request``'s stream over ``row``: :meth:`chunk`, by
+        default."""
+        return lambda frames, sent, last: self.chunk(request, frames, sent, last)
 
     def open(self, batch: Sequence[EngineRequest]) -> list[Iterator[EngineResult | None]]:
         return self._streams(batch, streaming=self.ctx.async_chunk)
@@ -108,7 +115,7 @@ class FrameEngine(ReferenceEngine[InputT]):
         return FrameStream(
             self.batch,
             row,
-            lambda frames, sent, last: self.chunk(request, frames, sent, last),
+            self.chunker(request, row),
             streaming=streaming and request.whole,
             first_chunk_frames=self.first_chunk_frames,
             chunk_frames=self.chunk_frames,
@@ -124,5 +131,5 @@ def _next_or_error(
     except StopIteration:
         return EngineResult(request.request_id, error="engine returned no result")
     except Exception as exc:
-        logger.exception("talker request failed request_id=%s", request.request_id)
+        logger.exception("request failed request_id=%s", request.request_id)
         return EngineResult(request.request_id, error=f"{type(exc).__name__}: {exc}")

@@ -5,7 +5,8 @@ Each ``next()`` takes the row's next frame: one the batch already made (the engi
 there is none yet, a :meth:`FrameBatch.step` run right there (a caller that drives streams
 without ``before_step``). It yields ``None`` until a chunk is full: the first after
 ``first_chunk_frames`` frames, then every ``chunk_frames``, and the last one (``last=True``) when
-the row ends, so an abort waits for one frame, not a chunk. Not streaming, it yields ``None``
+the row ends, so an abort waits for one frame, not a chunk; a chunk with nothing to send yet
+(the chunker's None) leaves its frames for the next. Not streaming, it yields ``None``
 until the row ends, then one whole result. ``close()`` (the core's abort) takes the row out of the
 batch. A row that failed raises its exception from ``next()``: the core fails that request alone.
 """
@@ -21,8 +22,9 @@ import torch
 from omni_mesh.engines.base import EngineResult
 from omni_mesh.engines.hf.frame_batch import FrameBatch, Row
 
-#: Builds a result from (frames so far, frames sent before, last?): ``codes.codes_chunk``'s shape.
-Chunker = Callable[[list[np.ndarray], int, bool], EngineResult]
+#: Builds a result from (frames so far, frames sent before, last?): ``codes.codes_chunk``'s shape;
+#: None when a chunk has nothing to send yet (never for the last one): the frames wait for the next.
+Chunker = Callable[[list[np.ndarray], int, bool], EngineResult | None]
 
 
 class FrameStream:
@@ -69,6 +71,11 @@ class FrameStream:
         if not last and (not self._streaming or self._seen < goal):
             return None
         result = self._chunk(row.frames[: self._seen], self._sent, last)
+        if result is None:
+            if last:
+                self.close()
+                raise RuntimeError(f"no last result for request_id={row.request_id}")
+            return None
         self._sent = self._seen
         if last:
             self.close()

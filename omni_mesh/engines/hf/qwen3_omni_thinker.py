@@ -1,12 +1,20 @@
 """qwen3-omni stage 0, the thinker: Qwen3-Omni-MoE's thinker (audio encoder + MoE LM) on
 transformers.
 
-Runs ``Qwen3OmniMoeThinkerForConditionalGeneration.generate`` exactly as the monolithic model's
-``generate`` calls it (``output_hidden_states``, ``eos_token_id`` = ``<|im_end|>``), one request
-at a time, with the request's own RNG stream (``common.seeded_rng``). Sampling: the request's
-``temperature`` (0 or unset: greedy, as the folder's generation config has it for the tiny
-model), ``top_p``, ``top_k``; ``max_tokens`` (default ``engine_extras.max_tokens``, 64; at most
+Computes what ``Qwen3OmniMoeThinkerForConditionalGeneration.generate`` gives when the monolithic
+model's ``generate`` calls it (``output_hidden_states``, ``eos_token_id`` = ``<|im_end|>``).
+Sampling: the request's ``temperature`` (0 or unset: greedy, as the folder's generation config
+has it for the tiny model), ``top_p``, ``top_k``, drawn from the request's own generator seeded
+as ``torch.manual_seed(seed)`` seeds the process (``row_sampling.row_generator``);
+``max_tokens`` (default ``engine_extras.max_tokens``, 64; at most
 ``engine_extras.max_tokens_limit``, 1024).
+
+Continuous batching: every running request of the engine is a row of one
+:class:`ThinkerBatch` (``qwen3_omni_thinker_batch``): each prefills alone, then one batched
+forward per step gives every row its next token; the engine runs that step in ``before_step``,
+once per core step, and requests opened since the last step join it. A request leaves on
+``<|im_end|>``, at ``max_tokens`` or when its stream is closed (an abort); its tokens are those
+``generate`` gives it alone.
 
 Input fields: ``messages`` (the chat route's conversation, JSON) or ``prompt``; ``voice`` (a
 speaker of the folder's talker config, checked here so a bad one costs no compute). Output
@@ -19,9 +27,11 @@ audio, ``audio_feature_lengths`` int64 [A]; fields ``prompt_tokens`` (P), ``gene
 ``<|im_end|>``, else length), ``prompt_tokens``, ``completion_tokens``.
 
 Streaming (``async_chunk``): the text goes to the client as it is generated, every
-``engine_extras.chunk_tokens`` tokens (default 1), in results with ``forward=False`` (for the
-client alone: the talker needs the whole answer's hidden states, it gets them with the last
-result as one whole input). The chunks' texts concatenated are the whole text.
+``engine_extras.chunk_tokens`` tokens (default 1; later when those tokens end inside a UTF-8
+character), in results with ``forward=False`` (for the client alone: the talker needs the whole
+answer's hidden states, it gets them with the last result as one whole input). The chunks'
+texts concatenated are the whole text. Not streaming, a request still runs in the batch and
+yields one whole result when it ends.
 
 Why not vLLM: vLLM's ``qwen3_omni_moe_thinker`` returns tokens, not the per-layer hidden
 states and input embeddings the talker conditions on; handing those out needs a model class
@@ -30,8 +40,8 @@ registered through vLLM's plugin mechanism that returns them (a follow-up).
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,17 +49,15 @@ import numpy as np
 import torch
 
 from omni_mesh.engines.base import EngineInputError, EngineRequest, EngineResult, StageData
-from omni_mesh.engines.hf.common import load_part, model_folder, parameter_count, seeded_rng
+from omni_mesh.engines.hf.common import load_part, model_folder, parameter_count
+from omni_mesh.engines.hf.frame_batch import Row
+from omni_mesh.engines.hf.frame_engine import FrameEngine
+from omni_mesh.engines.hf.frame_stream import Chunker
 from omni_mesh.engines.hf.qwen3_omni_inputs import ThinkerPrompt, conversation, thinker_prompt
+from omni_mesh.engines.hf.qwen3_omni_thinker_batch import ThinkerBatch, ThinkerRow
+from omni_mesh.engines.hf.row_sampling import Sampling, row_generator
 from omni_mesh.engines.hf.speakers import speaker_name
-from omni_mesh.engines.hf.stepped import (
-    CheckpointStreamer,
-    SteppedCall,
-    TurnState,
-    has_at_least,
-    take_turn,
-)
-from omni_mesh.engines.reference.common import ReferenceEngine, extra_int
+from omni_mesh.engines.reference.common import extra_int
 
 DEFAULT_MODEL = "tiny-qwen3-omni"
 
@@ -61,10 +69,10 @@ class ThinkerInput:
     prompt: ThinkerPrompt
     voice: str
     max_tokens: int
-    sampling: dict[str, Any]
+    sampling: Sampling
 
 
-class Qwen3OmniThinkerEngine(ReferenceEngine[ThinkerInput]):
+class Qwen3OmniThinkerEngine(FrameEngine[ThinkerInput]):
     """Qwen3-Omni's thinker (module docstring)."""
 
     model: Any
@@ -90,6 +98,9 @@ class Qwen3OmniThinkerEngine(ReferenceEngine[ThinkerInput]):
             self.ctx,
         )
         self.device = self.model.device
+        self.first_chunk_frames = self.chunk_frames = self.chunk_tokens
+        layer = self.config.talker_config.accept_hidden_layer
+        self.batch = ThinkerBatch(self.model, self.config.im_end_token_id, layer)
         return parameter_count(self.model)
 
     def parse(self, request: EngineRequest) -> ThinkerInput:
@@ -125,75 +136,55 @@ class Qwen3OmniThinkerEngine(ReferenceEngine[ThinkerInput]):
             ) from None
         return ThinkerInput(tensors, voice, max_tokens, _sampling(request))
 
-    def run(
-        self, request: EngineRequest, inputs: ThinkerInput, generator: torch.Generator
-    ) -> EngineResult:
-        with seeded_rng(request.seed, self.device):
-            return self._result(request, inputs, self._generate(inputs))
-
-    def run_chunks(
-        self, request: EngineRequest, inputs: ThinkerInput, generator: torch.Generator
-    ) -> Iterator[EngineResult]:
-        """The answer's text every ``chunk_tokens`` tokens, for the client alone (no next-stage
-        input), then the whole output: the talker gets one whole input (module docstring)."""
-        state = TurnState.start(request.seed, ("rope_deltas",), self.device)
-        tokens: list[int] = []
-        call = SteppedCall(
-            lambda checkpoint: self._generate(
-                inputs, streamer=CheckpointStreamer(checkpoint, tokens.append)
-            ),
-            name=f"thinker-{request.request_id}",
+    def row(self, request: EngineRequest, inputs: ThinkerInput) -> ThinkerRow:
+        return ThinkerRow(
+            request.request_id,
+            row_generator(request.seed, self.device),
+            prompt=inputs.prompt,
+            sampling=inputs.sampling,
+            max_tokens=inputs.max_tokens,
+            voice=inputs.voice,
         )
-        sent = ""
-        try:
-            while not take_turn(
-                call, state, self.model, has_at_least(tokens, len(tokens) + self.chunk_tokens)
-            ):
-                text = self._stable_text(tokens)
-                if len(text) > len(sent):
-                    delta = StageData(fields={"text": text[len(sent) :]})
-                    yield EngineResult(request.request_id, final=delta, last=False, forward=False)
-                    sent = text
-            result = self._result(request, inputs, call.result)
-        finally:
-            call.close()
-        assert result.final is not None
-        text = str(result.final.fields["text"])
-        if not text.startswith(sent):  # a decode that changed its past: should not happen
-            logger.warning("streamed text is not a prefix request_id=%s", request.request_id)
-        result.final.fields["text"] = text[len(sent) :]
-        yield result
+
+    def chunker(self, request: EngineRequest, row: Row) -> Chunker:
+        assert isinstance(row, ThinkerRow)
+        return functools.partial(self._chunk, request, row)
+
+    def _chunk(
+        self,
+        request: EngineRequest,
+        row: ThinkerRow,
+        frames: list[np.ndarray],
+        sent: int,
+        last: bool,
+    ) -> EngineResult | None:
+        """The text of ``frames[sent:]`` (its tokens) for the client alone, or None while it
+        is no new text; the last: the whole output, its final text what was not sent yet."""
+        before = self._stable_text(row.tokens[:sent])
+        if last:
+            result = self._result(request, row)
+            assert result.final is not None
+            text = str(result.final.fields["text"])
+            if not text.startswith(before):  # a decode that changed its past: should not happen
+                logger.warning("streamed text is not a prefix request_id=%s", request.request_id)
+            result.final.fields["text"] = text[len(before) :]
+            return result
+        text = self._stable_text(row.tokens[: len(frames)])
+        if len(text) <= len(before):
+            return None
+        delta = StageData(fields={"text": text[len(before) :]})
+        return EngineResult(request.request_id, final=delta, last=False, forward=False)
 
     def _stable_text(self, tokens: list[int]) -> str:
         """The text of ``tokens`` that later tokens cannot change (no trailing partial
         UTF-8 character)."""
+        if not tokens:
+            return ""
         return str(self.tokenizer.decode(tokens, skip_special_tokens=True)).rstrip("\ufffd")
 
-    def _generate(self, inputs: ThinkerInput, **extra: Any) -> Any:
-        prompt, device = inputs.prompt, self.device
-        kwargs: dict[str, Any] = {}
-        features, mask = prompt.input_features, prompt.feature_attention_mask
-        if features is not None and mask is not None:
-            kwargs["input_features"] = features.to(device, self.model.dtype)
-            kwargs["feature_attention_mask"] = mask.to(device)
-        return self.model.generate(
-            input_ids=prompt.input_ids.to(device),
-            attention_mask=prompt.attention_mask.to(device),
-            max_new_tokens=inputs.max_tokens,
-            eos_token_id=self.config.im_end_token_id,
-            use_audio_in_video=False,
-            output_hidden_states=True,
-            return_dict_in_generate=True,
-            **inputs.sampling,
-            **kwargs,
-            **extra,
-        )
-
-    def _result(self, request: EngineRequest, inputs: ThinkerInput, result: Any) -> EngineResult:
-        prompt = inputs.prompt
-        layer = self.config.talker_config.accept_hidden_layer
-        embed = torch.cat([h[0] for h in result.hidden_states], dim=1)[0]
-        hidden = torch.cat([h[layer] for h in result.hidden_states], dim=1)[0]
+    def _result(self, request: EngineRequest, row: ThinkerRow) -> EngineResult:
+        prompt = row.prompt
+        assert prompt is not None
         special = torch.tensor(
             [
                 self.config.tts_bos_token_id,
@@ -202,16 +193,19 @@ class Qwen3OmniThinkerEngine(ReferenceEngine[ThinkerInput]):
             ],
             device=self.device,
         )
-        sequences = result.sequences[0].cpu()
-        prompt_tokens = int(prompt.input_ids.shape[1])
-        generated = sequences[prompt_tokens:]
+        with torch.inference_mode():
+            special_embeds = self.model.get_input_embeddings()(special)
+        prompt_ids = prompt.input_ids[0].cpu()
+        generated = torch.tensor(row.tokens, dtype=prompt_ids.dtype)
+        sequences = torch.cat((prompt_ids, generated))
+        prompt_tokens = int(prompt_ids.shape[0])
         text = self.tokenizer.decode(generated, skip_special_tokens=True)
-        stopped = len(generated) and int(generated[-1]) == self.config.im_end_token_id
+        stopped = row.tokens[-1] == self.config.im_end_token_id
         arrays = {
             "sequences": sequences.numpy().astype(np.int64),
-            "thinker_embed": _f32(embed),
-            "thinker_hidden": _f32(hidden),
-            "tts_special": _f32(self.model.get_input_embeddings()(special)),
+            "thinker_embed": _f32(torch.cat(row.embeds)),
+            "thinker_hidden": _f32(torch.cat(row.hidden)),
+            "tts_special": _f32(special_embeds),
         }
         if prompt.feature_attention_mask is not None:
             lengths = prompt.feature_attention_mask.sum(-1)
@@ -219,7 +213,7 @@ class Qwen3OmniThinkerEngine(ReferenceEngine[ThinkerInput]):
         output = StageData(
             fields={
                 "text": text,
-                "voice": inputs.voice,
+                "voice": row.voice,
                 "prompt_tokens": prompt_tokens,
                 "generated_tokens": len(generated),
             },
@@ -236,15 +230,17 @@ class Qwen3OmniThinkerEngine(ReferenceEngine[ThinkerInput]):
         return EngineResult(request.request_id, output=output, final=final)
 
 
-def _sampling(request: EngineRequest) -> dict[str, Any]:
-    """generate() sampling kwargs: greedy unless the request asks for a temperature > 0."""
+def _sampling(request: EngineRequest) -> Sampling:
+    """generate()'s sampling: greedy unless the request asks for a temperature > 0."""
     sampling = request.sampling
     if sampling is None or not sampling.temperature:
-        return {"do_sample": False}
-    kwargs: dict[str, Any] = {"do_sample": True, "temperature": sampling.temperature}
-    kwargs["top_p"] = sampling.top_p if sampling.top_p is not None else 1.0
-    kwargs["top_k"] = sampling.top_k if sampling.top_k else 0
-    return kwargs
+        return Sampling(False)
+    return Sampling(
+        True,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p if sampling.top_p is not None else 1.0,
+        top_k=sampling.top_k if sampling.top_k else 0,
+    )
 
 
 def _f32(t: torch.Tensor) -> np.ndarray:
