@@ -421,11 +421,12 @@ def _notes(report: Report, threads: int) -> None:
         "rows. 'engines' CPU by stage' says where omni-mesh's compute goes (thinker / talker / "
         "code2wav engines, every replica of a stage summed): streamed, code2wav decodes each "
         "chunk of 10 frames after up to 25 frames of context, 199 frames decoded for an answer "
-        "of 63 (3.2x one whole decode), and the thinker's requests still take turns, one "
-        "generate each. The throughput target asks for twice the batched monolith's audio on "
-        "the same 2 cores, where the monolith is one process without hops that uses about one "
-        "core: omni-mesh would need both cores at the monolith's CPU per audio second, and its "
-        "streaming context, its unbatched thinker and its processes cost more than that."
+        "of 63 (3.2x one whole decode); the thinker batches too, a token for every running "
+        "request per forward (engines/hf/qwen3_omni_thinker_batch.py). The throughput target "
+        "asks for twice the batched monolith's audio on the same 2 cores, where the monolith "
+        "is one process without hops that uses about one core: omni-mesh would need both "
+        "cores at the monolith's CPU per audio second, and its streaming context, its hops "
+        "and its processes cost more than that."
     )
     report.notes.append(
         "'server CPU, cores': CPU time of the server's whole process tree (omni-up and every "
