@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from omni_mesh.engines.base import EngineInputError, EngineRequest, EngineResult
+from omni_mesh.engines.base import EngineRequest, EngineResult
 from omni_mesh.engines.hf.frame_batch import FrameBatch, Row
 from omni_mesh.engines.hf.frame_stream import Chunker, FrameStream
 from omni_mesh.engines.reference.common import ReferenceEngine
@@ -54,9 +54,6 @@ class FrameEngine(ReferenceEngine[InputT]):
         default."""
         return lambda frames, sent, last: self.chunk(request, frames, sent, last)
 
-    def open(self, batch: Sequence[EngineRequest]) -> list[Iterator[EngineResult | None]]:
-        return self._streams(batch, streaming=self.ctx.async_chunk)
-
     def execute(self, batch: Sequence[EngineRequest]) -> list[EngineResult]:
         """Every request's whole result, all of them decoded together in one batch."""
         streams = self._streams(batch, streaming=False)
@@ -84,31 +81,10 @@ class FrameEngine(ReferenceEngine[InputT]):
             result = next(stream)
         return result
 
-    def _streams(
-        self, batch: Sequence[EngineRequest], *, streaming: bool
-    ) -> list[Iterator[EngineResult | None]]:
-        """One stream per request (module docstring); nothing is computed yet."""
-        if not self._loaded:
-            raise RuntimeError(f"{self.where}: execute() called before load()")
-        streams: list[Iterator[EngineResult | None]] = []
-        for request in batch:
-            try:
-                inputs = self.parse(request)
-            except EngineInputError as exc:
-                logger.info(
-                    "bad input stage=%s request_id=%s: %s",
-                    self.ctx.stage.name,
-                    request.request_id,
-                    exc,
-                )
-                streams.append(iter([EngineResult(request.request_id, error=str(exc))]))
-                continue
-            streams.append(self._stream(request, inputs, streaming=streaming))
-        return streams
-
     def _stream(
         self, request: EngineRequest, inputs: InputT, *, streaming: bool
     ) -> Iterator[EngineResult | None]:
+        """The request's stream over the batch (its row joins at the next step)."""
         row = self.row(request, inputs)
         if isinstance(row, EngineResult):
             return iter([row])

@@ -253,13 +253,19 @@ class ReferenceEngine(StageEngine, Generic[InputT]):
                 )
                 streams.append(iter([EngineResult(request.request_id, error=str(exc))]))
                 continue
-            generator = make_generator(derive_seed("omni-mesh-request", self.where, request.seed))
-            if streaming and request.whole:
-                chunks = self.run_chunks(request, inputs, generator)
-            else:
-                chunks = self._run_whole(request, inputs, generator)
-            streams.append(_in_inference_mode(chunks))
+            streams.append(self._stream(request, inputs, streaming=streaming))
         return streams
+
+    def _stream(
+        self, request: EngineRequest, inputs: InputT, *, streaming: bool
+    ) -> Iterator[EngineResult | None]:
+        """The stream of one valid request (lazy: nothing runs before its first ``next()``)."""
+        generator = make_generator(derive_seed("omni-mesh-request", self.where, request.seed))
+        if streaming and request.whole:
+            chunks = self.run_chunks(request, inputs, generator)
+        else:
+            chunks = self._run_whole(request, inputs, generator)
+        return _in_inference_mode(chunks)
 
     def _run_whole(
         self, request: EngineRequest, inputs: InputT, generator: torch.Generator
