@@ -31,6 +31,21 @@ def monolithic() -> Any:
     return model
 
 
+def reference_prompt(model: Any, messages: list[dict[str, Any]]) -> tuple[Any, dict[str, Any]]:
+    """The thinker's prompt tensors for ``messages`` and the audio keyword arguments
+    ``generate`` takes with them (none without audio)."""
+    prompt = thinker_prompt(
+        model.tokenizer, model.features, conversation("ref", json.dumps(messages), None, 16000)
+    )
+    extra: dict[str, Any] = {}
+    if prompt.input_features is not None:
+        extra = {
+            "input_features": prompt.input_features,
+            "feature_attention_mask": prompt.feature_attention_mask,
+        }
+    return prompt, extra
+
+
 def generate_whole(
     model: Any,
     messages: list[dict[str, Any]],
@@ -42,15 +57,7 @@ def generate_whole(
 ) -> tuple[int, np.ndarray, np.ndarray]:
     """(prompt tokens, sequences, waveform) of transformers' own ``generate`` of the whole
     model after ``torch.manual_seed(seed)``: thinker greedy, the talker as asked."""
-    prompt = thinker_prompt(
-        model.tokenizer, model.features, conversation("ref", json.dumps(messages), None, 16000)
-    )
-    extra: dict[str, Any] = {}
-    if prompt.input_features is not None:
-        extra = {
-            "input_features": prompt.input_features,
-            "feature_attention_mask": prompt.feature_attention_mask,
-        }
+    prompt, extra = reference_prompt(model, messages)
     torch.manual_seed(seed)
     with torch.inference_mode():
         sequences, wav = model.generate(
@@ -140,3 +147,18 @@ def audio_messages() -> list[dict[str, Any]]:
             ],
         }
     ]
+
+
+#: (messages, thinker max_tokens): prompts and answers of different lengths
+CHATS: list[tuple[list[dict[str, Any]], int]] = [
+    ([{"role": "user", "content": "hello, who are you?"}], 6),
+    (audio_messages(), 10),
+    (
+        [
+            {"role": "system", "content": "you are a helpful robot that tells long stories"},
+            {"role": "user", "content": "tell me a story about the quick brown fox"},
+        ],
+        14,
+    ),
+    ([{"role": "user", "content": "count to ten"}], 3),
+]

@@ -20,6 +20,7 @@ from omni_mesh.engines.hf.qwen3_omni_processors import thinker_to_talker
 from tests.engines.helpers import make_engine
 from tests.engines.hf import omni_reference
 from tests.engines.hf.batching import Forwards, alone, codes, drive
+from tests.engines.hf.omni_reference import CHATS
 
 pytestmark = [
     pytest.mark.unit,
@@ -28,19 +29,6 @@ pytestmark = [
 ]
 
 FRAMES = 24  # talker max_frames: 23 frames of codes per request
-#: (messages, thinker max_tokens): prompts and answers of different lengths
-CHATS: list[tuple[list[dict[str, Any]], int]] = [
-    ([{"role": "user", "content": "hello, who are you?"}], 6),
-    (omni_reference.audio_messages(), 10),
-    (
-        [
-            {"role": "system", "content": "you are a helpful robot that tells long stories"},
-            {"role": "user", "content": "tell me a story about the quick brown fox"},
-        ],
-        14,
-    ),
-    ([{"role": "user", "content": "count to ten"}], 3),
-]
 
 
 class Engines:

@@ -25,28 +25,15 @@ import torch
 
 from omni_mesh.data_plane.messages import SamplingParams
 from omni_mesh.engines.base import EngineRequest, EngineResult, StageData, StageEngine
-from omni_mesh.engines.hf.qwen3_omni_inputs import conversation, thinker_prompt
 from tests.engines.helpers import make_engine
 from tests.engines.hf import omni_reference
 from tests.engines.hf.batching import Forwards, drive
+from tests.engines.hf.omni_reference import CHATS
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
 
 ATOL = 1e-6  # batched vs alone, thinker_embed and thinker_hidden (module docstring)
 ARRAYS = ("thinker_embed", "thinker_hidden")
-#: (messages, max_tokens): prompts and answers of different lengths
-CHATS: list[tuple[list[dict[str, Any]], int]] = [
-    ([{"role": "user", "content": "hello, who are you?"}], 6),
-    (omni_reference.audio_messages(), 10),
-    (
-        [
-            {"role": "system", "content": "you are a helpful robot that tells long stories"},
-            {"role": "user", "content": "tell me a story about the quick brown fox"},
-        ],
-        14,
-    ),
-    ([{"role": "user", "content": "count to ten"}], 3),
-]
 SAMPLED = SamplingParams(temperature=1.3)
 
 
@@ -100,15 +87,7 @@ def assert_same(got: EngineResult, want: EngineResult) -> None:
 def generate(model: Any, messages: list[dict[str, Any]], seed: int, max_tokens: int) -> Any:
     """transformers' ``thinker.generate`` after ``torch.manual_seed(seed)``, sampled as
     :data:`SAMPLED` asks (its sequences and hidden states)."""
-    prompt = thinker_prompt(
-        model.tokenizer, model.features, conversation("ref", json.dumps(messages), None, 16000)
-    )
-    extra: dict[str, Any] = {}
-    if prompt.input_features is not None:
-        extra = {
-            "input_features": prompt.input_features,
-            "feature_attention_mask": prompt.feature_attention_mask,
-        }
+    prompt, extra = omni_reference.reference_prompt(model, messages)
     torch.manual_seed(seed)
     with torch.inference_mode():
         return model.thinker.generate(
