@@ -1,5 +1,4 @@
-"""Where a torch engine runs: its stage's device, checked once, and the seeded RNG of a request
-on that device.
+"""Where a torch engine runs: its stage's device (checked once) and dtype.
 
 A stage that lists ``devices`` runs its engine on CUDA: the sidecar gives the engine process
 only its replica's slice (``CUDA_VISIBLE_DEVICES``), so the engine's first device is
@@ -9,9 +8,6 @@ back to the CPU.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 
@@ -42,13 +38,3 @@ def torch_dtype(ctx: EngineContext) -> torch.dtype | str:
         "float32": torch.float32,
     }
     return names.get(ctx.config.dtype or "auto", "auto")
-
-
-@contextmanager
-def seeded_rng(seed: int, device: torch.device | None = None) -> Iterator[None]:
-    """Torch's RNG seeded with ``seed`` inside (the CPU's, and ``device``'s when it is a CUDA
-    device: sampling there draws from it), the caller's states restored after."""
-    cuda = [device] if device is not None and device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda, device_type="cuda"):
-        torch.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
-        yield

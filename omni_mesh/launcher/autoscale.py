@@ -347,9 +347,14 @@ class StageActuator:
 
 def _free_slot(pool: StagePool) -> int:
     """The replica slot (slice of the stage's devices) for a new replica of the pool: the
-    lowest of its slots that no running replica holds (a retired one holds its slot until it
-    has exited); when every slot is held, the least held one."""
-    pool.slots = [(child, slot) for child, slot in pool.slots if child.returncode is None]
+    lowest of its slots that no replica holds (a retired one holds its slot until it has
+    exited; one that crashed keeps it: the supervisor restarts it in the same slot); when
+    every slot is held, the least held one."""
+    pool.slots = [
+        (child, slot)
+        for child, slot in pool.slots
+        if child.retiring_since is None or child.returncode is None
+    ]
     held = [0] * (pool.policy.max_replicas + pool.policy.standby_replicas)
     for _, slot in pool.slots:
         if 0 <= slot - pool.first_slot < len(held):

@@ -16,6 +16,7 @@ import pytest
 from omni_mesh.configs.autoscale import AutoscaleConfig
 from omni_mesh.launcher import autoscale
 from omni_mesh.sidecar import cli_stage
+from omni_mesh.sidecar.engine_link.client import EngineStartError, visible_devices
 from tests.procs import ManagedProcess, clean_env, free_port
 from tests.sidecar.topology import engine_pid
 
@@ -61,22 +62,23 @@ def test_each_replica_engine_sees_only_its_slice_of_the_stage_devices(tmp_path: 
         assert up.interrupt(timeout=60) == 0
 
 
-def _child(returncode: int | None) -> Any:
-    return SimpleNamespace(returncode=returncode, retiring_since=None)
+def _child(returncode: int | None, *, retired: bool = False) -> Any:
+    return SimpleNamespace(returncode=returncode, retiring_since=1.0 if retired else None)
 
 
 @pytest.mark.unit
-def test_a_new_replica_takes_a_slot_no_running_replica_holds() -> None:
+def test_a_new_replica_takes_a_slot_no_replica_holds() -> None:
     policy = AutoscaleConfig(min_replicas=1, max_replicas=3, standby_replicas=1)
     pool = autoscale.StagePool(1, policy)
-    first, second, exited = _child(None), _child(None), _child(0)
-    pool.slots = [(first, 0), (exited, 1), (second, 2)]
-    assert autoscale._free_slot(pool) == 1  # the exited replica's slot is free again
-    pool.slots.append((_child(None), 1))
-    assert autoscale._free_slot(pool) == 3  # the standby's slot
-    pool.slots.append((_child(None), 3))
-    assert autoscale._free_slot(pool) == 0  # all held (one retiring): the least held
-    assert [slot for _, slot in pool.slots] == [0, 2, 1, 3]  # exited ones forgotten
+    first, second, gone = _child(None), _child(None), _child(0, retired=True)
+    pool.slots = [(first, 0), (gone, 1), (second, 2)]
+    assert autoscale._free_slot(pool) == 1  # a retired replica that exited frees its slot
+    crashed = _child(-9)  # waits for the supervisor to restart it, in the same slot
+    pool.slots.append((crashed, 1))
+    assert autoscale._free_slot(pool) == 3  # the standby's slot, not the crashed one's
+    pool.slots.append((_child(None, retired=True), 3))  # retired, still draining
+    assert autoscale._free_slot(pool) == 0  # every slot held: the least held
+    assert [slot for _, slot in pool.slots] == [0, 2, 1, 3]  # exited retirees forgotten
 
 
 @pytest.mark.integration
@@ -100,3 +102,15 @@ def test_a_replica_index_past_the_stage_slots_exits_2(capsys: pytest.CaptureFixt
                         "--stage-overrides", overrides, "--replica-index", "2"])  # fmt: skip
     assert exit_.value.code == 2
     assert "no replica slot 2 (it has 2: 0 to 1)" in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_devices_count_within_an_inherited_mask() -> None:
+    """Under a scheduler's allocation (CUDA_VISIBLE_DEVICES set for the pod) a stage's
+    devices are indices within it; without one, the machine's own."""
+    assert visible_devices(1, (1, 2), None) == "1,2"
+    assert visible_devices(1, (1,), "4,5") == "5"
+    assert visible_devices(1, (0, 1), "GPU-a, GPU-b") == "GPU-a,GPU-b"
+    with pytest.raises(EngineStartError, match=r"\[2\] is past it") as info:
+        visible_devices(1, (1, 2), "4,5")
+    assert info.value.config_error

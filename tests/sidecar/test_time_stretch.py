@@ -119,3 +119,8 @@ def _sized(stream: bytes) -> bytes:
         + n.to_bytes(4, "little")
         + stream[44:]
     )
+
+
+def test_the_start_is_not_faded_in() -> None:
+    y = stretched(np.full(RATE // 2, 0.5, np.float32), 1.5)
+    assert np.allclose(y[: len(y) // 2], 0.5, atol=1e-5)

@@ -1,4 +1,4 @@
-"""What the transformers engines share: the model folder, loading one part of it, seeded RNG.
+"""What the transformers engines share: the model folder, loading one part of it.
 
 A stage of a real-architecture pipeline loads only its own submodule of one Hugging Face folder
 (``engine_extras.model``: a tiny registered name or a folder path, see ``folders.py``): the
@@ -6,10 +6,9 @@ thinker stage reads the ``thinker.*`` tensors of the checkpoint, the talker ``ta
 on, through transformers' own loader (``from_pretrained`` with a ``key_mapping`` that strips the
 prefix; the tensors of the other parts are skipped unread).
 
-transformers samples with the process-wide torch RNG. :func:`seeded_rng` gives one request its
-own RNG stream, ``torch.manual_seed(seed)`` as a user of the monolithic model would call before
-``generate``, and puts the process's state back afterwards, so a request's samples depend on its
-seed alone, whatever else runs in the process.
+A part is placed on the stage's device in its dtype (``engines/devices.py``). Each request
+samples with a generator of its own (``row_sampling.row_generator``), seeded as
+``torch.manual_seed(seed)`` seeds the process's, so its samples depend on its seed alone.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 
 from omni_mesh.engines.base import EngineConfigError, EngineContext
-from omni_mesh.engines.devices import seeded_rng, torch_device, torch_dtype
+from omni_mesh.engines.devices import torch_device, torch_dtype
 from omni_mesh.engines.hf.folders import ModelFolderError, resolve_folder
 
 logger = logging.getLogger(__name__)
@@ -45,9 +44,6 @@ def model_folder(ctx: EngineContext, default: str) -> Path:
         return resolve_folder(model)
     except ModelFolderError as exc:
         raise EngineConfigError(f"stage {ctx.stage.name!r} ({ctx.pipeline.name}): {exc}") from None
-
-
-__all__ = ["load_part", "model_folder", "parameter_count", "seeded_rng"]
 
 
 def load_part(

@@ -160,7 +160,7 @@ class Qwen3OmniThinkerEngine(FrameEngine[ThinkerInput]):
     ) -> EngineResult | None:
         """The text of ``frames[sent:]`` (its tokens) for the client alone, or None while it
         is no new text; the last: the whole output, its final text what was not sent yet."""
-        before = self._stable_text(row.tokens[:sent])
+        before = row.sent_text  # the text of tokens[:sent], as the last delta left it
         if last:
             result = self._result(request, row)
             assert result.final is not None
@@ -173,6 +173,7 @@ class Qwen3OmniThinkerEngine(FrameEngine[ThinkerInput]):
         if len(text) <= len(before):
             return None
         delta = StageData(fields={"text": text[len(before) :]})
+        row.sent_text = text
         return EngineResult(request.request_id, final=delta, last=False, forward=False)
 
     def _stable_text(self, tokens: list[int]) -> str:

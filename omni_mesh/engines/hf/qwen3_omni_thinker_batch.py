@@ -52,6 +52,7 @@ class ThinkerRow(Row):
     max_tokens: int = 1
     voice: str = ""  # handed on to the talker
     tokens: list[int] = field(default_factory=list)  # generated so far, the newest last
+    sent_text: str = ""  # the text streamed to the client so far
     embeds: list[Tensor] = field(default_factory=list)  # [L, D] per forward: hidden_states[0]
     hidden: list[Tensor] = field(default_factory=list)  # [L, D]: the accept layer's
     position: Tensor | None = None  # [4, 1, 1]: the newest forward's last position ids
@@ -118,8 +119,9 @@ class ThinkerBatch(FrameBatch[ThinkerRow]):
         self, row: ThinkerRow, token: int, states: tuple[Tensor, ...], index: int, position: Tensor
     ) -> None:
         """Row ``index`` of a forward's outputs into ``row``, with its new ``token``."""
-        row.embeds.append(states[0][index])
-        row.hidden.append(states[self.accept_layer][index])
+        # copies: a view of row ``index`` would keep the whole batch's tensor alive
+        row.embeds.append(states[0][index].clone())
+        row.hidden.append(states[self.accept_layer][index].clone())
         row.position = position
         row.tokens.append(token)
         row.frames.append(np.array([token], dtype=np.int64))

@@ -31,8 +31,7 @@ class Sampling:
 
 
 def row_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """A request's own RNG: the state ``torch.manual_seed(seed)`` gives the process RNG (as
-    ``common.seeded_rng`` seeds it)."""
+    """A request's own RNG: the state ``torch.manual_seed(seed)`` gives the process RNG."""
     generator = torch.Generator(device=device)
     generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
     return generator

@@ -142,6 +142,8 @@ async def respond(
             raise from_stage_error(error)
         outputs = await joined_off_loop(assembler)
         if not out.started and not sink.always_stream:
+            if sink.encodes:  # re-encoding a whole answer (a stretched speech) is compute
+                return await asyncio.to_thread(sink.unary, outputs)
             return sink.unary(outputs)
         await out.write(sink.tail(outputs))
         return await out.finish()
@@ -264,7 +266,8 @@ class SpeechEvents:
     def piece(self, chunk: OutputChunk) -> bytes:
         if chunk.stage_id != self.audio_stage or chunk.output.array is None:
             return b""
-        return _delta(self.pace.stream(chunk.output.array, chunk.sample_rate))
+        samples = self.pace.stream(chunk.output.array, chunk.sample_rate)
+        return _delta(samples) if len(samples) else b""  # the stretcher may hold it all yet
 
     def unary(self, outputs: list[FinalOutput]) -> web.StreamResponse:
         raise AssertionError("an event stream is always streamed")

@@ -33,6 +33,8 @@ class TimeStretcher:
         self.frame = 2 * self.hop
         self.tolerance = self.hop // 2
         self._window = np.hanning(self.frame + 1)[:-1].astype(np.float32)  # periodic
+        # the first frame has no frame before it to overlap: its first half is kept whole
+        self._first = np.concatenate([np.ones(self.hop, np.float32), self._window[self.hop :]])
         self._input = np.zeros(0, np.float32)
         self._base = 0  # input index of self._input[0]
         self._pushed = 0  # input samples received
@@ -86,7 +88,7 @@ class TimeStretcher:
             elif max(self._prev + self.hop, nominal + self.tolerance) + self.frame > end:
                 break  # it may read samples that have not come yet
             start = nominal if k == 0 else self._best(nominal)
-            frame = self._read(start) * self._window
+            frame = self._read(start) * (self._first if k == 0 else self._window)
             done = self._tail + frame[: self.hop]
             self._tail = frame[self.hop :].copy()
             pieces.append(done)

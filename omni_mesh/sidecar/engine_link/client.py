@@ -72,6 +72,25 @@ class EngineStartError(RuntimeError):
         self.config_error = config_error
 
 
+def visible_devices(stage_id: int, devices: tuple[int, ...], inherited: str | None) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for an engine on ``devices``: the stage's device indices count
+    within what this pod may see, so under an inherited mask (a batch scheduler's allocation,
+    ``CUDA_VISIBLE_DEVICES=4,5``) they are mapped through it (device 1 is its second entry);
+    without one they are the machine's own."""
+    if not inherited:
+        return ",".join(str(d) for d in devices)
+    visible = [v.strip() for v in inherited.split(",") if v.strip()]
+    past = [d for d in devices if d >= len(visible)]
+    if past:
+        raise EngineStartError(
+            f"stage {stage_id}: devices {list(devices)} are indices within this pod's "
+            f"{VISIBLE_DEVICES_ENV}={inherited!r} ({len(visible)} device(s)): "
+            f"{past} is past it",
+            config_error=True,
+        )
+    return ",".join(visible[d] for d in devices)
+
+
 class _Mailbox:
     """One work's outputs in arrival order, for its one reader (an ``asyncio.Queue`` does the
     same with far more machinery, built on every hop)."""
@@ -180,17 +199,20 @@ class EngineClient:
             self.log_level,
             *(["--async-chunk"] if self.async_chunk else []),
         ]
+        env = dict(os.environ)
+        if self.devices is not None:  # its slice of the stage's devices, seen as cuda:0, …
+            env[VISIBLE_DEVICES_ENV] = visible_devices(
+                self.stage_id, self.devices, os.environ.get(VISIBLE_DEVICES_ENV)
+            )
         self.engine_tmp = tempfile.mkdtemp(prefix=f"omni-engine-s{self.stage_id}-")
         tmp = {"TMPDIR": self.engine_tmp, "TMP": self.engine_tmp, "TEMP": self.engine_tmp}
         tmp[ENGINE_TMP_ENV] = self.engine_tmp  # the engine removes it too (a killed sidecar)
-        if self.devices is not None:  # its slice of the stage's devices, seen as cuda:0, …
-            tmp[VISIBLE_DEVICES_ENV] = ",".join(str(d) for d in self.devices)
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *argv,
                 pass_fds=(child_sock.fileno(),),
                 preexec_fn=die_with_parent(signal.SIGTERM),
-                env={**os.environ, **tmp},
+                env={**env, **tmp},
             )
         except BaseException:
             self._remove_tmp()

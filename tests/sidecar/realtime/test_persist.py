@@ -146,3 +146,47 @@ async def test_a_claimed_session_writes_only_what_changed(
     await q.close()
     assert puts == [[new.id]]  # the loaded item is not written again
     assert await stored_ids(store, first.id) == [old.id, new.id]
+
+
+async def test_a_malformed_stored_item_is_deleted_not_a_refused_write(
+    store: ControlPlaneSessionStore,
+) -> None:
+    """An item the claim cannot read is left out of the conversation; the store still holds
+    it, so the next order deletes it (an order without it alone would be refused)."""
+    first = a_session()
+    p = persister(store, first)
+    good = text_item("user", "hello")
+    first.conversation.add(good)
+    p.changed(items=[good.id], deleted=[])
+    await p.close()
+    claimed = await store.claim(first.id, "api-1")
+    assert claimed is not None
+    await store.patch(
+        first.id,
+        claimed.epoch,
+        config=None,
+        put_items={"item_bad": {"role": 7}},
+        delete_items=[],
+        order=[good.id, "item_bad"],
+    )
+    again = await store.claim(first.id, "api-1")
+    assert again is not None and again.conversation.ids() == [good.id]
+    assert again.item_ids == [good.id, "item_bad"]
+    resumed = a_session(again.conversation)
+    resumed.id = first.id
+    fenced: list[bool] = []
+    q = SessionPersister(
+        store,
+        resumed,
+        "api-1",
+        epoch=again.epoch,
+        ttl_s=60.0,
+        on_fenced=lambda: fenced.append(True),
+    )
+    q.start(create=False, stored_ids=again.item_ids)
+    new = text_item("assistant", "hi")
+    resumed.conversation.add(new)
+    q.changed(items=[], deleted=[])
+    await q.close()
+    assert not q.fenced and q.failures == 0 and not fenced
+    assert await stored_ids(store, first.id) == [good.id, new.id]

@@ -27,7 +27,7 @@ class ControlPlaneSessionStore:
             state = await self.sessions.claim(session_id, owner)
         except SessionNotFound:
             return None
-        items = [i.item for i in state.items]
+        items = [(i.id, i.item) for i in state.items]
         return stored_session(session_id, state.pipeline, state.epoch, state.config, items)
 
     async def holder(self, session_id: str) -> str | None:

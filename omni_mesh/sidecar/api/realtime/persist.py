@@ -50,6 +50,7 @@ class StoredSession:
     epoch: int
     config: SessionConfig
     conversation: Conversation
+    item_ids: list[str]  # every item the store holds, malformed ones (left out above) too
 
 
 class SessionStore(Protocol):
@@ -91,16 +92,19 @@ def item_from_builtins(raw: Any) -> Item:
 
 
 def stored_session(
-    session_id: str, pipeline: str, epoch: int, config: Any, items: list[Any]
+    session_id: str, pipeline: str, epoch: int, config: Any, items: list[tuple[str, Any]]
 ) -> StoredSession:
-    """A claimed session from the store's JSON (a malformed item is dropped, logged)."""
+    """A claimed session from the store's (item id, JSON) pairs (a malformed item is dropped
+    from the conversation, logged; the next write deletes it from the store too)."""
     kept: list[Item] = []
-    for raw in items:
+    for _, raw in items:
         try:
             kept.append(item_from_builtins(raw))
         except msgspec.ValidationError as exc:
             logger.warning("session %s: stored item dropped: %s", session_id, exc)
-    return StoredSession(session_id, pipeline, epoch, from_builtins(config), Conversation(kept))
+    conversation = Conversation(kept)
+    ids = [item_id for item_id, _ in items]
+    return StoredSession(session_id, pipeline, epoch, from_builtins(config), conversation, ids)
 
 
 class SessionPersister:
@@ -138,10 +142,13 @@ class SessionPersister:
         self._create = False
         self._task: asyncio.Task[None] | None = None
 
-    def start(self, *, create: bool) -> None:
+    def start(self, *, create: bool, stored_ids: list[str] | None = None) -> None:
+        """Begin mirroring: ``create`` a new stored session, else one claimed with the items
+        ``stored_ids`` (default: the conversation's)."""
         self._create = create
-        if not create:  # claimed: the store holds the conversation as it was loaded
-            self._stored = set(self.session.conversation.ids())
+        if not create:  # claimed: what the store holds, as the claim listed it
+            ids = self.session.conversation.ids() if stored_ids is None else stored_ids
+            self._stored = set(ids)
         if create:
             self._wake.set()
         self._task = asyncio.create_task(self._run(), name=f"realtime-persist-{self.session.id}")

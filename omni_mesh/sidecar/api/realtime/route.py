@@ -211,7 +211,9 @@ async def realtime(request: web.Request) -> web.StreamResponse:
             on_fenced=lambda: _fenced(sender),
         )
         hub.persisters[session.id] = persister
-        persister.start(create=stored is None)
+        persister.start(
+            create=stored is None, stored_ids=stored.item_ids if stored is not None else None
+        )
     hub.sessions.add(session)
     try:
         session.start(resumed=stored is not None)
