@@ -104,16 +104,13 @@ class UpConfig:
     # Split stages whose prefill pool follows its own desired count (``prefill.autoscale:``).
     prefill_autoscale: Mapping[int, AutoscaleConfig] = field(default_factory=dict)
 
-    def pool_slots(self, stage_id: int, count: int) -> int:
-        """Replica slots of the stage's (decode) pool of ``count`` replicas: an autoscaled
-        pool's largest size and its standbys (a split stage's prefill slots follow them)."""
-        policy = self.autoscale.get(stage_id)
-        return count if policy is None else policy.max_replicas + policy.standby_replicas
-
     def prefill_first_slot(self, stage_id: int) -> int:
-        """The first replica slot of the stage's prefill pool: after its decode pool's."""
-        count = self.replicas[sorted(self.pipeline.stage_ids).index(stage_id)]
-        return self.pool_slots(stage_id, count)
+        """The first replica slot of the stage's prefill pool: after its decode pool's (its
+        replicas, or an autoscaled pool's largest size and its standbys)."""
+        policy = self.autoscale.get(stage_id)
+        if policy is not None:
+            return policy.max_replicas + policy.standby_replicas
+        return self.replicas[sorted(self.pipeline.stage_ids).index(stage_id)]
 
     @property
     def autoscaled(self) -> bool:
