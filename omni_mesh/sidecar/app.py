@@ -43,6 +43,7 @@ from omni_mesh.sidecar.admission.early_shed import SHEDDABLE_ROUTES, EarlyShed
 from omni_mesh.sidecar.api import hop_route as routes_hop
 from omni_mesh.sidecar.api import routes as routes_api
 from omni_mesh.sidecar.api import run as routes_run
+from omni_mesh.sidecar.api.hop_server import HopSite
 from omni_mesh.sidecar.api.realtime.cp_store import ControlPlaneSessionStore
 from omni_mesh.sidecar.api.realtime.route import REALTIME
 from omni_mesh.sidecar.appkeys import POD
@@ -52,6 +53,7 @@ from omni_mesh.sidecar.hop.budget import HopStats
 from omni_mesh.sidecar.hop.client import HOP_TOKEN_HEADER, HopClient
 from omni_mesh.sidecar.hop.http import HopHttpClient
 from omni_mesh.sidecar.hop.liveness import HopLiveness, LivenessConfig
+from omni_mesh.sidecar.hop.prefill_tokens import PREFILL_TOKENS_QUEUED
 from omni_mesh.sidecar.hop.router import Replica, Router
 from omni_mesh.sidecar.hop.waker import StageWaker
 from omni_mesh.sidecar.middleware import api_metrics_middleware, error_middleware
@@ -309,6 +311,8 @@ def _load(pod: Pod) -> LoadReport:
             engine["running"] = float(stats.engine.running)
             engine["waiting"] = float(stats.engine.waiting)
             engine["kv_cache_usage"] = stats.engine.kv_cache_usage
+            if pod.stage_config.prefill is not None:  # a split stage: for the prefill picks
+                engine[PREFILL_TOKENS_QUEUED] = float(stats.engine.prefill_tokens_queued)
     queued = pod.gate.queued if pod.gate is not None else 0
     return LoadReport(
         in_flight=pod.in_flight + queued,  # waiters in the admission queue are load too
@@ -354,8 +358,9 @@ async def serve(pod: Pod) -> int:
     try:
         if not await _until_stopped(pod, runner.setup()):
             return pod.exit_code or 0
-        site = web.TCPSite(
+        site = HopSite(
             runner,
+            pod,
             pod.settings.host,
             pod.settings.port,
             reuse_address=True,

@@ -33,33 +33,43 @@ ShedCheck = Callable[[web.Request, str], web.Response | None]
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
-    except ApiError as err:
-        return error_response(err)
-    except msgspec.ValidationError as exc:
-        return error_response(ApiError(400, f"invalid body: {exc}"))
-    except msgspec.DecodeError as exc:
-        return error_response(ApiError(400, f"undecodable body: {exc}"))
-    except HopUnavailable as exc:
-        return error_response(hop_unavailable_error(exc))
-    except EngineDeadError as exc:
-        return error_response(ApiError(503, str(exc), type_="unavailable"))
-    except EngineBusyError as exc:
-        return error_response(
-            ApiError(429, str(exc), type_="rate_limit", headers={"Retry-After": "1"})
-        )
-    except web.HTTPException as exc:
-        if exc.status >= 400:
-            return error_response(ApiError(exc.status, exc.text or exc.reason))
-        raise
-    except (RequestPayloadError, HttpProcessingError) as exc:
-        # A body that cannot be read: bad compression, a truncated chunked body, …
-        return error_response(ApiError(400, f"unreadable request body: {exc}", param="body"))
     except asyncio.CancelledError:
         raise
-    except Exception:
-        # A bug: logged with its traceback, answered in the same JSON shape.
-        logger.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(ApiError(500, "internal error (logged)", type_="internal_error"))
+    except Exception as exc:
+        if isinstance(exc, web.HTTPException) and exc.status < 400:
+            raise  # a redirect or another non-error answer
+        err = api_error_for(exc)
+        if err is None:  # a bug: logged with its traceback, answered in the same JSON shape
+            logger.exception("unhandled error on %s %s", request.method, request.path)
+            err = internal_error()
+        return error_response(err)
+
+
+def api_error_for(exc: Exception) -> ApiError | None:
+    """The error answer for ``exc`` raised by a handler; None for a bug (its caller logs
+    the traceback and answers :func:`internal_error`)."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, msgspec.ValidationError):
+        return ApiError(400, f"invalid body: {exc}")
+    if isinstance(exc, msgspec.DecodeError):
+        return ApiError(400, f"undecodable body: {exc}")
+    if isinstance(exc, HopUnavailable):
+        return hop_unavailable_error(exc)
+    if isinstance(exc, EngineDeadError):
+        return ApiError(503, str(exc), type_="unavailable")
+    if isinstance(exc, EngineBusyError):
+        return ApiError(429, str(exc), type_="rate_limit", headers={"Retry-After": "1"})
+    if isinstance(exc, web.HTTPException):
+        return ApiError(exc.status, exc.text or exc.reason)
+    if isinstance(exc, RequestPayloadError | HttpProcessingError):
+        # A body that cannot be read: bad compression, a truncated chunked body, …
+        return ApiError(400, f"unreadable request body: {exc}", param="body")
+    return None
+
+
+def internal_error() -> ApiError:
+    return ApiError(500, "internal error (logged)", type_="internal_error")
 
 
 _API_ROUTES = frozenset(
