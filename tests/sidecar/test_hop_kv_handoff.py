@@ -3,14 +3,17 @@ receivers that play a prefill and a decode replica: the input goes to the prefil
 (``kv_transfer`` a prefill request), its answer's KV params go with the input to a decode
 replica, and nothing else reaches the prefill pool. When no prefill replica can (none left,
 failed, a bad answer) the decode replica gets the input with no params: it prefills for
-itself. Each outcome is counted in the hop's stats; an unsplit pool sees none of this."""
+itself. Each outcome is counted in the hop's stats; an unsplit pool sees none of this. The
+router counts a prefill's prompt tokens on its replica until it answers, fails or is given up."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from collections.abc import AsyncIterator, Iterable
 
+import numpy as np
 import pytest
 from aiohttp import web
 
@@ -20,6 +23,7 @@ from omni_mesh.data_plane.constants import MSGPACK
 from omni_mesh.data_plane.kv_transfer import PREFILL_REQUEST, KvTransferError, decode_params
 from omni_mesh.data_plane.messages import HopResult, Payload, StageError, StageInput
 from omni_mesh.data_plane.shm import ShmReader
+from omni_mesh.data_plane.tensors import tensor_from_array
 from omni_mesh.sidecar.hop.budget import HopStats
 from omni_mesh.sidecar.hop.client import HopClient
 from omni_mesh.sidecar.hop.http import HopHttpClient
@@ -43,6 +47,8 @@ class Receiver:
         self.attempts: list[int] = []
         self.answer_status = 200
         self.bad_answer = False
+        self.arrived = asyncio.Event()  # a hop reached it
+        self.hold: asyncio.Event | None = None  # set: answers once it is set
         self.runner: web.AppRunner | None = None
         self.port = 0
 
@@ -54,6 +60,9 @@ class Receiver:
         si = codec.decode(await request.read(), StageInput)
         self.got.append(si.kv_transfer)
         self.attempts.append(si.attempt)
+        self.arrived.set()
+        if self.hold is not None:
+            await self.hold.wait()
         if self.answer_status != 200:
             return web.Response(status=self.answer_status, text="engine died")
         if si.kv_transfer == PREFILL_REQUEST:
@@ -96,10 +105,16 @@ async def start(servers: list[Receiver], name: str, kv_role: str) -> Receiver:
     return r
 
 
-async def hop_once(pools: Pools, retries: int = 1) -> tuple[HopResult, HopStats]:
+async def hop_once(
+    pools: Pools,
+    retries: int = 1,
+    *,
+    router: Router | None = None,
+    payload: Payload | None = None,
+) -> tuple[HopResult, HopStats]:
     http, reader = HopHttpClient(), ShmReader()
     stats: list[HopStats] = []
-    router = Router(pools, host_id="host-a", rng=random.Random(1))
+    router = router or Router(pools, host_id="host-a", rng=random.Random(1))
     connector = HttpConnector()
     hop = HopClient(
         http,
@@ -116,7 +131,7 @@ async def hop_once(pools: Pools, retries: int = 1) -> tuple[HopResult, HopStats]
         from_stage=0,
         deadline_ms=int((time.time() + 10) * 1000),
         seed=1,
-        payload=Payload(fields={"prompt": "p"}),
+        payload=payload or Payload(fields={"prompt": "p"}),
     )
     try:
         result = await send(hop, si)
@@ -194,6 +209,60 @@ async def test_an_unsplit_pool_has_no_kv_handoff(servers: list[Receiver]) -> Non
     result, stats = await hop_once(Pools(a.replica()))
     assert result.outputs[2].fields == {"by": "a", "kv": ""}
     assert stats.kv_handoffs == [] and a.got == [""]
+
+
+TOKENS = Payload(tensors={"token_ids": tensor_from_array(np.arange(300, dtype=np.int64))})
+
+
+async def _prefill_held(
+    servers: list[Receiver],
+) -> tuple[Receiver, Router, asyncio.Task[tuple[HopResult, HopStats]]]:
+    """A hop whose prefill (of :data:`TOKENS`) waits on the prefill replica "p": the
+    replica, the hop's router, and the hop's task."""
+    p, d = await start(servers, "p", "prefill"), await start(servers, "d", "decode")
+    p.hold = asyncio.Event()
+    pools = Pools(p.replica(), d.replica())
+    router = Router(pools, host_id="host-a", rng=random.Random(1))
+    task = asyncio.create_task(hop_once(pools, router=router, payload=TOKENS))
+    await asyncio.wait_for(p.arrived.wait(), 5)
+    assert (router.prefill_tokens("p"), router.in_flight("p")) == (300, 1)
+    return p, router, task
+
+
+async def test_a_prefills_prompt_tokens_count_on_its_replica_until_it_answers(
+    servers: list[Receiver],
+) -> None:
+    p, router, task = await _prefill_held(servers)
+    assert p.hold is not None
+    p.hold.set()
+    result, stats = await asyncio.wait_for(task, 5)
+    assert result.error is None and stats.kv_handoffs == ["remote"]
+    assert (router.prefill_tokens("p"), router.in_flight("p")) == (0, 0)
+    assert router.prefill_tokens("d") == 0  # the decode carries no prefill tokens
+
+
+async def test_a_failed_prefill_takes_its_tokens_off_its_replica(
+    servers: list[Receiver],
+) -> None:
+    p, router, task = await _prefill_held(servers)
+    assert p.hold is not None
+    p.answer_status = 503
+    p.hold.set()
+    result, stats = await asyncio.wait_for(task, 5)
+    assert result.error is None and stats.kv_handoffs == ["local"]
+    assert (router.prefill_tokens("p"), router.in_flight("p")) == (0, 0)
+
+
+async def test_a_cancelled_prefill_takes_its_tokens_off_its_replica(
+    servers: list[Receiver],
+) -> None:
+    p, router, task = await _prefill_held(servers)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert (router.prefill_tokens("p"), router.in_flight("p")) == (0, 0)
+    assert p.hold is not None
+    p.hold.set()  # the receiver's handler ends (its server's cleanup waits for it)
 
 
 def test_decode_params_refuse_what_is_not_a_prefill_answer() -> None:

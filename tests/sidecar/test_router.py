@@ -35,6 +35,8 @@ def replica(
     host: str = "host-b",
     capacity: int = 8,
     reported: int = 0,
+    kv_role: str = "",
+    reported_tokens: int = 0,
 ) -> Replica:
     return Replica(
         instance_id=name,
@@ -43,7 +45,13 @@ def replica(
         host_id=host,
         capacity=capacity,
         reported_in_flight=reported,
+        kv_role=kv_role,
+        reported_prefill_tokens=reported_tokens,
     )
+
+
+def prefill_replica(name: str, *, reported: int = 0, reported_tokens: int = 0) -> Replica:
+    return replica(name, kv_role="prefill", reported=reported, reported_tokens=reported_tokens)
 
 
 def make_router(*replicas: Replica, seed: int = 1, eject_s: float = 5.0) -> Router:
@@ -65,9 +73,18 @@ def picks(
     return out
 
 
-def load(router: Router, instance_id: str, n: int) -> None:
+def prefill_picks(router: Router, n: int = 300) -> Counter[str | None]:
+    """How often each replica of stage 1's prefill pool is picked in ``n`` picks."""
+    out: Counter[str | None] = Counter()
     for _ in range(n):
-        router.begin(instance_id)
+        r = router.pick(1, exclude=set(), prefer_same_host=False, prefill=True)
+        out[r.instance_id if r else None] += 1
+    return out
+
+
+def load(router: Router, instance_id: str, n: int, *, prefill_tokens: int = 0) -> None:
+    for _ in range(n):
+        router.begin(instance_id, prefill_tokens=prefill_tokens)
 
 
 # ---- power of two choices --------------------------------------------------------------------
@@ -233,3 +250,67 @@ def test_in_flight_accounting_steers_the_next_picks() -> None:
     for name in chosen:
         router.end(name)
     assert (router.in_flight("a"), router.in_flight("b")) == (0, 0)
+
+
+# ---- a split stage's prefill pool: prompt tokens queued --------------------------------------
+
+
+def test_a_prefill_goes_to_fewer_queued_tokens_not_fewer_requests() -> None:
+    router = make_router(prefill_replica("long"), prefill_replica("short"))
+    load(router, "long", 1, prefill_tokens=4000)  # one long prompt
+    load(router, "short", 3, prefill_tokens=100)  # three short ones: 300 tokens
+    assert prefill_picks(router) == {"short": 300}
+    # The decode pool's picks stay by requests: the same counts there pick the other way.
+    decode = make_router(replica("long"), replica("short"))
+    load(decode, "long", 1, prefill_tokens=4000)
+    load(decode, "short", 3, prefill_tokens=100)
+    assert picks(decode) == {"long": 300}
+
+
+def test_p2c_on_prefill_tokens_never_picks_the_most_queued_and_favours_the_least() -> None:
+    router = make_router(prefill_replica("idle"), prefill_replica("busy"), prefill_replica("max"))
+    load(router, "busy", 1, prefill_tokens=500)
+    load(router, "max", 1, prefill_tokens=5000)
+    counts = prefill_picks(router, 600)
+    assert counts["max"] == 0 and counts["idle"] > counts["busy"] > 0
+
+
+def test_the_reported_queue_counts_when_higher_than_our_own() -> None:
+    # Other senders queued 5000 tokens on "shared"; we sent 800 to "quiet".
+    router = make_router(prefill_replica("quiet"), prefill_replica("shared", reported_tokens=5000))
+    load(router, "quiet", 1, prefill_tokens=800)
+    assert prefill_picks(router, 50) == {"quiet": 50}
+    load(router, "shared", 2, prefill_tokens=100)  # ours (200) below its report: it counts
+    assert prefill_picks(router, 50) == {"quiet": 50}
+    # Our own count wins over a report that has not seen it yet (a heartbeat old).
+    stale = make_router(prefill_replica("a", reported_tokens=100), prefill_replica("b"))
+    load(stale, "a", 1, prefill_tokens=3000)
+    load(stale, "b", 1, prefill_tokens=1000)
+    assert prefill_picks(stale, 50) == {"b": 50}
+
+
+def test_equal_queued_tokens_are_broken_by_requests_in_flight() -> None:
+    router = make_router(prefill_replica("a", reported_tokens=700), prefill_replica("b"))
+    load(router, "b", 1, prefill_tokens=700)  # the same tokens queued on each …
+    load(router, "b", 1)  # … and one more request in flight on "b"
+    assert prefill_picks(router, 50) == {"a": 50}
+    reported = make_router(prefill_replica("a", reported=3), prefill_replica("b", reported=1))
+    assert prefill_picks(reported, 50) == {"b": 50}
+
+
+def test_prefill_tokens_begin_and_end_balance_per_replica() -> None:
+    router = make_router(prefill_replica("a"), prefill_replica("b"))
+    router.begin("a", prefill_tokens=300)
+    router.begin("a", prefill_tokens=50)
+    router.begin("b", prefill_tokens=7)
+    assert (router.prefill_tokens("a"), router.prefill_tokens("b")) == (350, 7)
+    assert (router.in_flight("a"), router.in_flight("b")) == (2, 1)
+    router.end("a", prefill_tokens=300)
+    assert (router.prefill_tokens("a"), router.in_flight("a")) == (50, 1)
+    router.end("a", prefill_tokens=50)
+    router.end("b", prefill_tokens=7)
+    assert [router.prefill_tokens(n) for n in ("a", "b")] == [0, 0]
+    router.end("b", prefill_tokens=7)  # an unmatched end never goes negative
+    assert router.prefill_tokens("b") == 0
+    router.begin("b")  # a request that is no prefill adds no tokens
+    assert (router.prefill_tokens("b"), router.in_flight("b")) == (0, 1)

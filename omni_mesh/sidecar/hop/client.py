@@ -38,6 +38,7 @@ from omni_mesh.sidecar.hop.answers import error_message, shed_retry_after_of, un
 from omni_mesh.sidecar.hop.budget import HopBudget, HopStats, HopUnavailable, now_ms
 from omni_mesh.sidecar.hop.http import FrameReader, HopConnectionError, HopHttpClient
 from omni_mesh.sidecar.hop.kv_handoff import KvHandoff
+from omni_mesh.sidecar.hop.prefill_tokens import prompt_tokens
 from omni_mesh.sidecar.hop.router import Replica, Router
 
 logger = logging.getLogger(__name__)
@@ -172,7 +173,8 @@ class HopClient:
 
         The prefill has a budget of its own (its failures spend none of the decode's
         retries) and at most half the time left before the deadline, so that a local prefill
-        still has time when the prefill pool does not answer."""
+        still has time when the prefill pool does not answer. The prefill replica is picked by
+        the prompt tokens queued on it (``hop/prefill_tokens.py``)."""
         stats = budget.stats
         if self.router.candidates(si.stage_id, set(), prefill=True):
             half_ms = now_ms() + max(0, si.deadline_ms - now_ms()) // 2
@@ -185,6 +187,7 @@ class HopClient:
                     content_type=MSGPACK,
                     budget=own,
                     prefill=True,
+                    prefill_tokens=prompt_tokens(si.payload),
                 )
             except HopUnavailable as exc:
                 if now_ms() >= si.deadline_ms:
@@ -256,6 +259,7 @@ class HopClient:
         prefer_same_host: bool = False,
         stream_type: str | None = None,
         prefill: bool = False,
+        prefill_tokens: int = 0,
     ) -> Answer:
         """POST to ``path`` on a replica of ``stage_id``. A replica failure (connection
         refused/reset, 502/503/504, a timeout before the deadline, an unreadable answer) is
@@ -266,7 +270,8 @@ class HopClient:
         ``budget`` is the hop's (a fresh one for ``deadline_ms`` when not given). An answer
         of ``stream_type`` comes back unread (:attr:`Answer.frames`), its replica still
         counted in flight: the caller reads the frames and calls ``router.end``. ``prefill``:
-        to a split stage's prefill pool, never waited for (see :meth:`_prefilled`)."""
+        to a split stage's prefill pool, never waited for (see :meth:`_prefilled`), its
+        ``prefill_tokens`` prompt tokens counted on each replica tried until it answers."""
         budget = budget or HopBudget(stage_id, deadline_ms, self.retries)
         busy: set[str] = set()
         sheds: dict[str, float] = {}  # replica → the Retry-After it gave
@@ -287,7 +292,7 @@ class HopClient:
                 continue
             body = body_for(replica, budget.attempt)
             answer = await self._attempt(
-                replica, path, body, content_type, budget, remaining_s, stream_type
+                replica, path, body, content_type, budget, remaining_s, stream_type, prefill_tokens
             )
             if answer is None:  # the replica failed (ejected): replay on another
                 budget.spend(
@@ -350,15 +355,17 @@ class HopClient:
         budget: HopBudget,
         remaining_s: float,
         stream_type: str | None = None,
+        prefill_tokens: int = 0,
     ) -> Answer | None:
-        """One try; ``None`` when the replica failed (see :meth:`_replica_failed`)."""
+        """One try; ``None`` when the replica failed (see :meth:`_replica_failed`). The
+        router counts the replica's request (and ``prefill_tokens``) until the answer."""
         stats = budget.stats
         stats.attempts += 1
         stats.bytes_sent += len(body)
         stats.tried.append(replica.instance_id)
         stats.replica = replica.instance_id
         headers = {"Content-Type": content_type, **self.auth_header}
-        self.router.begin(replica.instance_id)
+        self.router.begin(replica.instance_id, prefill_tokens=prefill_tokens)
         streaming = False
         try:
             # Downstream stages enforce the same deadline and answer when it passes; the grace
@@ -385,7 +392,7 @@ class HopClient:
             return None
         finally:
             if not streaming:
-                self.router.end(replica.instance_id)
+                self.router.end(replica.instance_id, prefill_tokens=prefill_tokens)
 
     def _replica_failed(
         self, replica: Replica, why: str, budget: HopBudget, exc: BaseException | None = None

@@ -3,7 +3,10 @@ edges, and immediate ejection of a replica whose connection failed.
 
 The router reads pools from the control plane's watch cache (which keeps serving the last known
 pools while the control plane is unreachable — invariant 5) and keeps its own view of what it
-has in flight to each replica, which is fresher than any heartbeat. An ``on_eject`` callback
+has in flight to each replica, which is fresher than any heartbeat. A split stage's prefill
+pool is weighed by prompt tokens instead: the prompt tokens of this sender's prefills not
+answered yet, or the replica's reported queue of prefill tokens when higher (it counts the
+other senders' too); requests in flight break a tie. An ``on_eject`` callback
 hears of each ejection (the sidecar reports connection-level ones to the control plane, which
 probes the replica and takes it out of every router's pools if it is dead).
 """
@@ -29,6 +32,8 @@ class Replica:
     capacity: int
     reported_in_flight: int = 0
     kv_role: str = ""  # a split stage's pool: "prefill" or "decode" ("" = unsplit)
+    # A prefill replica's prompt tokens not prefilled yet, as its last heartbeat said.
+    reported_prefill_tokens: int = 0
 
 
 class PoolView(Protocol):
@@ -59,6 +64,7 @@ class Router:
         self.on_eject = on_eject
         self._rng = rng or random.Random()
         self._in_flight: dict[str, int] = {}
+        self._prefill_tokens: dict[str, int] = {}  # prompt tokens of prefills not answered
         self._ejected: dict[str, float] = {}
         self._reported: set[str] = set()  # ejected for a connection-level failure, told so
 
@@ -84,6 +90,8 @@ class Router:
     def pick(
         self, stage_id: int, *, exclude: set[str], prefer_same_host: bool, prefill: bool = False
     ) -> Replica | None:
+        """The less loaded of two candidates drawn at random: by requests in flight per unit
+        of capacity, or (``prefill``: a split stage's prefill pool) by prompt tokens queued."""
         pool = self.candidates(stage_id, exclude, prefill=prefill)
         if prefer_same_host:
             local = [r for r in pool if r.host_id == self.host_id]
@@ -93,6 +101,8 @@ class Router:
         if len(pool) == 1:
             return pool[0]
         a, b = self._rng.sample(pool, 2)
+        if prefill:
+            return a if self._prefill_load(a) <= self._prefill_load(b) else b
         return a if self._load(a) <= self._load(b) else b
 
     def is_split(self, stage_id: int) -> bool:
@@ -106,15 +116,24 @@ class Router:
         mine = self._in_flight.get(r.instance_id, 0)
         return max(mine, r.reported_in_flight) / max(1, r.capacity)
 
-    def begin(self, instance_id: str) -> None:
-        self._in_flight[instance_id] = self._in_flight.get(instance_id, 0) + 1
+    def _prefill_load(self, r: Replica) -> tuple[int, float]:
+        # The prompt tokens queued there: ours (exact and fresh) or its report (a heartbeat
+        # old, every sender's), whichever is higher, as for requests; then requests in flight.
+        mine = self._prefill_tokens.get(r.instance_id, 0)
+        return max(mine, r.reported_prefill_tokens), self._load(r)
 
-    def end(self, instance_id: str) -> None:
-        n = self._in_flight.get(instance_id, 0) - 1
-        if n > 0:
-            self._in_flight[instance_id] = n
-        else:
-            self._in_flight.pop(instance_id, None)
+    def begin(self, instance_id: str, *, prefill_tokens: int = 0) -> None:
+        """A request goes to ``instance_id`` (a prefill of ``prefill_tokens`` prompt tokens)."""
+        _add(self._in_flight, instance_id, 1)
+        if prefill_tokens > 0:
+            _add(self._prefill_tokens, instance_id, prefill_tokens)
+
+    def end(self, instance_id: str, *, prefill_tokens: int = 0) -> None:
+        """The request :meth:`begin` counted was answered, failed or given up (the same
+        ``prefill_tokens``)."""
+        _add(self._in_flight, instance_id, -1)
+        if prefill_tokens > 0:
+            _add(self._prefill_tokens, instance_id, -prefill_tokens)
 
     def eject(self, instance_id: str, reason: str, *, connection_level: bool = False) -> None:
         """Take a replica out of this router's pools at once (a failed connection says more,
@@ -140,3 +159,16 @@ class Router:
 
     def in_flight(self, instance_id: str) -> int:
         return self._in_flight.get(instance_id, 0)
+
+    def prefill_tokens(self, instance_id: str) -> int:
+        """The prompt tokens of this router's prefills on ``instance_id`` not answered yet."""
+        return self._prefill_tokens.get(instance_id, 0)
+
+
+def _add(counts: dict[str, int], key: str, n: int) -> None:
+    """Add ``n`` to ``counts[key]``, never below zero (a count at zero is dropped)."""
+    total = counts.get(key, 0) + n
+    if total > 0:
+        counts[key] = total
+    else:
+        counts.pop(key, None)
