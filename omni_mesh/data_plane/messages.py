@@ -266,6 +266,9 @@ class EngineStats(Struct):
     kv_pulled_s: float = 0.0  # the pulls' transfer time
     kv_pull_failed: int = 0
     kv_expired: int = 0
+    # A split stage's prompt tokens not prefilled yet: the unfinished requests' prompts less
+    # what the engine computed of them (a prefill replica's queue, for the senders' routers).
+    prefill_tokens_queued: int = 0
 
 
 class Stats(Struct, tag="stats"):

@@ -64,6 +64,7 @@ from omni_mesh.engines.vllm.kv_split import (
     CPU_PROGRESS_DELAY_US,
     KvTransferCounts,
     pace_nixl_progress,
+    queued_prefill_tokens,
     with_kv_connector,
 )
 from omni_mesh.engines.vllm.stream import VllmStream, pass_fields
@@ -230,6 +231,7 @@ class VllmEngine(StageEngine):
         rate = self._tokens / max(1e-6, now - self._stats_t)
         self._tokens, self._stats_t = 0, now
         kv = self.kv_counts
+        split = self.ctx.config.prefill is not None
         return EngineStats(
             running=int(running),
             waiting=int(waiting),
@@ -240,6 +242,7 @@ class VllmEngine(StageEngine):
             kv_pulled_s=kv.pulled_s,
             kv_pull_failed=kv.failed,
             kv_expired=kv.expired,
+            prefill_tokens_queued=queued_prefill_tokens(scheduler) if split else 0,
         )
 
     # ---- requests ------------------------------------------------------------------------

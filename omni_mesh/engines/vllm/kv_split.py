@@ -99,6 +99,18 @@ class KvTransferCounts:
         self.expired += len(data.get("num_kv_expired_reqs", ()))
 
 
+def queued_prefill_tokens(scheduler: Any) -> int:
+    """The prompt tokens vLLM's ``scheduler`` holds and has not prefilled yet: each unfinished
+    request's prompt less what was computed of it (a prefix-cache hit counts as queued until
+    the request is scheduled). What a prefill replica reports, for the senders' routers to
+    weigh it by; the inputs its engine process holds before handing them to vLLM are not
+    counted."""
+    total = 0
+    for request in list(scheduler.requests.values()):
+        total += max(0, int(request.num_prompt_tokens) - int(request.num_computed_tokens))
+    return total
+
+
 #: The NIXL progress thread's pause between rounds on CPU machines, microseconds.
 CPU_PROGRESS_DELAY_US = 1000
 
