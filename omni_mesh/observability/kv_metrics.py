@@ -1,12 +1,12 @@
-"""A split stage's metrics (deploy ``prefill:``): the senders' KV hand-offs, and the KV
+"""A split stage's metrics (deploy ``prefill:``): the senders' KV hand-offs, the KV
 transfers an engine reports as totals in ``EngineStats``, turned into counter increments at
-scrape time (:meth:`KvMetrics.export_engine_totals`)."""
+scrape time, and the prompt tokens it has not prefilled yet (:meth:`KvMetrics.export_engine`)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 if TYPE_CHECKING:
     from omni_mesh.data_plane.messages import EngineStats
@@ -15,6 +15,7 @@ SC_KV_HANDOFFS = "omni_stage_kv_handoffs"
 SC_KV_TRANSFERS = "omni_stage_kv_transfers"
 SC_KV_TRANSFER_BYTES = "omni_stage_kv_transfer_bytes"
 SC_KV_TRANSFER_SECONDS = "omni_stage_kv_transfer_seconds"
+SC_PREFILL_TOKENS_QUEUED = "omni_stage_prefill_tokens_queued"
 #: ``EngineStats`` totals by the outcome they count (``omni_stage_kv_transfers_total``).
 _OUTCOMES = {"pulled": "kv_pulled", "failed": "kv_pull_failed", "expired": "kv_expired"}
 
@@ -51,11 +52,20 @@ class KvMetrics:
             ["pipeline", "stage"],
             registry=registry,
         )
+        self.prefill_tokens_queued = Gauge(
+            SC_PREFILL_TOKENS_QUEUED,
+            "Prompt tokens this replica's engine holds and has not prefilled yet (what it "
+            "reports in its heartbeats; the senders pick a prefill replica by it).",
+            ["pipeline", "stage"],
+            registry=registry,
+        )
         self._exported: dict[str, float] = {}  # the engine's totals at the last scrape
 
-    def export_engine_totals(self, labels: tuple[str, str], stats: EngineStats) -> None:
+    def export_engine(self, labels: tuple[str, str], stats: EngineStats) -> None:
         """Add what the engine's totals grew by since the last scrape (an engine that
-        restarted counts from zero again); every outcome is shown, 0 too."""
+        restarted counts from zero again; every outcome is shown, 0 too), and set its queued
+        prefill tokens."""
+        self.prefill_tokens_queued.labels(*labels).set(stats.prefill_tokens_queued)
         for outcome, field in _OUTCOMES.items():
             child = self.transfers.labels(*labels, outcome)
             if grown := self._grown(field, getattr(stats, field)):

@@ -328,7 +328,7 @@ async def metrics(request: web.Request) -> web.Response:
             pod.metrics.engine_kv_cache.labels(*labels).set(model.kv_cache_usage)
             pod.metrics.engine_tokens.labels(*labels).set(model.tokens_per_s)
             if pod.stage_config.prefill is not None:
-                pod.metrics.kv.export_engine_totals(labels, model)
+                pod.metrics.kv.export_engine(labels, model)
     body = generate_latest(pod.metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
