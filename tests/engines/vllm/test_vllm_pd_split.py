@@ -97,6 +97,10 @@ def test_the_split_stage_answers_as_the_unsplit_one_with_the_kv_pulled(
     assert handoffs(split, "remote") >= 7 and handoffs(split, "local") == 0
     assert kv_metric(split, "decode", "failed") == 0
     assert kv_metric(split, "prefill", "pulled") == 0  # the prefill engine only serves reads
+    # Each replica reports the prompt tokens its engine has not prefilled yet: none, idle.
+    queued = f'omni_stage_prefill_tokens_queued{{pipeline="{MODEL}",stage="0"}}'
+    urls = split.stage_urls["prefill"] + split.stage_urls["decode"]
+    wait_until(lambda: [split.metric(u, queued) for u in urls] == [0.0] * 3, 10, interval=0.2)
     cp = re.search(r"control plane\s+(http://\S+)", split.proc.stdout)
     assert cp is not None
     status = subprocess.run(
