@@ -53,7 +53,7 @@ from omni_mesh.sidecar.hop.budget import HopStats
 from omni_mesh.sidecar.hop.client import HOP_TOKEN_HEADER, HopClient
 from omni_mesh.sidecar.hop.http import HopHttpClient
 from omni_mesh.sidecar.hop.liveness import HopLiveness, LivenessConfig
-from omni_mesh.sidecar.hop.prefill_tokens import PREFILL_TOKENS_QUEUED
+from omni_mesh.sidecar.hop.prefill_tokens import PREFILL_TOKENS_QUEUED, reported_prefill_tokens
 from omni_mesh.sidecar.hop.router import Replica, Router
 from omni_mesh.sidecar.hop.waker import StageWaker
 from omni_mesh.sidecar.middleware import api_metrics_middleware, error_middleware
@@ -108,6 +108,7 @@ class WatchedPools:
                     capacity=i.capacity,
                     reported_in_flight=i.load.in_flight if i.load is not None else 0,
                     kv_role=i.labels.get(KV_ROLE_LABEL, ""),
+                    reported_prefill_tokens=reported_prefill_tokens(i.load),
                 )
                 for i in self.watcher.healthy(stage_id)
             )

@@ -10,6 +10,7 @@ import pytest
 
 from omni_mesh.control_plane.schema import InstanceInfo, InstanceState, LoadReport, PipelineSnapshot
 from omni_mesh.sidecar.app import WatchedPools
+from omni_mesh.sidecar.hop.prefill_tokens import PREFILL_TOKENS_QUEUED
 
 pytestmark = pytest.mark.unit
 
@@ -58,3 +59,16 @@ def test_replicas_are_built_once_per_snapshot_and_follow_a_new_one() -> None:
         ("a", 3, ""),
         ("p", 0, "prefill"),
     ]
+
+
+def test_a_prefill_replicas_reported_queued_tokens_reach_its_replica() -> None:
+    watcher = FakeWatcher()
+    pools = WatchedPools(watcher)  # type: ignore[arg-type]
+    queued = info("p", kv_role="prefill").model_copy(
+        update={"load": LoadReport(in_flight=1, engine={PREFILL_TOKENS_QUEUED: 4096.0})}
+    )
+    watcher.snapshot = PipelineSnapshot(
+        pipeline="tiny-llm", version=1, stages={0: (queued, info("d", kv_role="decode"))}
+    )
+    got = [(r.instance_id, r.reported_prefill_tokens) for r in pools.replicas(0)]
+    assert got == [("p", 4096), ("d", 0)]  # an older peer's load has no such figure: 0
