@@ -106,6 +106,11 @@ class BlockingChannel:
                     raise TimeoutError(f"no message within {timeout} s")
                 self._fill()
 
+    def ready(self) -> bool:
+        """Whether :meth:`recv` has something to read now (bytes buffered or waiting on the
+        socket): a poll without :meth:`recv`'s ``TimeoutError`` when there is nothing."""
+        return self._frames.pending > 0 or self._eof or bool(self._poll.poll(0))
+
     def close(self) -> None:
         """Close the socket; a thread blocked in :meth:`recv` wakes up and gets ``None``."""
         self._closed = True

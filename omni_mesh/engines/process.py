@@ -167,17 +167,20 @@ class EngineProc:
 
     def _poll(self, timeout: float) -> None:
         """Take every message the sidecar sent; wait up to ``timeout`` for the first one."""
-        while True:
+        if timeout > 0.0 or self.channel.ready():
             try:
                 msg = self.channel.recv(timeout=timeout)
             except TimeoutError:
                 return
-            timeout = 0.0
-            if msg is None:
-                logger.warning("sidecar closed the channel stage=%d", self.stage_id)
-                self._orphaned()
-                return
-            self._handle(msg)
+            while True:
+                if msg is None:
+                    logger.warning("sidecar closed the channel stage=%d", self.stage_id)
+                    self._orphaned()
+                    return
+                self._handle(msg)
+                if not self.channel.ready():
+                    return
+                msg = self.channel.recv()
 
     def _handle(self, msg: EngineMessage) -> None:
         if isinstance(msg, Submit):
