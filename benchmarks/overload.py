@@ -217,8 +217,7 @@ def _open_row(r: Run, capacity: float) -> list[str]:
     late = r.queue_sheds
     at_once = _at_arrival(r)
     return [
-        f"{offered / capacity:.1f}x ({fmt_num(offered)}/s)"
-        + (", CPython's GC" if r.label.endswith("CPython's GC") else ""),
+        f"{offered / capacity:.1f}x ({fmt_num(offered)}/s)" + r.label.partition("x")[2],
         fmt_num(r.goodput),
         _ms(percentile(ok, 50)),
         _ms(percentile(ok, 99)),
@@ -258,21 +257,25 @@ async def _open_levels(
     layout: Layout,
     factors: list[float],
     *,
-    cpython_gc: bool = False,
+    gc: str = "",
 ) -> list[Run]:
-    """Open-loop levels on one deployment; ``cpython_gc``: its pods leave full GC passes to
-    CPython's thresholds (``OMNI_STAGE_GC_BUSY_PASS_S=0``) instead of pacing them."""
+    """Open-loop levels on one deployment whose pods pace their GC passes; ``gc="young"``:
+    they leave the young passes to CPython's thresholds (``OMNI_STAGE_GC_YOUNG_PASS_S=0``),
+    ``gc="all"``: every pass (``OMNI_STAGE_GC_BUSY_PASS_S=0``, which turns off the young
+    pacing too)."""
     seconds = 6.0 if opts.quick else 12.0
     runs = []
-    label = "overload-open-cpython-gc" if cpython_gc else "overload-open"
-    dep = LoggedDeployment(tmp, deploy_yaml(OPEN_QUEUE_WAIT_S), label, layout)
-    if cpython_gc:
+    dep = LoggedDeployment(tmp, deploy_yaml(OPEN_QUEUE_WAIT_S), f"overload-open{gc}", layout)
+    if gc == "young":
+        dep.proc.env["OMNI_STAGE_GC_YOUNG_PASS_S"] = "0"
+    elif gc == "all":
         dep.proc.env["OMNI_STAGE_GC_BUSY_PASS_S"] = "0"
+    suffix = {"": "", "young": ", CPython's young GC", "all": ", CPython's GC"}[gc]
     with dep:
         await closed_loop(dep.url, 16, 0.0, 2.0)
         for f in factors:
             run = await _measured(dep.url, open_level(dep.port, f * capacity, seconds))
-            run.label = f"{f:g}x" + (", CPython's GC" if cpython_gc else "")
+            run.label = f"{f:g}x{suffix}"
             row = _open_row(run, capacity)
             print(f"[overload] open {run.label}: {row}; generator: {run.generator}", flush=True)
             runs.append(run)
@@ -317,8 +320,12 @@ async def bench(opts: Options) -> Report:
             capacity = max(r.goodput for r in closed)
             factors = [1.0, 3.0] if opts.quick else [0.5, 1.0, 2.0, 3.0]
             opened = await _open_levels(opts, tmp, capacity, split, factors)
-            # The same 3x on pods whose full GC passes are CPython's (gc_busy_pass_s 0).
-            unpaced = await _open_levels(opts, tmp, capacity, split, [3.0], cpython_gc=True)
+            # The same 3x on pods whose young GC passes are CPython's (gc_young_pass_s 0), and
+            # on pods whose every pass is (gc_busy_pass_s 0).
+            unpaced = [
+                *await _open_levels(opts, tmp, capacity, split, [3.0], gc="young"),
+                *await _open_levels(opts, tmp, capacity, split, [3.0], gc="all"),
+            ]
             ray = await _ray(opts, None)  # every CPU: Ray's proxy is its front door
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # the deploy YAMLs and omni-up's output
@@ -372,13 +379,15 @@ async def bench(opts: Options) -> Report:
             + "): the API server answers a shed on its headers in well under a millisecond of "
             "CPU, so the rest is its event loop running late. Its full GC passes are paced "
             "(sidecar/gc_pacer.py: at idle moments, or once per 60 s busy, survivors frozen), "
-            "so none ran inside a level; the API GC column shows the young passes that "
-            "still took longer than 10 ms."
+            "so none ran inside a level, and so are its young passes (every 0.1 s while it "
+            "holds work); the API GC column shows the passes that still took longer than 10 ms."
         )
     report.notes.append(
-        "The last open-loop row is the same 3x load on a deployment started with "
-        "OMNI_STAGE_GC_BUSY_PASS_S=0 (every pod leaves its full GC passes to CPython's "
-        "thresholds), in the same run: the pacer's effect on the sheds."
+        "The last two open-loop rows are the same 3x load, in the same run, on a deployment "
+        "started with OMNI_STAGE_GC_YOUNG_PASS_S=0 (every pod paces its full GC passes but "
+        "leaves the young ones to CPython's thresholds), and on one started with "
+        "OMNI_STAGE_GC_BUSY_PASS_S=0 (every pass left to CPython): the pacer's effect on the "
+        "sheds, young passes and full ones apart."
     )
     for r in [*opened, *unpaced]:
         report.notes.append(f"Open-loop generator at {r.label}: {r.generator}.")

@@ -160,6 +160,14 @@ class StageSettings(BaseSettings):
         "long busy (their survivors then frozen until the next idle moment); 0 leaves them to "
         "CPython's automatic thresholds.",
     )
+    gc_young_pass_s: float = Field(
+        default=0.1,
+        ge=0,
+        le=60,
+        description="While the pod holds work, a young garbage-collector pass this often (a "
+        "tenth of a second's new objects, not the seconds' worth CPython's thresholds let "
+        "queued requests pile up); 0 leaves young passes to CPython.",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         default="INFO", description="Logging level."
     )

@@ -27,7 +27,7 @@ GC_PAUSE_BUCKETS: tuple[float, ...] = (
 
 
 class ProcessGcMetrics:
-    """The collector's passes in one process: how long each paused it, why the full ones ran."""
+    """The collector's passes in one process: how long each paused it, why the paced ones ran."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.pause = Histogram(
@@ -39,8 +39,8 @@ class ProcessGcMetrics:
         )
         self.paced = Counter(
             GC_PACED,
-            "Full collector passes the pacer ran, by reason (idle, idle_unfreeze, busy, "
-            "frozen_cap).",
+            "Collector passes the pacer ran, by reason: full passes (idle, idle_unfreeze, busy, "
+            "frozen_cap) and young ones (young: every gc_young_pass_s while busy).",
             ["reason"],
             registry=registry,
         )

@@ -351,7 +351,9 @@ async def serve(pod: Pod) -> int:
     pacer = GcPacer(
         lambda: _activity(pod),
         pod.metrics.gc,
-        PacerSettings(busy_pass_s=pod.settings.gc_busy_pass_s),
+        PacerSettings(
+            busy_pass_s=pod.settings.gc_busy_pass_s, young_pass_s=pod.settings.gc_young_pass_s
+        ),
     )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

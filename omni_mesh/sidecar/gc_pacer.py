@@ -17,6 +17,15 @@ become this pacer's:
   unfreezes everything and runs a whole pass, and a pod busy for so long that the frozen set
   grows by ``frozen_cap`` objects does so at once (one pause, counted).
 
+The young passes are paced too, while the pod is busy: one every ``young_pass_s``. CPython
+triggers a young pass when allocations *minus deallocations* pass a threshold, and in a pod
+whose work arrives as fast as it leaves (every queued request's objects replaced by a newer
+one's) that difference stays small while the young generation grows: an API server holding
+~800 queued requests was seen with 46,000 young objects (8,000 of them coroutines) at a pass
+that took 8-11 ms, and such passes reached 50 ms. A young pass every ``young_pass_s`` (0.1 s)
+scans only what arrived since the last one (about a millisecond), and moves it to the old
+generation, which only the paced full passes scan.
+
 Start-up objects are frozen once ready (:func:`freeze_startup_objects`), as before. Every pass,
 automatic or paced, is timed into ``omni_process_gc_pause_seconds`` by generation; the paced
 ones are counted by reason in ``omni_process_gc_paced_collections_total``."""
@@ -54,6 +63,7 @@ class PacerSettings:
     idle_gap_s: float = 5.0
     busy_pass_s: float = 60.0
     frozen_cap: int = 250_000
+    young_pass_s: float = 0.1  # 0: young passes left to CPython's thresholds
 
 
 class GcPauseTimer:
@@ -88,14 +98,18 @@ class GcPacer:
         self._timer = GcPauseTimer(metrics)
         self._thresholds = gc.get_threshold()
         self._task: asyncio.Task[None] | None = None
+        self._young_task: asyncio.Task[None] | None = None
         self._last_pass = time.monotonic()
         self._last_activity = (1, -1)  # (in flight or queued, admitted) at the last tick
         self._baseline = 0  # objects frozen by whole passes (start-up, idle)
+        self._young = metrics.paced.labels("young")
 
     def start(self) -> None:
         """Install the pacer and tick every ``tick_s`` (in the running loop)."""
         if self.install():
             self._task = asyncio.create_task(self._run(), name="gc-pacer")
+            if self.settings.young_pass_s > 0:
+                self._young_task = asyncio.create_task(self._run_young(), name="gc-young")
 
     def install(self) -> bool:
         """Freeze the start-up objects, time every pass and take full passes off automatic;
@@ -112,11 +126,12 @@ class GcPacer:
         return True
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        for task in (self._task, self._young_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._task = self._young_task = None
         with contextlib.suppress(ValueError):
             gc.callbacks.remove(self._timer)
         gc.set_threshold(*self._thresholds)
@@ -125,6 +140,20 @@ class GcPacer:
         while True:
             await asyncio.sleep(self.settings.tick_s)
             self.tick(time.monotonic())
+
+    async def _run_young(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.young_pass_s)
+            self.young_tick()
+
+    def young_tick(self) -> bool:
+        """A young pass now if the pod has work in flight or queued (see the module's
+        docstring); whether it ran."""
+        if self._activity()[0] == 0:
+            return False  # nothing held: requests' objects die young, CPython's passes do
+        gc.collect(1)
+        self._young.inc()
+        return True
 
     def tick(self, now: float) -> str | None:
         """Take the pass that is due now, if any; the reason it was taken."""

@@ -135,6 +135,45 @@ def zero_leaves_full_passes_to_cpython_and_stop_restores_it() -> None:
     asyncio.run(main())
 
 
+def young(*gens: int) -> int:
+    return sum(len(gc.get_objects(g)) for g in gens)
+
+
+def a_busy_pod_takes_young_passes_and_an_idle_one_leaves_them_to_cpython() -> None:
+    activity = Activity()
+    p, metrics = pacer(activity)
+    p.install()
+    gc.disable()  # no automatic pass moves the objects below out of the young generations
+    keep = [Cycle() for _ in range(5000)]  # live, as queued requests' objects are
+    assert young(0, 1) >= 5000
+    assert not p.young_tick()  # nothing in flight: no pass
+    assert young(0, 1) >= 5000
+    activity.in_flight = 800
+    assert p.young_tick()
+    assert young(0, 1) < 100  # moved to the old generation: later young passes skip them
+    assert sample(metrics, "omni_process_gc_paced_collections_total", reason="young") == 1
+    gc.enable()
+    del keep
+
+
+def young_passes_run_on_their_own_ticker_and_zero_turns_them_off() -> None:
+    async def main() -> None:
+        activity = Activity()
+        activity.in_flight = 1
+        on, metrics = pacer(activity, young_pass_s=0.01)
+        on.start()
+        await asyncio.sleep(0.2)
+        await on.stop()
+        passes = sample(metrics, "omni_process_gc_paced_collections_total", reason="young")
+        assert passes >= 3, passes
+        off, _ = pacer(activity, young_pass_s=0.0)
+        off.start()
+        assert off._task is not None and off._young_task is None
+        await off.stop()
+
+    asyncio.run(main())
+
+
 SCENARIOS = {
     fn.__name__: fn
     for fn in (
@@ -144,6 +183,8 @@ SCENARIOS = {
         a_pod_that_never_idles_unfreezes_at_the_cap,
         every_pass_is_timed_by_generation,
         zero_leaves_full_passes_to_cpython_and_stop_restores_it,
+        a_busy_pod_takes_young_passes_and_an_idle_one_leaves_them_to_cpython,
+        young_passes_run_on_their_own_ticker_and_zero_turns_them_off,
     )
 }
 

@@ -1,6 +1,7 @@
 """The collector's pacer (``sidecar/gc_pacer.py``) on a real collector: full passes only when
 idle or after a busy interval, survivors of a busy pass frozen until the next idle moment, the
-frozen part collected at the cap, every pass timed, and ``0`` leaving CPython's thresholds.
+frozen part collected at the cap, young passes on a ticker while the pod holds work, every pass
+timed, and ``0`` leaving CPython's thresholds.
 
 Each scenario (``tests/sidecar/gc_scenarios.py``) runs in a process of its own: the pacer
 freezes, re-thresholds and hooks the collector of its process, and the test session's own
