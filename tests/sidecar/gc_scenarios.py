@@ -135,6 +135,28 @@ def zero_leaves_full_passes_to_cpython_and_stop_restores_it() -> None:
     asyncio.run(main())
 
 
+def a_tick_without_a_pass_walks_no_frozen_list() -> None:
+    activity = Activity()
+    activity.in_flight = 1
+    p, _ = pacer(activity)
+    p.install()
+    walks = []
+    real = gc.get_freeze_count
+
+    def counted() -> int:  # O(frozen objects) in CPython 3.11: 2 ms+ for a pod's start-up
+        walks.append(1)
+        return real()
+
+    gc.get_freeze_count = counted  # type: ignore[assignment]
+    try:
+        for i in range(20):
+            assert p.tick(now=p._last_pass + i * 0.5) is None  # busy, no pass due
+            p.young_tick()
+    finally:
+        gc.get_freeze_count = real  # type: ignore[assignment]
+    assert walks == []
+
+
 def young(*gens: int) -> int:
     return sum(len(gc.get_objects(g)) for g in gens)
 
@@ -183,6 +205,7 @@ SCENARIOS = {
         a_pod_that_never_idles_unfreezes_at_the_cap,
         every_pass_is_timed_by_generation,
         zero_leaves_full_passes_to_cpython_and_stop_restores_it,
+        a_tick_without_a_pass_walks_no_frozen_list,
         a_busy_pod_takes_young_passes_and_an_idle_one_leaves_them_to_cpython,
         young_passes_run_on_their_own_ticker_and_zero_turns_them_off,
     )

@@ -262,7 +262,7 @@ class HopProtocol(asyncio.Protocol):
         self._streaming = False
         self._idle_since = self._loop.time()
         transport = self._transport
-        if transport is None:
+        if transport is None or transport.is_closing():  # gone, or cut (a broken stream)
             return
         if close:
             transport.close()
