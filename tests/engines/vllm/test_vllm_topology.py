@@ -149,9 +149,14 @@ def test_a_realtime_cancel_aborts_the_responses_vllm_requests(topo: Topology) ->
     their engines (each stage counts a cancelled request; nothing is left running)."""
     sdk = openai.OpenAI(base_url=f"{topo.api_url}/v1", api_key="none", max_retries=0)
     vllm_urls = topo.urls[0] + topo.urls[1]
-    before = sum(
-        topo.metric(u, "omni_stage_requests_total", outcome="cancelled") for u in vllm_urls
-    )
+
+    def cancelled_at(stage_id: int) -> float:
+        return sum(
+            topo.metric(u, "omni_stage_requests_total", outcome="cancelled")
+            for u in topo.urls[stage_id]
+        )
+
+    before = [cancelled_at(0), cancelled_at(1)]
     try:
         with sdk.realtime.connect(model=PIPELINE) as conn:
             until(conn, "session.created")
@@ -164,7 +169,16 @@ def test_a_realtime_cancel_aborts_the_responses_vllm_requests(topo: Topology) ->
             )
             until(conn, "conversation.item.done")
             conn.response.create(response={"max_output_tokens": 400})
-            first = until(conn, "response.output_audio.delta")[-1]
+            # Cancelled while both vLLM stages hold the response's work: the thinker streams its
+            # text (400 tokens take it longer than this), and a talker hop is in flight. (At the
+            # first audio delta the tiny thinker had sometimes finished already: nothing of it
+            # left to abort.)
+            first = until(conn, "response.output_audio_transcript.delta")[-1]
+            wait_until(
+                lambda: sum(topo.metric(u, "omni_stage_in_flight") for u in topo.urls[1]) > 0,
+                30,
+                interval=0.01,
+            )
             conn.response.cancel()
             events = until(conn, "response.done")
             assert events[-1].response.status == "cancelled", events[-1]
@@ -172,16 +186,26 @@ def test_a_realtime_cancel_aborts_the_responses_vllm_requests(topo: Topology) ->
     finally:
         sdk.close()
 
-    def aborted() -> bool:
+    def state() -> tuple[bool, list[float], float]:
         logs = [p.stderr for p in topo.stages[0] + topo.stages[1]]
-        cancelled = sum(
-            topo.metric(u, "omni_stage_requests_total", outcome="cancelled") for u in vllm_urls
-        )
+        cancelled = [cancelled_at(0) - before[0], cancelled_at(1) - before[1]]
         running = sum(topo.metric(u, "omni_stage_engine_running_requests") for u in vllm_urls)
         thinker_aborted = f"vLLM request aborted stage=0 id={first.response_id}" in logs[0]
-        return thinker_aborted and cancelled >= before + 2 and running == 0
+        return thinker_aborted, cancelled, running
 
-    wait_until(aborted, 30, interval=0.2)
+    def aborted() -> bool:
+        thinker_aborted, cancelled, running = state()
+        return thinker_aborted and min(cancelled) >= 1 and running == 0
+
+    wait_until(
+        aborted,
+        30,
+        interval=0.2,
+        message=lambda: (
+            "thinker's vLLM request aborted, requests cancelled since at stages 0 "
+            f"and 1, running: {state()}"
+        ),
+    )
 
 
 def test_kill_9_of_a_talker_engine_mid_generation_is_replayed(topo: Topology) -> None:
