@@ -113,61 +113,69 @@ class StageRunner:
         async with self._engine_outputs(si) as outputs:
             first = await anext(outputs)
             if (first.last or not is_whole(si)) and len(first.next) <= 1:  # one output
-                async for frame in self._straight(si, first, timing, t0):
-                    yield frame
-                return
-            async with FrameMerger(si.request_id) as merger:
-                merger.spawn(self._feed(si, first, outputs, timing, merger))
-                held: dict[int, dict[int, StageInput] | None] = {}  # join -> source -> input
-                async with contextlib.aclosing(merger.frames()) as frames:
-                    async for frame in frames:
-                        if frame.joins and self._collects:
-                            frame = self._collect(frame, held, merger, first)
-                            if not (frame.outputs or frame.joins or frame.error):
-                                continue
-                        yield frame
-                        if frame.error is not None:
-                            return
-                waiting = {j: inputs for j, inputs in held.items() if inputs is not None}
-                if waiting and not merger.failed:  # a branch ended without its join input
-                    yield _incomplete(si, waiting, self.pipeline)
+                # The straight path (a whole output, at most one next stage), inline: one
+                # async generator less on every hop.
+                if first.error is not None:
+                    yield HopResult(request_id=si.request_id, error=first.error)
                     return
-            if not merger.failed:
-                timing.total_ms = (time.monotonic() - t0) * 1000.0
-                yield HopResult(request_id=si.request_id, timings=[timing, *merger.timings])
-
-    async def _straight(
-        self, si: StageInput, out: StageOutput, timing: StageTiming, t0: float
-    ) -> AsyncGenerator[HopResult, None]:
-        """A whole output and at most one next stage: no tasks, one frame when nothing
-        downstream streams (the common case, and the fast one)."""
-        if out.error is not None:
-            yield HopResult(request_id=si.request_id, error=out.error)
-            return
-        own = self._own_frame(si, out, timing, more=False)
-        if not out.next or out.next[0].stage_id in self._to_joins:
-            if out.next:  # a source of a join: its input goes back up to the collector
-                own.joins = [self._owned_input(out.next[0])]
-            timing.total_ms = (time.monotonic() - t0) * 1000.0
-            own.timings = [timing]
-            yield own
-            return
-        downstream = self.hop.stream(out.next[0])
-        try:
-            async for frame in downstream:
-                if frame.more:  # downstream streams: pass our part on first, then relay
-                    if own.outputs:
-                        yield msgspec.structs.replace(own, more=True)
-                        own = HopResult(request_id=si.request_id)
-                    yield frame
-                    continue
-                timing.total_ms = (time.monotonic() - t0) * 1000.0
-                yield _merge(own, frame, timing)
+                own = self._own_frame(si, first, timing, more=False)
+                if not first.next or first.next[0].stage_id in self._to_joins:
+                    if first.next:  # a source of a join: its input goes back up to the collector
+                        own.joins = [self._owned_input(first.next[0])]
+                    timing.total_ms = (time.monotonic() - t0) * 1000.0
+                    own.timings = [timing]
+                    yield own
+                    return
+                downstream = self.hop.stream(first.next[0])
+                try:
+                    async for frame in downstream:
+                        if frame.more:  # downstream streams: pass our part on first, then relay
+                            if own.outputs:
+                                yield msgspec.structs.replace(own, more=True)
+                                own = HopResult(request_id=si.request_id)
+                            yield frame
+                            continue
+                        timing.total_ms = (time.monotonic() - t0) * 1000.0
+                        yield _merge(own, frame, timing)
+                        return
+                except HopUnavailable as exc:
+                    yield _unavailable(si, exc)
+                finally:
+                    await downstream.aclose()  # (not contextlib.aclosing: on every hop)
                 return
-        except HopUnavailable as exc:
-            yield _unavailable(si, exc)
-        finally:
-            await downstream.aclose()  # (not contextlib.aclosing: this runs on every hop)
+            async with contextlib.aclosing(self._merged(si, first, outputs, timing, t0)) as rest:
+                async for frame in rest:
+                    yield frame
+
+    async def _merged(
+        self,
+        si: StageInput,
+        first: StageOutput,
+        outputs: AsyncIterator[StageOutput],
+        timing: StageTiming,
+        t0: float,
+    ) -> AsyncGenerator[HopResult, None]:
+        """The frames of an engine stream (or of an output with several next stages), as
+        they come: each output's own part, and every branch's frames, merged."""
+        async with FrameMerger(si.request_id) as merger:
+            merger.spawn(self._feed(si, first, outputs, timing, merger))
+            held: dict[int, dict[int, StageInput] | None] = {}  # join -> source -> input
+            async with contextlib.aclosing(merger.frames()) as frames:
+                async for frame in frames:
+                    if frame.joins and self._collects:
+                        frame = self._collect(frame, held, merger, first)
+                        if not (frame.outputs or frame.joins or frame.error):
+                            continue
+                    yield frame
+                    if frame.error is not None:
+                        return
+            waiting = {j: inputs for j, inputs in held.items() if inputs is not None}
+            if waiting and not merger.failed:  # a branch ended without its join input
+                yield _incomplete(si, waiting, self.pipeline)
+                return
+        if not merger.failed:
+            timing.total_ms = (time.monotonic() - t0) * 1000.0
+            yield HopResult(request_id=si.request_id, timings=[timing, *merger.timings])
 
     async def _feed(
         self,

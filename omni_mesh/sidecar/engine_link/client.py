@@ -19,7 +19,7 @@ import signal
 import sys
 import tempfile
 from collections import deque
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -128,6 +128,58 @@ class _Work:
 
     def ends_with(self, out: StageOutput) -> bool:
         return out.error is not None or out.last or not self.whole
+
+
+class EngineRun:
+    """One request's outputs from the engine (:meth:`EngineClient.stream`): an async iterator
+    with ``aclose``, a class rather than an async generator (it runs on every hop)."""
+
+    __slots__ = ("_client", "_ended", "_key", "_si", "_work")
+
+    def __init__(self, client: EngineClient, si: StageInput) -> None:
+        self._client = client
+        self._si = si
+        self._key = ""
+        self._work: _Work | None = None
+        self._ended = False
+
+    def __aiter__(self) -> EngineRun:
+        return self
+
+    async def __anext__(self) -> StageOutput:
+        if self._ended:
+            raise StopAsyncIteration
+        work = self._work
+        if work is None:
+            self._ended = True  # until the submission is made: nothing to leave
+            self._key, work = await self._client._submit(self._si)
+            self._work, self._ended = work, False
+        try:
+            item = await work.mailbox.get()
+        except BaseException:  # cancelled: the caller left
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self._ended = True
+            raise item
+        self._ended = work.ends_with(item)
+        return item
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Leave before the last output: the engine aborts the work (nothing if it ended)."""
+        if not self._ended and self._work is not None:
+            self._ended = True
+            self._client._leave(self._key, self._work)
+        self._ended = True
+
+    def __del__(self) -> None:
+        # Dropped unfinished (an async generator's finalizer did this): abort on the engine.
+        if not self._ended and self._work is not None:
+            with contextlib.suppress(Exception):
+                self._client._leave(self._key, self._work)
 
 
 class EngineClient:
@@ -382,13 +434,18 @@ class EngineClient:
         being aborted (its last Result not back yet)."""
         return key in self._pending or key in self._abandoned
 
-    async def stream(self, si: StageInput) -> AsyncGenerator[StageOutput, None]:
-        """Run one request on the engine; yield its outputs as the engine emits them: one
+    def stream(self, si: StageInput) -> EngineRun:
+        """Run one request on the engine; iterate its outputs as the engine emits them: one
         whole output, or its chunks in order (the last has ``last=True``; an error ends it).
+        The request is submitted on the first ``__anext__``.
 
         The caller must :meth:`release` ``transfer_key(si)`` once it no longer needs the
         output tensors (they live in the engine's slots). Leaving early (``aclose``,
         cancellation) aborts the work on the engine and frees its input slots."""
+        return EngineRun(self, si)
+
+    async def _submit(self, si: StageInput) -> tuple[str, _Work]:
+        """Hand ``si`` to the engine: its key and the work its outputs arrive in."""
         if self.dead.is_set() or self._stopping or self._chan is None:
             reason = self.death_reason or ("stopped" if self._stopping else "not started")
             raise EngineDeadError(f"stage {self.stage_id}: {reason}")
@@ -402,25 +459,18 @@ class EngineClient:
         si = msgspec.structs.replace(si, payload=payload)
         work = _Work(whole=is_whole(si))
         self._pending[key] = work
-        ended = False
         try:
-            try:
-                await self._chan.send(Submit(stage_input=si))
-            except ChannelError as exc:
-                # The engine is gone and the reader has not said so yet: the same answer as a
-                # dead engine's (503, replayed by the sender), not an internal error.
-                reason = self.death_reason or str(exc)
-                raise EngineDeadError(f"stage {self.stage_id}: {reason}") from exc
-            while not ended:
-                item = await work.mailbox.get()
-                if isinstance(item, BaseException):
-                    ended = True
-                    raise item
-                ended = work.ends_with(item)
-                yield item
-        finally:
-            if not ended:
-                self._leave(key, work)
+            await self._chan.send(Submit(stage_input=si))
+        except ChannelError as exc:
+            self._leave(key, work)
+            # The engine is gone and the reader has not said so yet: the same answer as a
+            # dead engine's (503, replayed by the sender), not an internal error.
+            reason = self.death_reason or str(exc)
+            raise EngineDeadError(f"stage {self.stage_id}: {reason}") from exc
+        except BaseException:
+            self._leave(key, work)
+            raise
+        return key, work
 
     def _leave(self, key: str, work: _Work) -> None:
         """The caller left before the last output (client gone, deadline, a failed branch)."""
