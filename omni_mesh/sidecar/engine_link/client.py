@@ -18,9 +18,7 @@ import shutil
 import signal
 import sys
 import tempfile
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import msgspec
 
@@ -51,6 +49,7 @@ from omni_mesh.data_plane.shm import (
     unlink_prefix,
 )
 from omni_mesh.procutil import die_with_parent
+from omni_mesh.sidecar.engine_link.work import EngineRun, Work
 
 logger = logging.getLogger(__name__)
 
@@ -91,97 +90,6 @@ def visible_devices(stage_id: int, devices: tuple[int, ...], inherited: str | No
     return ",".join(visible[d] for d in devices)
 
 
-class _Mailbox:
-    """One work's outputs in arrival order, for its one reader (an ``asyncio.Queue`` does the
-    same with far more machinery, built on every hop)."""
-
-    __slots__ = ("_items", "_waiter")
-
-    def __init__(self) -> None:
-        self._items: deque[StageOutput | BaseException] = deque()
-        self._waiter: asyncio.Future[None] | None = None
-
-    def put_nowait(self, item: StageOutput | BaseException) -> None:
-        self._items.append(item)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    async def get(self) -> StageOutput | BaseException:
-        while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        return self._items.popleft()
-
-
-@dataclass
-class _Work:
-    """One submitted input: its outputs in order (or the error that ended it) in ``mailbox``.
-    A whole input may stream several chunks; a chunk of an upstream stream gets one output."""
-
-    whole: bool
-    mailbox: _Mailbox = field(default_factory=_Mailbox)
-    answered: bool = False  # its last output came (the engine is done with its inputs)
-    on_aborted: Callable[[str], None] | None = None  # see EngineClient.when_aborted
-
-    def ends_with(self, out: StageOutput) -> bool:
-        return out.error is not None or out.last or not self.whole
-
-
-class EngineRun:
-    """One request's outputs from the engine (:meth:`EngineClient.stream`): an async iterator
-    with ``aclose``, a class rather than an async generator (it runs on every hop)."""
-
-    __slots__ = ("_client", "_ended", "_key", "_si", "_work")
-
-    def __init__(self, client: EngineClient, si: StageInput) -> None:
-        self._client = client
-        self._si = si
-        self._key = ""
-        self._work: _Work | None = None
-        self._ended = False
-
-    def __aiter__(self) -> EngineRun:
-        return self
-
-    async def __anext__(self) -> StageOutput:
-        if self._ended:
-            raise StopAsyncIteration
-        work = self._work
-        if work is None:
-            self._ended = True  # until the submission is made: nothing to leave
-            self._key, work = await self._client._submit(self._si)
-            self._work, self._ended = work, False
-        try:
-            item = await work.mailbox.get()
-        except BaseException:  # cancelled: the caller left
-            self.close()
-            raise
-        if isinstance(item, BaseException):
-            self._ended = True
-            raise item
-        self._ended = work.ends_with(item)
-        return item
-
-    async def aclose(self) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Leave before the last output: the engine aborts the work (nothing if it ended)."""
-        if not self._ended and self._work is not None:
-            self._ended = True
-            self._client._leave(self._key, self._work)
-        self._ended = True
-
-    def __del__(self) -> None:
-        # Dropped unfinished (an async generator's finalizer did this): abort on the engine.
-        if not self._ended and self._work is not None:
-            with contextlib.suppress(Exception):
-                self._client._leave(self._key, self._work)
-
-
 class EngineClient:
     """Owns one engine process and the shared memory between it and the sidecar."""
 
@@ -217,10 +125,10 @@ class EngineClient:
         self.engine_tmp: str | None = None
         self._proc: asyncio.subprocess.Process | None = None
         self._chan: AsyncChannel | None = None
-        self._pending: dict[str, _Work] = {}  # by transfer key
+        self._pending: dict[str, Work] = {}  # by transfer key
         # Work left early, aborted on the engine: its input slots are reused (and its output
         # slots released) once its last Result says the engine let go of them.
-        self._abandoned: dict[str, _Work] = {}
+        self._abandoned: dict[str, Work] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._channel_ended = asyncio.Event()  # EOF (or a broken frame) on the channel
         self._stopping = False
@@ -444,7 +352,7 @@ class EngineClient:
         cancellation) aborts the work on the engine and frees its input slots."""
         return EngineRun(self, si)
 
-    async def _submit(self, si: StageInput) -> tuple[str, _Work]:
+    async def submit(self, si: StageInput) -> tuple[str, Work]:
         """Hand ``si`` to the engine: its key and the work its outputs arrive in."""
         if self.dead.is_set() or self._stopping or self._chan is None:
             reason = self.death_reason or ("stopped" if self._stopping else "not started")
@@ -457,22 +365,22 @@ class EngineClient:
         except ShmArenaFull as exc:
             raise EngineBusyError(f"stage {self.stage_id}: shared memory full: {exc}") from None
         si = msgspec.structs.replace(si, payload=payload)
-        work = _Work(whole=is_whole(si))
+        work = Work(whole=is_whole(si))
         self._pending[key] = work
         try:
             await self._chan.send(Submit(stage_input=si))
         except ChannelError as exc:
-            self._leave(key, work)
+            self.leave(key, work)
             # The engine is gone and the reader has not said so yet: the same answer as a
             # dead engine's (503, replayed by the sender), not an internal error.
             reason = self.death_reason or str(exc)
             raise EngineDeadError(f"stage {self.stage_id}: {reason}") from exc
         except BaseException:
-            self._leave(key, work)
+            self.leave(key, work)
             raise
         return key, work
 
-    def _leave(self, key: str, work: _Work) -> None:
+    def leave(self, key: str, work: Work) -> None:
         """The caller left before the last output (client gone, deadline, a failed branch)."""
         self._pending.pop(key, None)
         if self.dead.is_set() or self._chan is None:
