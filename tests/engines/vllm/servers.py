@@ -46,6 +46,31 @@ class Server:
         return -1.0 if value is None else value
 
 
+SPLIT_PROMPT = "the quick brown fox"
+
+
+def complete(server: Server, seed: int, stream: bool = False) -> str:
+    """A seeded completion (temperature 1) of the split tests' prompt, streamed or not."""
+    kwargs = {"model": MODEL, "prompt": f"{SPLIT_PROMPT} {seed}", "max_tokens": 12}
+    if not stream:
+        out = server.client.completions.create(temperature=1.0, seed=seed, **kwargs)
+        return out.choices[0].text
+    chunks = server.client.completions.create(temperature=1.0, seed=seed, stream=True, **kwargs)
+    return "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+def kv_metric(server: Server, pool: str, outcome: str) -> float:
+    """The sum over ``pool``'s pods of ``omni_stage_kv_transfers_total{outcome}``."""
+    line = f'omni_stage_kv_transfers_total{{outcome="{outcome}",pipeline="{MODEL}",stage="0"}}'
+    return sum(server.metric(url, line) or 0.0 for url in server.stage_urls[pool])
+
+
+def handoffs(server: Server, outcome: str) -> float:
+    """The API server's ``omni_stage_kv_handoffs_total{outcome}`` (remote, local, …)."""
+    line = f'omni_stage_kv_handoffs_total{{from_stage="-1",outcome="{outcome}"'
+    return server.metric(server.url, line) or 0.0
+
+
 def deploy_overlay(prefill: int = 0, decode: int = 1, kv_lease_s: int = 30) -> str:
     """The deploy overlay of the tests' ``tiny-llm``; ``prefill`` > 0 splits its stage."""
     text = (

@@ -40,12 +40,19 @@ from omni_mesh.data_plane.kv_transfer import PREFILL_REQUEST
 from omni_mesh.data_plane.messages import HopResult, Payload, StageInput
 from omni_mesh.data_plane.signing import hop_token
 from omni_mesh.sidecar.hop.client import HOP_PATH, HOP_TOKEN_HEADER
-from tests.engines.vllm.servers import MODEL, SECRET, Server, tiny_llm
+from tests.engines.vllm.servers import (
+    MODEL,
+    SECRET,
+    Server,
+    complete,
+    handoffs,
+    kv_metric,
+    tiny_llm,
+)
 from tests.procs import descendants, free_port, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-PROMPT = "the quick brown fox"
 SEEDS = (1, 2, 3)
 LEASE_S = 3  # how long the prefill replica keeps KV nobody pulls (engine_extras.kv_lease_s)
 
@@ -56,26 +63,6 @@ def split(vllm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) ->
     with tiny_llm(log_dir, prefill=1, decode=2, kv_lease_s=LEASE_S) as server:
         assert len(server.stage_urls["prefill"]) == 1 and len(server.stage_urls["decode"]) == 2
         yield server
-
-
-def complete(server: Server, seed: int, stream: bool = False) -> str:
-    kwargs = {"model": MODEL, "prompt": f"{PROMPT} {seed}", "max_tokens": 12}
-    if not stream:
-        out = server.client.completions.create(temperature=1.0, seed=seed, **kwargs)
-        return out.choices[0].text
-    chunks = server.client.completions.create(temperature=1.0, seed=seed, stream=True, **kwargs)
-    return "".join(c.choices[0].text for c in chunks if c.choices)
-
-
-def kv_metric(server: Server, pool: str, outcome: str) -> float:
-    """The sum over ``pool``'s pods of ``omni_stage_kv_transfers_total{outcome}``."""
-    line = f'omni_stage_kv_transfers_total{{outcome="{outcome}",pipeline="{MODEL}",stage="0"}}'
-    return sum(server.metric(url, line) or 0.0 for url in server.stage_urls[pool])
-
-
-def handoffs(server: Server, outcome: str) -> float:
-    line = f'omni_stage_kv_handoffs_total{{from_stage="-1",outcome="{outcome}"'
-    return server.metric(server.url, line) or 0.0
 
 
 def test_the_split_stage_answers_as_the_unsplit_one_with_the_kv_pulled(
