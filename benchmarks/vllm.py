@@ -41,7 +41,7 @@ import aiohttp
 from benchmarks.common import Options, Report
 from benchmarks.fabric import Fabric
 from benchmarks.load import new_session
-from benchmarks.measure import Target, md_table, median, percentile, ratio
+from benchmarks.measure import CpuMeter, Target, md_table, median, percentile, ratio
 from benchmarks.speech import speak
 from omni_mesh.configs.loader import bundled_deploy_path
 from tests.procs import LOCALHOST, ManagedProcess, clean_env, free_port
@@ -69,6 +69,8 @@ class Phase:
     concurrency: int
     wall_s: float = 0.0
     streams: list[Stream] = field(default_factory=list)
+    # omni-mesh only: CPU seconds per wall second by process (and the engine's wait for a core)
+    cores: dict[str, float] = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -153,7 +155,9 @@ async def streamed_completion(
     return times, usage
 
 
-async def _load(url: str, server: str, concurrency: int, requests: int) -> Phase:
+async def _load(
+    url: str, server: str, concurrency: int, requests: int, meter: CpuMeter | None = None
+) -> Phase:
     phase = Phase(server, concurrency)
     async with new_session(concurrency) as sess:
         for i in range(concurrency):  # warm-up
@@ -165,8 +169,14 @@ async def _load(url: str, server: str, concurrency: int, requests: int) -> Phase
                 phase.streams.append(await _complete(sess, url, queue.pop()))
 
         t0 = time.monotonic()
+        if meter is not None:
+            meter.start()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         phase.wall_s = time.monotonic() - t0
+        if meter is not None:
+            meter.stop()
+            phase.cores = {k: v / meter.wall for k, v in meter.used.items()}
+            phase.cores["engine waiting"] = meter.waited["engine"] / meter.wall
     return phase
 
 
@@ -190,7 +200,9 @@ async def _omni_phases(model_dir: Path, plan: list[tuple[int, int]]) -> list[Pha
         fab.start_cp()
         pod = fab.add_stage(0, serve_api=True, wait=False)
         fab.wait_ready([pod], timeout=300)
-        return [await _load(pod.url, "omni-mesh", c, n) for c, n in plan]
+        engine = pod.engine_pid()
+        groups = {"engine": [engine] if engine else [], "sidecar": [pod.pid]}
+        return [await _load(pod.url, "omni-mesh", c, n, CpuMeter(groups)) for c, n in plan]
 
 
 async def _vllm_phases(model_dir: Path, plan: list[tuple[int, int]], log_dir: Path) -> list[Phase]:
@@ -296,6 +308,21 @@ def _tables(report: Report, phases: list[Phase], speech: list[tuple[float, float
             "TTFT p99 ms", "inter-token ms (median)"]  # fmt: skip
     title = f"tiny-llm, streamed /v1/completions ({MAX_TOKENS} tokens each, greedy)"
     report.add(md_table(head, rows, title=title))
+    kinds = ["engine", "engine waiting", "sidecar", "client"]
+    cores = [
+        [str(p.concurrency), *(f"{p.cores.get(k, 0.0):.2f}" for k in kinds)]
+        for p in phases
+        if p.cores
+    ]
+    if cores:
+        report.add(
+            md_table(
+                ["concurrency", "engine", "engine waiting for a core", "sidecar (API + SSE)",
+                 "client (this process)"],
+                cores,
+                title="omni-mesh's cores: CPU seconds per wall second, by process",
+            )
+        )  # fmt: skip
     by = {(p.server, p.concurrency): p for p in phases}
     ours16, peer16 = by[("omni-mesh", 16)], by[("vllm serve", 16)]
     ours1, peer1 = by[("omni-mesh", 1)], by[("vllm serve", 1)]
