@@ -166,7 +166,7 @@ class StageSettings(BaseSettings):
         le=60,
         description="While the pod holds work, a young garbage-collector pass this often (a "
         "tenth of a second's new objects, not the seconds' worth CPython's thresholds let "
-        "queued requests pile up); 0 leaves young passes to CPython.",
+        "queued requests pile up); 0 leaves young passes to CPython, as gc_busy_pass_s 0 does.",
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         default="INFO", description="Logging level."

@@ -180,7 +180,10 @@ class EngineProc:
                 self._handle(msg)
                 if not self.channel.ready():
                     return
-                msg = self.channel.recv()
+                try:  # (no wait: the bytes ready may be part of a frame still on its way)
+                    msg = self.channel.recv(timeout=0.0)
+                except TimeoutError:
+                    return
 
     def _handle(self, msg: EngineMessage) -> None:
         if isinstance(msg, Submit):

@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 TOKEN = hop_token(SECRET.encode())
 STEP_MS = 300  # stage 2's step: long enough to hang up on a hop in flight
+BODY_LIMIT = 1 << 20  # the pod's --max-body-bytes
 
 
 def test_a_plain_hop_head_is_taken_and_anything_else_is_not() -> None:
@@ -56,7 +57,11 @@ def stage(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Topology, 
     log_dir: Path = tmp_path_factory.mktemp("hop-server")
     slow = json.dumps({"2": {"step_latency_ms": STEP_MS}})
     topo = Topology(
-        "synthetic", [0, 0, 1], log_dir, api=False, extra_stage_args=["--stage-overrides", slow]
+        "synthetic",
+        [0, 0, 1],
+        log_dir,
+        api=False,
+        extra_stage_args=["--stage-overrides", slow, "--max-body-bytes", str(BODY_LIMIT)],
     ).start(stages=[2])
     try:
         yield topo, topo.urls[2][0]
@@ -196,14 +201,21 @@ def test_bad_hops_get_the_errors_shape_and_close_the_connection(
     stage: tuple[Topology, str],
 ) -> None:
     _, url = stage
+    big = b"\0" * (4 * BODY_LIMIT)  # more than the socket buffers hold
     cases = [
         (_hop(_body("forged"), token="0" * 64), 401, "X-Omni-Hop-Token"),
-        # Over the pod's limit (256 MiB): refused on its head, the body never sent.
+        # Refused on their heads; the bodies are read and dropped before the connection
+        # closes, so the sender gets the answer, not a reset (a dead replica, to a hop client).
+        (_hop(big, token="0" * 64), 401, "X-Omni-Hop-Token"),
+        (_hop(big), 413, "limit"),
+        # Over the limit, the body never sent: answered on its head (closed at the client's
+        # end of the stream here, DISCARD_S at the latest).
         (_hop(b"").replace(b"Content-Length: 0", b"Content-Length: %d" % (1 << 30)), 413, "limit"),
     ]
     for request, status, needle in cases:
         with _connect(url) as sock:
             sock.sendall(request)
+            sock.shutdown(socket.SHUT_WR)
             answers = _Answers(sock)
             got, headers, body = answers.next()
             assert got == status and headers["connection"] == "close"

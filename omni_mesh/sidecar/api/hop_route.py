@@ -97,6 +97,7 @@ async def _answer(pod: Pod, si: StageInput, answer: HopAnswer) -> str:
     labels = (pod.pipeline.name, str(pod.stage_id))
     streaming = False
     outcome = "ok"
+    whole: bytes | None = None
     frames = pod.runner.prefill(si) if is_prefill(si.kv_transfer) else pod.runner.run_stream(si)
     try:
         try:
@@ -104,13 +105,16 @@ async def _answer(pod: Pod, si: StageInput, answer: HopAnswer) -> str:
                 if frame.error is not None:
                     outcome = frame.error.code
                 if not streaming and not frame.more:  # whole: one answer, as ever
-                    answer.whole(codec.encode(frame))
-                    return outcome
+                    whole = codec.encode(frame)
+                    break
                 streaming = True
                 await answer.frame(framing.encode_frame(frame))
                 labelled(pod.metrics.hop_frames, *labels).inc()
         finally:
             await frames.aclose()  # (not contextlib.aclosing: this runs on every hop)
+        if whole is not None:  # sent once the chain is closed: nothing can fail after it
+            answer.whole(whole)
+            return outcome
     except Exception as exc:
         if not streaming:
             raise  # an ordinary error answer (a dead engine: 503, replayed by the sender)

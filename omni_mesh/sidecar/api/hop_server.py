@@ -16,7 +16,8 @@ answers every other connection. A hop therefore behaves the same on either path.
 
 Answers carry ``Content-Length`` (whole) or are chunked (a stream of frames); errors have the
 JSON shape of every other error (``errors.error_response``). A bad hop token, or a body over
-the pod's limit, is answered and the connection closed (its body is not read). A connection
+the pod's limit, is answered on its head; its body is then read and dropped, and the connection
+closed. A connection
 idle for :data:`KEEPALIVE_S` is closed, as aiohttp closes its own; a client that goes away
 cancels its hop, as aiohttp's ``handler_cancellation`` does.
 """
@@ -31,6 +32,7 @@ from http import HTTPStatus
 from typing import cast
 
 from aiohttp import web
+from aiohttp.tcp_helpers import tcp_keepalive
 
 from omni_mesh.data_plane.constants import HOP_FRAMES, MSGPACK
 from omni_mesh.sidecar.api.hop_route import check_hop, serve_hop
@@ -47,6 +49,10 @@ MAX_HEAD = 16 << 10
 KEEPALIVE_S = 75.0
 #: Bytes read ahead (a pipelined request) while a hop is served before reading pauses.
 READ_AHEAD = 64 << 10
+#: Seconds a refused request's body is read and dropped before its connection is closed.
+DISCARD_S = 10.0
+#: Seconds hops still running when the pod stops may take (aiohttp's shutdown timeout).
+STOP_GRACE_S = 60.0
 
 _REQUEST_LINE = b"POST " + HOP_PATH.encode() + b" HTTP/1.1"
 _TOKEN = b"x-omni-hop-token"
@@ -120,7 +126,9 @@ class HopProtocol(asyncio.Protocol):
         self._body = bytearray()
         self._got = 0
         self._task: asyncio.Task[None] | None = None  # the hop being served
+        self._answered = False  # its answer (whole, or a stream's head) is on the wire
         self._streaming = False
+        self._discard = 0  # body bytes of a refused request still to be read and dropped
         self._paused_reading = False
         self._writable: asyncio.Future[None] | None = None  # set while writing is paused
         self._idle_since = self._loop.time()
@@ -130,6 +138,7 @@ class HopProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
+        tcp_keepalive(self._transport)  # as aiohttp's handler does: a silent peer is noticed
         self._conns.add(self)
         self._idle_timer = self._loop.call_later(KEEPALIVE_S, self._check_idle)
 
@@ -144,8 +153,13 @@ class HopProtocol(asyncio.Protocol):
             self._writable.set_exception(ConnectionResetError("the connection closed"))
             self._writable.exception()  # retrieved: the hop may not be writing
 
+    @property
+    def busy(self) -> asyncio.Task[None] | None:
+        """The hop being served, if any."""
+        return self._task
+
     def close(self) -> None:
-        """Close the connection (the pod stops; its hops have drained)."""
+        """Close the connection (the pod stops)."""
         if self._transport is not None:
             self._transport.close()
 
@@ -157,11 +171,18 @@ class HopProtocol(asyncio.Protocol):
         if self._task is None and not self._buf and self._hop is None and idle_for >= KEEPALIVE_S:
             self._transport.close()
             return
-        self._idle_timer = self._loop.call_later(max(1.0, KEEPALIVE_S - idle_for), self._check_idle)
+        busy = self._task is not None or self._hop is not None
+        wait_s = KEEPALIVE_S if busy else max(1.0, KEEPALIVE_S - idle_for)
+        self._idle_timer = self._loop.call_later(wait_s, self._check_idle)
 
     # ---- reading -------------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
+        if self._discard:  # the body of a refused request: read, so that closing sends no RST
+            self._discard -= min(self._discard, len(data))
+            if not self._discard and self._transport is not None:
+                self._transport.close()
+            return
         if self._hop is not None:  # a body being read: straight into its buffer
             take = min(len(data), self._hop.length - self._got)
             self._body[self._got : self._got + take] = data[:take]
@@ -196,9 +217,17 @@ class HopProtocol(asyncio.Protocol):
                 limit = self._pod.settings.max_body_bytes
                 raise ApiError(413, f"request body is {hop.length} bytes, the limit is {limit}")
         except ApiError as err:
+            self._discard = max(0, hop.length - len(rest))
             rest.release()
             self._buf.clear()
-            self._write_error(err, close=True)  # its body is not read: the connection ends
+            # Answered on its head; the connection ends after the body is read and dropped
+            # (closing with unread bytes would reset it, and the sender would see a dead
+            # replica instead of this answer), or after DISCARD_S at most.
+            self._write_error(err, closing=True)
+            if self._discard:
+                self._loop.call_later(DISCARD_S, self.close)
+            elif self._transport is not None:
+                self._transport.close()
             return
         take = min(len(rest), hop.length)
         self._body = bytearray(hop.length)
@@ -244,22 +273,22 @@ class HopProtocol(asyncio.Protocol):
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            if self._streaming:  # serve_hop cuts a broken stream itself; this is a bug
-                logger.exception("hop stream failed after its start")
+            if self._answered:  # a second answer would answer the connection's next request
+                logger.exception("hop failed after its answer started")
                 self.cut()
             else:
                 err = api_error_for(exc)
                 if err is None:
                     logger.exception("unhandled error on POST %s", HOP_PATH)
                     err = internal_error()
-                self._write_error(err, close=hop.close)
+                self._write_error(err, closing=hop.close)
                 self._done(close=hop.close)
                 return
         self._done(close=hop.close)
 
     def _done(self, *, close: bool) -> None:
         self._task = None
-        self._streaming = False
+        self._answered = self._streaming = False
         self._idle_since = self._loop.time()
         transport = self._transport
         if transport is None or transport.is_closing():  # gone, or cut (a broken stream)
@@ -276,6 +305,7 @@ class HopProtocol(asyncio.Protocol):
     # ---- writing (HopAnswer) -------------------------------------------------------------
 
     def whole(self, body: bytes) -> None:
+        self._answered = True
         if self._transport is not None:
             self._transport.writelines((_WHOLE_HEAD, b"%d\r\n\r\n" % len(body), body))
 
@@ -284,7 +314,7 @@ class HopProtocol(asyncio.Protocol):
         if transport is None:
             raise ConnectionResetError("the connection closed")
         if not self._streaming:
-            self._streaming = True
+            self._answered = self._streaming = True
             transport.write(_STREAM_HEAD)
         transport.writelines((b"%x\r\n" % len(frame), frame, b"\r\n"))
         if self._writable is not None:
@@ -308,7 +338,8 @@ class HopProtocol(asyncio.Protocol):
             self._writable.set_result(None)
         self._writable = None
 
-    def _write_error(self, err: ApiError, *, close: bool) -> None:
+    def _write_error(self, err: ApiError, *, closing: bool) -> None:
+        """Answer ``err`` (``closing``: saying the connection ends after it)."""
         transport = self._transport
         if transport is None:
             return
@@ -323,11 +354,9 @@ class HopProtocol(asyncio.Protocol):
             f"Content-Length: {len(body)}",
             *(f"{k}: {v}" for k, v in err.headers.items()),
         ]
-        if close:
+        if closing:
             lines.append("Connection: close")
         transport.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
-        if close:
-            transport.close()
 
 
 class HopSite(web.TCPSite):
@@ -339,7 +368,8 @@ class HopSite(web.TCPSite):
         self._conns: set[HopProtocol] = set()
 
     async def start(self) -> None:
-        # TCPSite.start, with the protocol factory wrapped.
+        # TCPSite.start, with the protocol factory wrapped (pods serve plain HTTP).
+        assert self._ssl_context is None
         await web.BaseSite.start(self)
         server = self._runner.server
         assert server is not None
@@ -357,6 +387,13 @@ class HopSite(web.TCPSite):
         self._bound_port = sockets[0].getsockname()[1] if sockets else self._port
 
     async def stop(self) -> None:
+        """Close idle connections; give hops still running (a drain that timed out) up to
+        :data:`STOP_GRACE_S`, as aiohttp gives its handlers; then close the rest."""
+        running = [task for conn in self._conns if (task := conn.busy) is not None]
+        for conn in [c for c in self._conns if c.busy is None]:
+            conn.close()
+        if running:
+            await asyncio.wait(running, timeout=STOP_GRACE_S)
         for conn in list(self._conns):
             conn.close()
         await super().stop()

@@ -65,26 +65,32 @@ class EngineRun:
     """One request's outputs from the engine (:meth:`EngineClient.stream`): an async iterator
     with ``aclose``, a class rather than an async generator (it runs on every hop)."""
 
-    __slots__ = ("_client", "_ended", "_key", "_si", "_work")
+    __slots__ = ("_client", "_closed", "_ended", "_key", "_loop", "_si", "_work")
 
     def __init__(self, client: Submitter, si: StageInput) -> None:
         self._client = client
         self._si = si
         self._key = ""
         self._work: Work | None = None
-        self._ended = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ended = False  # no more outputs to read (or none ever: submission failed)
+        self._closed = False  # the caller left
 
     def __aiter__(self) -> EngineRun:
         return self
 
     async def __anext__(self) -> StageOutput:
-        if self._ended:
+        if self._ended or self._closed:
             raise StopAsyncIteration
         work = self._work
         if work is None:
             self._ended = True  # until the submission is made: nothing to leave
+            self._loop = asyncio.get_running_loop()
             self._key, work = await self._client.submit(self._si)
             self._work, self._ended = work, False
+            if self.left():  # closed while it was being submitted
+                self._leave()
+                raise StopAsyncIteration
         try:
             item = await work.mailbox.get()
         except BaseException:  # cancelled: the caller left
@@ -101,13 +107,23 @@ class EngineRun:
 
     def close(self) -> None:
         """Leave before the last output: the engine aborts the work (nothing if it ended)."""
+        self._closed = True
+        self._leave()
+
+    def left(self) -> bool:
+        """Whether the caller closed it."""
+        return self._closed
+
+    def _leave(self) -> None:
         if not self._ended and self._work is not None:
             self._ended = True
             self._client.leave(self._key, self._work)
-        self._ended = True
 
     def __del__(self) -> None:
-        # Dropped unfinished (an async generator's finalizer did this): abort on the engine.
-        if not self._ended and self._work is not None:
-            with contextlib.suppress(Exception):
-                self._client.leave(self._key, self._work)
+        # Dropped unfinished (an async generator's finalizer did this): abort on the engine,
+        # in the loop's thread (a collection may run this in any thread).
+        loop, work = self._loop, self._work
+        if self._ended or work is None or loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(self._client.leave, self._key, work)

@@ -52,4 +52,6 @@ def reported_prefill_tokens(load: LoadReport | None) -> int:
     if load is None:
         return 0
     value = load.engine.get(PREFILL_TOKENS_QUEUED, 0.0)
+    if not math.isfinite(value):  # a broken report must not break the whole pool's view
+        return 0
     return max(0, int(value))
