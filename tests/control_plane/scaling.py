@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
-from omni_mesh.control_plane.client import ScaleStatus
+from omni_mesh.control_plane.client import ControlPlaneClient, LoadReport, ScaleStatus
 
 
 async def until(
@@ -22,3 +23,28 @@ async def until(
             return status
         assert time.monotonic() < deadline, f"condition not met; last status: {status}"
         await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def heartbeating(
+    client: ControlPlaneClient, reports: Callable[[], dict[str, LoadReport]]
+) -> AsyncIterator[None]:
+    """Each registered instance of ``reports()`` (instance id → its load now) heartbeats every
+    200 ms until the block ends; then they leave."""
+    ids = list(reports())
+
+    async def beat() -> None:
+        while True:
+            for instance_id, report in reports().items():
+                await client.heartbeat(instance_id, report)
+            await asyncio.sleep(0.2)
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        for instance_id in ids:
+            await client.deregister(instance_id)

@@ -23,7 +23,7 @@ from omni_mesh.control_plane.client import (
     RegisterRequest,
     ScaleDirection,
 )
-from tests.control_plane.scaling import until
+from tests.control_plane.scaling import heartbeating, until
 from tests.procs import (
     ControlPlaneProcess,
     RedisServer,
@@ -147,22 +147,11 @@ async def replicas(
         )
         ids.append(reg.instance_id)
 
-    async def beat() -> None:
-        while True:
-            for instance_id in ids:
-                report = LoadReport(in_flight=load["in_flight"], capacity=10)
-                await client.heartbeat(instance_id, report)
-            await asyncio.sleep(0.2)
+    def reports() -> dict[str, LoadReport]:
+        return {i: LoadReport(in_flight=load["in_flight"], capacity=10) for i in ids}
 
-    task = asyncio.create_task(beat())
-    try:
+    async with heartbeating(client, reports):
         yield ids
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        for instance_id in ids:
-            await client.deregister(instance_id)
 
 
 async def test_load_raises_idle_lowers_and_both_serve_one_decision(

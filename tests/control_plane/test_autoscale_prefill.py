@@ -8,7 +8,6 @@ then through a real omni-cp (embedded Redis): the ``?pool=prefill`` routes, what
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
 
@@ -33,7 +32,7 @@ from omni_mesh.control_plane.status import render_status
 from omni_mesh.control_plane.store.instances import InstanceStore
 from omni_mesh.control_plane.store.keys import KeySchema
 from omni_mesh.observability.metrics import ControlPlaneMetrics
-from tests.control_plane.scaling import until
+from tests.control_plane.scaling import heartbeating, until
 from tests.procs import ControlPlaneProcess, start_control_plane
 
 PIPELINE = "tiny-llm"
@@ -177,22 +176,11 @@ async def split_stage(
     for port, role in ((9871, "prefill"), (9872, "decode")):
         ids[role] = (await client.register(split_request(port, role))).instance_id
 
-    async def beat() -> None:
-        while True:
-            for role, instance_id in ids.items():
-                report = LoadReport(in_flight=load[role], capacity=4)
-                await client.heartbeat(instance_id, report)
-            await asyncio.sleep(0.2)
+    def reports() -> dict[str, LoadReport]:
+        return {i: LoadReport(in_flight=load[role], capacity=4) for role, i in ids.items()}
 
-    task = asyncio.create_task(beat())
-    try:
+    async with heartbeating(client, reports):
         yield ids
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        for instance_id in ids.values():
-            await client.deregister(instance_id)
 
 
 @pytest.mark.integration

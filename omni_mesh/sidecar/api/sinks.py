@@ -38,7 +38,7 @@ from omni_mesh.sidecar.errors import (
     hop_unavailable_error,
 )
 from omni_mesh.sidecar.hop.budget import HopUnavailable
-from omni_mesh.sidecar.middleware import API_ROUTE, API_STARTED, STREAM_FAILED
+from omni_mesh.sidecar.middleware import API_ROUTE, API_STARTED, STREAM_FAILED, internal_error
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ def _api_error(exc: Exception) -> ApiError:
         return exc
     if isinstance(exc, HopUnavailable):
         return hop_unavailable_error(exc)
-    return ApiError(500, "internal error (logged)", type_="internal_error")
+    return internal_error()
 
 
 def sse(event: object) -> bytes:
