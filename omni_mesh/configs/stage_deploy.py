@@ -207,7 +207,8 @@ class StageDeployConfig(BaseModel):
     )
     prefill: PrefillPool | None = Field(
         default=None,
-        description="vLLM stages: split prefill from decode; this block sizes (and may "
+        description="vLLM stages and the qwen3-omni thinker: split prefill from decode; this "
+        "block sizes (and may "
         "autoscale) the prefill pool, num_replicas and autoscale the decode pool (KV moved "
         "over NIXL).",
     )

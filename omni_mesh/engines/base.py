@@ -129,7 +129,7 @@ class StageEngine(ABC):
     """Base class of every stage engine."""
 
     #: Whether the engine runs a split stage's prefill and decode requests (deploy
-    #: ``prefill:``, ``data_plane/kv_transfer.py``): the vLLM engine does.
+    #: ``prefill:``, ``data_plane/kv_transfer.py``): the vLLM engine and the qwen3-omni thinker do.
     splits_prefill: ClassVar[bool] = False
 
     def __init__(self, ctx: EngineContext) -> None:
@@ -138,7 +138,7 @@ class StageEngine(ABC):
             raise EngineConfigError(
                 f"stage {ctx.stage.stage_id} ({ctx.stage.name}): prefill: splits a stage into "
                 f"prefill and decode pools, which {type(self).__name__} does not do (vLLM "
-                "stages do)"
+                "stages and the qwen3-omni thinker do)"
             )
 
     @abstractmethod

@@ -18,6 +18,13 @@ the rows that fail on their own fail.
 
 Rows draw their samples from their own generators and the decode keeps each row's positions,
 so a request's frames depend on its seed alone, never on its batchmates.
+
+A split stage's decode replica gets a row's prefill from elsewhere (``row.remote``: a pull of
+what a prefill replica held, ``kv_exchange.py``): the row waits, polled once per step, until
+its state arrives (:meth:`FrameBatch.restore` turns it into the row's cache and fields); it
+then joins where a row prefilled here would. A pull that fails makes the row prefill here, in
+the same step. A prefill replica runs :meth:`FrameBatch.prefill` alone and hands
+:meth:`FrameBatch.held` of the row to the exchange.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -33,6 +40,17 @@ import torch
 from omni_mesh.engines.hf.padded_cache import PaddedCache
 
 logger = logging.getLogger(__name__)
+
+
+class RemotePrefill(Protocol):
+    """Where a row's prefill comes from when it does not run here (module docstring)."""
+
+    def poll(self) -> dict[str, torch.Tensor] | None:
+        """The row's prefilled state once it arrived, None while not; raises when it never
+        will (the row then prefills here)."""
+
+    def cancel(self) -> None:
+        """Stop waiting (the row was removed)."""
 
 
 @dataclass(eq=False)
@@ -44,6 +62,7 @@ class Row:
     frames: list[np.ndarray] = field(default_factory=list)  # int64 [G] each
     done: bool = False  # no more frames will come
     error: BaseException | None = None  # why the row failed (then done too)
+    remote: RemotePrefill | None = None  # its prefill comes from elsewhere (module docstring)
 
     def fail(self, exc: BaseException) -> None:
         self.error = exc
@@ -63,15 +82,21 @@ class FrameBatch(ABC, Generic[RowT]):
         self.cache = PaddedCache()
         self.running: list[RowT] = []  # in the cache's row order
         self.pending: list[RowT] = []  # joined since the last step, not prefilled yet
+        self.waiting: list[RowT] = []  # their prefill comes from elsewhere (``row.remote``)
+        self.frames_made = 0  # by the batched decodes, since the start
 
     def add(self, row: RowT) -> None:
-        """Queue a row; its prefill runs at the next :meth:`step`."""
-        self.pending.append(row)
+        """Queue a row; its prefill runs at the next :meth:`step` (or arrives: ``row.remote``)."""
+        (self.pending if row.remote is None else self.waiting).append(row)
 
     def remove(self, row: RowT) -> None:
         """Take a row out (an aborted request); a no-op for a row that already left."""
         if row in self.pending:
             self.pending.remove(row)
+        elif row in self.waiting:
+            self.waiting.remove(row)
+            if row.remote is not None:
+                row.remote.cancel()
         elif row in self.running:
             index = self.running.index(row)
             self.running.pop(index)
@@ -79,20 +104,27 @@ class FrameBatch(ABC, Generic[RowT]):
 
     @property
     def busy(self) -> bool:
-        return bool(self.running or self.pending)
+        return bool(self.running or self.pending or self.waiting)
 
     def step(self) -> None:
-        """Every waiting row prefilled, then one frame for every running row (with
-        :attr:`prefill_frames`, the running rows' decode first: the new rows' frame is their
-        prefill's)."""
+        """Every new row prefilled (or its prefill arrived), then one frame for every running
+        row (with :attr:`prefill_frames`, the running rows' decode first: the new rows' frame
+        is their prefill's)."""
+        arrived = self._arrivals()
         pending, self.pending = self.pending, []
         first, after = ([], pending) if self.prefill_frames else (pending, [])
+        early, late = ([], arrived) if self.prefill_frames else (arrived, [])
         for row in first:
             self._prefill(row)
+        for row, row_cache in early:
+            self._join(row, row_cache)
         if self.running:
             self._decode_all()
+            self.frames_made += len(self.running)
         for row in after:
             self._prefill(row)
+        for row, row_cache in late:
+            self._join(row, row_cache)
         for index in reversed(range(len(self.running))):
             if self.running[index].done:
                 self.running.pop(index)
@@ -110,15 +142,53 @@ class FrameBatch(ABC, Generic[RowT]):
         ``row.frames``, ``row.done`` set for a row that ended; ``cache.advanced()`` after the
         forward that grows it. Raise before changing any row when something fails."""
 
+    def held(self, row: RowT, row_cache: Any) -> dict[str, torch.Tensor]:
+        """What a decode replica needs to go on with ``row`` after its :meth:`prefill` here
+        (the cache's layers, the row's state): tensors, for ``kv_exchange``. Only a model
+        whose stage can be split has it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot hand its prefill on")
+
+    def restore(self, row: RowT, state: dict[str, torch.Tensor]) -> Any:
+        """The row as :meth:`held` saw it, from its tensors: its cache (or None when the row
+        ended there), its fields set as its own prefill would have."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take a prefill from elsewhere")
+
+    def _arrivals(self) -> list[tuple[RowT, Any]]:
+        """The waiting rows whose state arrived, each with its cache; a row whose pull failed
+        goes to ``pending``, to prefill here."""
+        arrived = []
+        for row in list(self.waiting):
+            assert row.remote is not None
+            try:
+                state = row.remote.poll()
+                if state is None:
+                    continue
+                arrived.append((row, self.restore(row, state)))
+            except Exception as exc:
+                logger.warning("prefill of request_id=%s runs here: %s", row.request_id, exc)
+                self.pending.append(row)
+            self.waiting.remove(row)
+            row.remote = None
+        return arrived
+
     def _prefill(self, row: RowT) -> None:
         try:
             row_cache = self.prefill(row)
-            if row_cache is not None and not row.done:
-                self.cache.join(row_cache)
-                self.running.append(row)
         except Exception as exc:
             logger.exception("prefill failed request_id=%s", row.request_id)
             row.fail(exc)
+            return
+        self._join(row, row_cache)
+
+    def _join(self, row: RowT, row_cache: Any) -> None:
+        if row_cache is not None and not row.done:
+            try:
+                self.cache.join(row_cache)
+            except Exception as exc:  # a cache of another shape (a prefill from elsewhere)
+                logger.exception("request_id=%s cannot join the batch", row.request_id)
+                row.fail(exc)
+                return
+            self.running.append(row)
 
     def _decode_all(self) -> None:
         rows = list(self.running)

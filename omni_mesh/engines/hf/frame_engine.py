@@ -8,6 +8,10 @@ advances the batch by one frame once per core step, and ``execute`` drives a bat
 results the same way until every request has its answer. A bad input is answered at once
 (the :meth:`ReferenceEngine.parse` error), and so is a request the subclass answers without the
 model (:meth:`FrameEngine.row` returning a result).
+
+A split stage's engine (deploy ``prefill:``) sets :attr:`FrameEngine.kv` in its ``build``: its
+prefill requests are answered with where their state waits, its decode requests' rows pull it
+(``kv_split.py``); it then reports its scheduler's view and its transfers in :meth:`stats`.
 """
 
 from __future__ import annotations
@@ -20,9 +24,12 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from omni_mesh.data_plane.kv_transfer import is_prefill
+from omni_mesh.data_plane.messages import EngineStats
 from omni_mesh.engines.base import EngineRequest, EngineResult
 from omni_mesh.engines.hf.frame_batch import FrameBatch, Row
 from omni_mesh.engines.hf.frame_stream import Chunker, FrameStream
+from omni_mesh.engines.hf.kv_split import KvSplit
 from omni_mesh.engines.reference.common import ReferenceEngine
 
 logger = logging.getLogger(__name__)
@@ -37,6 +44,7 @@ class FrameEngine(ReferenceEngine[InputT]):
     batch: FrameBatch[Any]
     first_chunk_frames: int
     chunk_frames: int
+    kv: KvSplit | None = None  # a split stage's (module docstring)
 
     @abstractmethod
     def row(self, request: EngineRequest, inputs: InputT) -> Row | EngineResult:
@@ -67,9 +75,35 @@ class FrameEngine(ReferenceEngine[InputT]):
 
     def before_step(self, streams: int) -> None:
         """One frame for every running request (the rows opened since the last step join)."""
+        if self.kv is not None:
+            self.kv.tick()
         if self.batch.busy:
             with torch.inference_mode():
                 self.batch.step()
+
+    def idle(self) -> None:
+        if self.kv is not None:
+            self.kv.tick()  # frees what was pulled or expired
+
+    def stats(self) -> EngineStats | None:
+        """A split stage's view (its rows, its frames per second, its transfers, the prompt
+        tokens of prefills not run yet); None unsplit."""
+        if self.kv is None:
+            return None
+        batch = self.batch
+        return EngineStats(
+            running=len(batch.running),
+            waiting=len(batch.pending) + len(batch.waiting),
+            kv_cache_usage=0.0,  # a DynamicCache grows as it needs: no fixed pool to fill
+            tokens_per_s=self.kv.frame_rate(batch.frames_made),
+            prefill_tokens_queued=self.kv.queued_tokens,
+            **self.kv.exchange.counts.stats_fields(),
+        )
+
+    def close(self) -> None:
+        if self.kv is not None:
+            self.kv.close()
+        super().close()
 
     def run(
         self, request: EngineRequest, inputs: InputT, generator: torch.Generator
@@ -88,6 +122,10 @@ class FrameEngine(ReferenceEngine[InputT]):
         row = self.row(request, inputs)
         if isinstance(row, EngineResult):
             return iter([row])
+        if self.kv is not None and request.kv_transfer:
+            if is_prefill(request.kv_transfer):
+                return self.kv.prefill(request, row)
+            self.kv.pull(request, row)
         return FrameStream(
             self.batch,
             row,

@@ -33,6 +33,10 @@ answer's hidden states, it gets them with the last result as one whole input). T
 texts concatenated are the whole text. Not streaming, a request still runs in the batch and
 yields one whole result when it ends.
 
+Split (deploy ``prefill:``): prefill and decode replicas, the prompt's KV cache, first token,
+positions, sampler state and prompt hidden states moved engine to engine over NIXL
+(``kv_split.py``, ``kv_exchange.py``); the decode replica's answer is the unsplit one.
+
 Why not vLLM: vLLM's ``qwen3_omni_moe_thinker`` returns tokens, not the per-layer hidden
 states and input embeddings the talker conditions on; handing those out needs a model class
 registered through vLLM's plugin mechanism that returns them (a follow-up).
@@ -53,6 +57,7 @@ from omni_mesh.engines.hf.common import load_part, model_folder, parameter_count
 from omni_mesh.engines.hf.frame_batch import Row
 from omni_mesh.engines.hf.frame_engine import FrameEngine
 from omni_mesh.engines.hf.frame_stream import Chunker
+from omni_mesh.engines.hf.kv_split import KvSplit
 from omni_mesh.engines.hf.qwen3_omni_inputs import ThinkerPrompt, conversation, thinker_prompt
 from omni_mesh.engines.hf.qwen3_omni_thinker_batch import ThinkerBatch, ThinkerRow
 from omni_mesh.engines.hf.row_sampling import Sampling, row_generator
@@ -75,6 +80,7 @@ class ThinkerInput:
 class Qwen3OmniThinkerEngine(FrameEngine[ThinkerInput]):
     """Qwen3-Omni's thinker (module docstring)."""
 
+    splits_prefill = True
     model: Any
 
     def build(self, seed: int) -> int:
@@ -101,6 +107,8 @@ class Qwen3OmniThinkerEngine(FrameEngine[ThinkerInput]):
         self.first_chunk_frames = self.chunk_frames = self.chunk_tokens
         layer = self.config.talker_config.accept_hidden_layer
         self.batch = ThinkerBatch(self.model, self.config.im_end_token_id, layer)
+        if self.ctx.config.prefill is not None:
+            self.kv = KvSplit(self.ctx, self.batch, _prompt_tokens)
         return parameter_count(self.model)
 
     def parse(self, request: EngineRequest) -> ThinkerInput:
@@ -229,6 +237,11 @@ class Qwen3OmniThinkerEngine(FrameEngine[ThinkerInput]):
             }
         )
         return EngineResult(request.request_id, output=output, final=final)
+
+
+def _prompt_tokens(row: Row) -> int:
+    assert isinstance(row, ThinkerRow) and row.prompt is not None
+    return int(row.prompt.input_ids.shape[-1])
 
 
 def _sampling(request: EngineRequest) -> Sampling:

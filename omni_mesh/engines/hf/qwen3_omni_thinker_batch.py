@@ -115,6 +115,47 @@ class ThinkerBatch(FrameBatch[ThinkerRow]):
         for i, row in enumerate(rows):  # nothing failed: commit every row
             self._commit(row, tokens[i], out.hidden_states, i, positions[:, i : i + 1])
 
+    def held(self, row: ThinkerRow, row_cache: Any) -> dict[str, Tensor]:
+        """The row after its prefill (one token): its token, positions, generator and the
+        prompt's input embeddings and accept-layer hidden states, and the cache's layers."""
+        state = {
+            "tokens": torch.tensor(row.tokens, dtype=torch.int64),
+            "position": _tensor(row.position),
+            "generator": row.generator.get_state(),
+            "embeds": torch.cat(row.embeds),
+            "hidden": torch.cat(row.hidden),
+        }
+        for i, (keys, values, *_) in enumerate(row_cache):
+            state[f"k{i}"], state[f"v{i}"] = keys, values
+        return state
+
+    def restore(self, row: ThinkerRow, state: dict[str, Tensor]) -> Any:
+        """:meth:`held`'s tensors back into ``row`` (parsed here from the same request) and its
+        cache; a state of another prompt or model raises, before the row changes."""
+        from transformers import DynamicCache
+
+        assert row.prompt is not None
+        length = int(row.prompt.input_ids.shape[-1])
+        width = int(self.thinker.config.text_config.hidden_size)
+        layers = int(self.thinker.config.text_config.num_hidden_layers)
+        tokens = state["tokens"].tolist()
+        embeds, hidden = state["embeds"], state["hidden"]
+        if len(tokens) != 1 or tuple(state["position"].shape) != (4, 1, 1):
+            raise ValueError("the prefill state is not one token's")
+        if tuple(embeds.shape) != (length, width) or tuple(hidden.shape) != (length, width):
+            raise ValueError(f"the prefill state is not of this prompt ({length} x {width})")
+        kv = [(state[f"k{i}"], state[f"v{i}"]) for i in range(layers)]
+        if any(int(k.shape[-2]) != length or k.shape != v.shape for k, v in kv):
+            raise ValueError("the prefill's cache is not of this prompt")
+        row.generator.set_state(state["generator"])
+        row.embeds.append(embeds.to(self.device, self.thinker.dtype))
+        row.hidden.append(hidden.to(self.device, self.thinker.dtype))
+        row.position = state["position"].to(self.device)
+        row.tokens.append(int(tokens[0]))
+        row.frames.append(np.array(tokens, dtype=np.int64))
+        row.done = row.tokens[0] == self.eos or len(row.tokens) >= row.max_tokens
+        return DynamicCache(ddp_cache_data=[(k.to(self.device), v.to(self.device)) for k, v in kv])
+
     def _commit(
         self, row: ThinkerRow, token: int, states: tuple[Tensor, ...], index: int, position: Tensor
     ) -> None:
@@ -154,3 +195,8 @@ class ThinkerBatch(FrameBatch[ThinkerRow]):
             lengths = prompt.feature_attention_mask.sum(-1).to(self.device)
         vision, _ = self.thinker.get_rope_index(input_ids, None, None, mask, False, lengths, None)
         return torch.cat([text[None, ...], vision], dim=0)
+
+
+def _tensor(t: Tensor | None) -> Tensor:
+    assert t is not None
+    return t

@@ -19,7 +19,18 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from omni_mesh.engines.kv_counts import KvCounts
+from omni_mesh.engines.nixl_agents import CPU_PROGRESS_DELAY_US, pace_nixl_progress
 from omni_mesh.procutil import free_port
+
+__all__ = [
+    "CPU_PROGRESS_DELAY_US",
+    "KvTransferCounts",
+    "kv_connector_config",
+    "pace_nixl_progress",
+    "queued_prefill_tokens",
+    "with_kv_connector",
+]
 
 PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
@@ -59,18 +70,8 @@ def with_kv_connector(
     return {**args, "kv_transfer_config": config}
 
 
-class KvTransferCounts:
-    """What this engine's connector moved, as totals since it started (reported to the
-    sidecar in ``EngineStats``): pulls and their bytes (a decode replica's reads), pulls that
-    failed (the decode replica prefilled for itself instead), and prefilled KV that no decode
-    replica pulled before its lease ran out (a prefill replica freed it)."""
-
-    def __init__(self) -> None:
-        self.pulled = 0
-        self.pulled_bytes = 0
-        self.pulled_s = 0.0  # NIXL's transfer time of those pulls
-        self.failed = 0
-        self.expired = 0
+class KvTransferCounts(KvCounts):
+    """What this engine's connector moved (:class:`KvCounts`), read from vLLM's connector."""
 
     def install(self) -> None:
         """Read the transfer stats vLLM's worker hands its scheduler every step (vLLM drops
@@ -109,40 +110,3 @@ def queued_prefill_tokens(scheduler: Any) -> int:
     for request in list(scheduler.requests.values()):
         total += max(0, int(request.num_prompt_tokens) - int(request.num_computed_tokens))
     return total
-
-
-#: The NIXL progress thread's pause between rounds on CPU machines, microseconds.
-CPU_PROGRESS_DELAY_US = 1000
-
-
-def pace_nixl_progress(delay_us: int) -> bool:
-    """Give NIXL agents made in this process a progress thread that pauses ``delay_us``
-    between rounds; True when applied.
-
-    NIXL's Python wrapper (1.5) builds every agent with ``pthrDelay = 0``, and its UCX
-    progress thread then spins: measured here, one whole core per engine, prefill and decode,
-    idle or not: on a CPU machine the core its model needs. With 1 ms the same transfers pass
-    and an idle engine uses ~5% of a core. The wrapper's module is vLLM's ``nixl._api``
-    backend (``nixl_cu12``, …); its ``nixlBind`` is wrapped so the agent config it makes
-    takes the delay. 0 keeps NIXL's own behaviour."""
-    if delay_us <= 0:
-        return False
-    import importlib
-    import types
-
-    from nixl._api import nixl_agent
-
-    api: Any = importlib.import_module(nixl_agent.__module__)
-    bindings = api.nixlBind
-    if getattr(bindings, "omni_paced", False):
-        return True
-
-    class PacedConfig(bindings.nixlAgentConfig):  # type: ignore[misc,name-defined]
-        def __setattr__(self, name: str, value: Any) -> None:
-            super().__setattr__(name, delay_us if name == "pthrDelay" else value)
-
-    names = {k: getattr(bindings, k) for k in dir(bindings) if not k.startswith("__")}
-    names.update(nixlAgentConfig=PacedConfig, omni_paced=True)
-    paced = types.SimpleNamespace(**names)
-    api.nixlBind = paced
-    return True

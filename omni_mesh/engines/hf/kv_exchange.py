@@ -1,0 +1,373 @@
+"""A split stage's prompt state moved engine to engine over NIXL, for the transformers engines
+(deploy ``prefill:``; the fabric's side: ``data_plane/kv_transfer.py``).
+
+A prefill replica runs a request's prefill and :meth:`KvExchange.hold` copies what the decode
+side needs to go on (the KV cache's layers, the row's own state: its first token, its
+positions, its sampler's generator, the hidden states the next stage needs) into a slot of its
+hold buffer, registered with its NIXL agent once at start. The answer's params (JSON) say where:
+the agent's name and metadata (a few hundred bytes: a decode replica adds the agent from
+them the first time it sees it), the slot's address and length, and each tensor's name, dtype,
+shape and offset. A decode replica's :meth:`KvExchange.pull` starts one NIXL ``READ`` of the
+slot into its own receive buffer; :meth:`KvPull.poll` gives the tensors once it is done. The
+read carries a notification to the prefill engine, which then frees the slot; a slot nobody
+pulls within ``lease_s`` is freed too (counted ``expired``). Only the params travel through
+the sidecars.
+
+A slot starts with a 16-byte tag, also in the params: a read that finds another tag (a slot
+freed and reused: a second pull of the same params) fails rather than decoding someone else's
+KV. A pull that fails (the prefill engine is gone, the read errs or takes longer than
+``pull_timeout_s``, the params are unusable, no room here) raises :class:`KvTransferError`
+and is counted ``failed``: the engine then prefills the request itself.
+
+Memory: the buffers are host memory. On a GPU the tensors are copied to the host to be held,
+and back after the pull (NIXL can read GPU memory directly; that is a follow-up).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import logging
+import math
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from omni_mesh.data_plane.kv_transfer import KvTransferError
+from omni_mesh.engines.hf.kv_arena import ALIGN, SlotAllocator
+from omni_mesh.engines.kv_counts import KvCounts
+from omni_mesh.engines.nixl_agents import nixl_agent
+
+logger = logging.getLogger(__name__)
+
+TAG = "tag"  # the slot's first tensor: 16 bytes naming the hold
+PULLED = b"pulled:"  # a read's notification to the prefill engine: PULLED + hold id
+DTYPES = {
+    name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "int64", "uint8")
+}
+#: Remote agents a decode engine keeps (their connections) at most.
+MAX_PEERS = 64
+#: Longest params text a pull accepts (a layout per layer: ~100 bytes each).
+MAX_PARAMS_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor in a slot."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # from the slot's start
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * int(DTYPES[self.dtype].itemsize)
+
+
+@dataclass
+class _Hold:
+    offset: int  # of its slot in the hold buffer
+    expires: float  # time.monotonic()
+
+
+class KvExchange:
+    """One engine's NIXL agent, its hold and receive buffers, and the holds and pulls in
+    flight (module docstring). Every call comes from the engine's thread."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        buffer_bytes: int,
+        lease_s: float,
+        pull_timeout_s: float,
+        progress_delay_us: int,
+    ) -> None:
+        self.name = name
+        self.lease_s = lease_s
+        self.pull_timeout_s = pull_timeout_s
+        self.counts = KvCounts()
+        self.agent = nixl_agent(name, progress_delay_us)
+        # One registration for both: the first half holds, the second receives.
+        self._buffer = torch.empty(2 * buffer_bytes, dtype=torch.uint8)
+        self._registered = self.agent.register_memory(self._buffer)
+        self._base = int(self._buffer.data_ptr())
+        self.holds = SlotAllocator(buffer_bytes)
+        self.receive = SlotAllocator(buffer_bytes)
+        self._receive_at = buffer_bytes
+        self._metadata = base64.b64encode(self.agent.get_agent_metadata()).decode()
+        self._held: dict[str, _Hold] = {}
+        self._peers: OrderedDict[str, bytes] = OrderedDict()  # remote agents added: metadata
+        self._draining: list[KvPull] = []  # given up on, still reading into their slots
+
+    # ---- the prefill side ------------------------------------------------------------------
+
+    def hold(self, tensors: dict[str, Tensor]) -> str:
+        """Copy ``tensors`` into a free slot and keep it for a pull; the params saying where.
+        Raises :class:`KvTransferError` when the buffer has no room."""
+        tag = uuid.uuid4()
+        named = {TAG: torch.frombuffer(bytearray(tag.bytes), dtype=torch.uint8), **tensors}
+        entries, total = _layout(named)
+        offset = self.holds.take(total)
+        if offset is None:
+            raise KvTransferError(
+                f"the KV hold buffer is full ({self.holds.used} of {self.holds.capacity} bytes "
+                f"held; this prefill needs {total}: engine_extras.kv_buffer_mib)"
+            )
+        for entry in entries:
+            start = offset + entry.offset
+            flat = named[entry.name].detach().to("cpu").contiguous().reshape(-1)
+            self._buffer[start : start + entry.nbytes].copy_(flat.view(torch.uint8))
+        self._held[tag.hex] = _Hold(offset, time.monotonic() + self.lease_s)
+        params = {
+            "remote_engine_id": self.name,
+            "agent": self._metadata,
+            "hold": tag.hex,
+            "addr": self._base + offset,
+            "nbytes": total,
+            "tensors": [[e.name, e.dtype, list(e.shape), e.offset] for e in entries],
+        }
+        return json.dumps(params, separators=(",", ":"))
+
+    @property
+    def held(self) -> int:
+        """Holds not pulled nor expired yet."""
+        return len(self._held)
+
+    def tick(self) -> None:
+        """Free the slots whose pull finished (the readers' notifications) or whose lease ran
+        out; release the pulls given up on once their reads stopped."""
+        for messages in self.agent.get_new_notifs().values():
+            for message in messages:
+                if message.startswith(PULLED):
+                    self._free(message[len(PULLED) :].decode(errors="replace"))
+        now = time.monotonic()
+        for hold_id in [h for h, hold in self._held.items() if hold.expires <= now]:
+            self._free(hold_id)
+            self.counts.expired += 1
+            logger.info("KV of hold=%s not pulled within %.0f s: freed", hold_id, self.lease_s)
+        for pull in list(self._draining):
+            if pull.settled():
+                self._draining.remove(pull)
+
+    def _free(self, hold_id: str) -> None:
+        hold = self._held.pop(hold_id, None)
+        if hold is not None:
+            self.holds.give(hold.offset)
+
+    # ---- the decode side -------------------------------------------------------------------
+
+    def pull(self, params_text: str) -> KvPull:
+        """Start reading the slot ``params_text`` names (a prefill answer's params). Raises
+        :class:`KvTransferError` (counted failed) when it cannot start."""
+        try:
+            return self._start(params_text)
+        except KvTransferError:
+            self.counts.failed += 1
+            raise
+
+    def _start(self, params_text: str) -> KvPull:
+        remote, metadata, hold_id, addr, entries, nbytes = _parse(params_text)
+        if nbytes > self.receive.capacity:
+            raise KvTransferError(
+                f"kv_transfer: {nbytes} bytes, more than this engine's receive buffer "
+                f"({self.receive.capacity}: engine_extras.kv_buffer_mib)"
+            )
+        offset = self.receive.take(nbytes)
+        if offset is None:
+            raise KvTransferError("kv_transfer: the receive buffer is full")
+        try:
+            self._know(remote, metadata)
+            here = self.agent.get_xfer_descs(
+                [(self._base + self._receive_at + offset, nbytes, 0)], "DRAM"
+            )
+            there = self.agent.get_xfer_descs([(addr, nbytes, 0)], "DRAM")
+            handle = self.agent.initialize_xfer(
+                "READ", here, there, remote, PULLED + hold_id.encode()
+            )
+            state = self.agent.transfer(handle)
+        except Exception as exc:  # nixl's errors: no such agent or registration, disconnected
+            self.receive.give(offset)
+            self.forget(remote)
+            raise KvTransferError(f"kv_transfer: the read could not start: {exc}") from None
+        pull = KvPull(self, handle, remote, hold_id, offset, entries, nbytes)
+        if state == "ERR":
+            pull.cancel()
+            self.forget(remote)
+            raise KvTransferError("kv_transfer: the read failed at once")
+        return pull
+
+    def _know(self, remote: str, metadata: bytes) -> None:
+        """Add the remote agent (again when its metadata changed); the longest unused one is
+        dropped past :data:`MAX_PEERS` (prefill replicas come and go)."""
+        if self._peers.get(remote) == metadata:
+            self._peers.move_to_end(remote)
+            return
+        self.forget(remote)
+        self.agent.add_remote_agent(metadata)
+        self._peers[remote] = metadata
+        while len(self._peers) > MAX_PEERS:
+            self.forget(next(iter(self._peers)))
+
+    def forget(self, remote: str) -> None:
+        """Drop a remote agent (its read failed: a restarted or dead engine; or unused)."""
+        if self._peers.pop(remote, None) is not None:
+            try:
+                self.agent.remove_remote_agent(remote)
+            except Exception:  # already gone from NIXL's view
+                logger.debug("remove_remote_agent %s", remote, exc_info=True)
+
+    def tensors_at(self, offset: int, entries: list[Entry]) -> dict[str, Tensor]:
+        """Copies of the tensors a finished read left at ``offset`` of the receive buffer."""
+        start = self._receive_at + offset
+        out = {}
+        for e in entries:
+            raw = self._buffer[start + e.offset : start + e.offset + e.nbytes]
+            out[e.name] = raw.view(DTYPES[e.dtype]).reshape(e.shape).clone()
+        return out
+
+    def close(self) -> None:
+        try:
+            self.agent.deregister_memory(self._registered)
+        except Exception:
+            logger.debug("deregister_memory", exc_info=True)
+
+
+class KvPull:
+    """One read in flight (:meth:`KvExchange.pull`)."""
+
+    def __init__(
+        self,
+        exchange: KvExchange,
+        handle: Any,
+        remote: str,
+        hold_id: str,
+        offset: int,
+        entries: list[Entry],
+        nbytes: int,
+    ) -> None:
+        self.exchange = exchange
+        self.handle = handle
+        self.remote = remote
+        self.hold_id = hold_id
+        self.offset = offset
+        self.entries = entries
+        self.nbytes = nbytes
+        self.started = time.monotonic()
+        self.done = False  # its slot and handle are released (or handed to draining)
+
+    def poll(self) -> dict[str, Tensor] | None:
+        """The tensors once the read is done, None while it runs; raises
+        :class:`KvTransferError` (counted failed) when it failed or took too long."""
+        if self.done:
+            raise KvTransferError("kv_transfer: this pull already ended")
+        state = self._state()
+        if state == "PROC":
+            if time.monotonic() - self.started > self.exchange.pull_timeout_s:
+                self.fail(f"no answer within {self.exchange.pull_timeout_s:g} s")
+            return None
+        if state != "DONE":
+            self.fail(f"the read failed ({state})")
+        elapsed = time.monotonic() - self.started
+        tensors = self.exchange.tensors_at(self.offset, self.entries)
+        self._release()
+        if bytes(tensors.pop(TAG).tolist()) != bytes.fromhex(self.hold_id):
+            self.exchange.counts.failed += 1
+            raise KvTransferError("kv_transfer: the slot holds another prefill (pulled twice?)")
+        counts = self.exchange.counts
+        counts.pulled += 1
+        counts.pulled_bytes += self.nbytes
+        counts.pulled_s += elapsed
+        return tensors
+
+    def fail(self, why: str) -> None:
+        """Give up: counted failed, the slot released once the read stopped; raises."""
+        self.exchange.counts.failed += 1
+        self.exchange.forget(self.remote)
+        self.cancel()
+        raise KvTransferError(f"kv_transfer: pull of hold={self.hold_id} failed: {why}")
+
+    def cancel(self) -> None:
+        """Stop waiting (an aborted request): its slot is freed once the read stopped."""
+        if self.done:
+            return
+        self.done = True
+        if not self.settled():
+            self.exchange._draining.append(self)
+
+    def settled(self) -> bool:
+        """True once the read stopped and its slot and handle were released."""
+        if self.handle is None:
+            return True
+        if self._state() == "PROC":
+            try:  # NIXL aborts a read in flight when its handle is released
+                self.exchange.agent.release_xfer_handle(self.handle)
+            except Exception:
+                return False
+            self.handle = None
+            self.exchange.receive.give(self.offset)
+            return True
+        self._release()
+        return True
+
+    def _state(self) -> str:
+        try:
+            return str(self.exchange.agent.check_xfer_state(self.handle))
+        except Exception as exc:  # a disconnected peer raises here
+            logger.debug("check_xfer_state: %s", exc)
+            return "ERR"
+
+    def _release(self) -> None:
+        self.done = True
+        if self.handle is not None:
+            try:
+                self.exchange.agent.release_xfer_handle(self.handle)
+            except Exception:
+                logger.debug("release_xfer_handle", exc_info=True)
+            self.handle = None
+            self.exchange.receive.give(self.offset)
+
+
+def _layout(tensors: dict[str, Tensor]) -> tuple[list[Entry], int]:
+    entries, offset = [], 0
+    for name, t in tensors.items():
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype not in DTYPES:
+            raise KvTransferError(f"cannot hold {name}: dtype {dtype}")
+        entry = Entry(name, dtype, tuple(int(n) for n in t.shape), offset)
+        entries.append(entry)
+        offset += -(-entry.nbytes // ALIGN) * ALIGN
+    return entries, offset
+
+
+def _parse(text: str) -> tuple[str, bytes, str, int, list[Entry], int]:
+    """(remote agent, its metadata, hold id, address, entries, bytes) of a prefill answer's
+    params; :class:`KvTransferError` naming what is wrong."""
+    if len(text) > MAX_PARAMS_BYTES:
+        raise KvTransferError(f"kv_transfer: longer than {MAX_PARAMS_BYTES} bytes")
+    try:
+        p = json.loads(text)
+        remote, hold_id = str(p["remote_engine_id"]), str(p["hold"])
+        metadata = base64.b64decode(p["agent"], validate=True)
+        addr, nbytes = int(p["addr"]), int(p["nbytes"])
+        entries = [
+            Entry(str(n), str(d), tuple(int(x) for x in s), int(o)) for n, d, s, o in p["tensors"]
+        ]
+        bytes.fromhex(hold_id)
+    except (ValueError, KeyError, TypeError, binascii.Error) as exc:
+        raise KvTransferError(f"kv_transfer: not a transformers prefill's params ({exc})") from None
+    if not remote or addr < 0 or nbytes <= 0 or not entries or entries[0].name != TAG:
+        raise KvTransferError("kv_transfer: not a transformers prefill's params")
+    for e in entries:
+        if e.dtype not in DTYPES or any(n < 0 for n in e.shape):
+            raise KvTransferError(f"kv_transfer: tensor {e.name!r}: bad dtype or shape")
+        if e.offset < 0 or e.offset + e.nbytes > nbytes:
+            raise KvTransferError(f"kv_transfer: tensor {e.name!r} lies outside the slot")
+    return remote, metadata, hold_id, addr, entries, nbytes
