@@ -19,6 +19,7 @@ the same run. Every process a benchmark starts is stopped at its end, also on er
 | omni | :mod:`benchmarks.omni` | qwen3-omni streamed speech vs transformers' whole model |
 | realtime | :mod:`benchmarks.realtime` | first audio, barge-in, session memory, a kill |
 | pd | :mod:`benchmarks.pd` | prefill/decode split 1P:1D vs 2 unsplit replicas, mixed load |
+| pd-thinker | :mod:`benchmarks.pd_thinker` | the same for qwen3-omni's thinker (transformers) |
 """
 
 NAMES = (
@@ -34,4 +35,5 @@ NAMES = (
     "omni",
     "realtime",
     "pd",
+    "pd-thinker",
 )

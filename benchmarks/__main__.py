@@ -1,7 +1,7 @@
 """``python -m benchmarks NAME [--quick] [--reps N] [--profile DIR] [--write-doc FILE]``.
 
 NAME is one of ``hop``, ``handoff``, ``scaling``, ``control-plane``, ``peer``, ``streaming``,
-``autoscale``, ``overload``, ``vllm``, ``omni``, ``realtime``, ``pd`` or ``all``.
+``autoscale``, ``overload``, ``vllm``, ``omni``, ``realtime``, ``pd``, ``pd-thinker`` or ``all``.
 ``--write-doc`` replaces the generated part of a markdown file (between the BEGIN/END
 GENERATED markers) with this run's tables, the command and the machine.
 """
@@ -42,6 +42,7 @@ MODULES = {
     "omni": "benchmarks.omni",
     "realtime": "benchmarks.realtime",
     "pd": "benchmarks.pd",
+    "pd-thinker": "benchmarks.pd_thinker",
 }
 
 

