@@ -175,6 +175,12 @@ class StageEngine(ABC):
         ``next()`` each. An engine that models a per-step cost (the synthetic one) spends it
         here."""
 
+    def holds_work(self) -> bool:
+        """True while the engine keeps something others will still fetch though no request
+        runs (a split stage's prefill states, until pulled or expired): a draining engine
+        process waits for it before it stops."""
+        return False
+
     def stats(self) -> EngineStats | None:
         """The engine's own scheduler view (running, waiting, KV cache, tokens/s), for an engine
         that batches by itself (vLLM); None for the others. Called with every stats report."""

@@ -243,7 +243,12 @@ class EngineProc:
                         engine=core.engine.stats(),
                     )
                 )
-            if self.state is State.DRAINING and not self._waiting and not core.running:
+            if (
+                self.state is State.DRAINING
+                and not self._waiting
+                and not core.running
+                and not core.engine.holds_work()
+            ):
                 self.state = State.STOPPED
 
     def _next_batch(self, room: int) -> list[tuple[StageInput, float]]:

@@ -52,6 +52,10 @@ class RemotePrefill(Protocol):
     def cancel(self) -> None:
         """Stop waiting (the row was removed)."""
 
+    def arrived(self, ok: bool) -> None:
+        """The state :meth:`poll` gave was taken (``ok``), or refused by
+        :meth:`FrameBatch.restore`."""
+
 
 @dataclass(eq=False)
 class Row:
@@ -150,7 +154,8 @@ class FrameBatch(ABC, Generic[RowT]):
 
     def restore(self, row: RowT, state: dict[str, torch.Tensor]) -> Any:
         """The row as :meth:`held` saw it, from its tensors: its cache (or None when the row
-        ended there), its fields set as its own prefill would have."""
+        ended there), its fields set as its own prefill would have. A state that does not fit
+        the row and the model raises before the row changes (the row then prefills here)."""
         raise NotImplementedError(f"{type(self).__name__} cannot take a prefill from elsewhere")
 
     def _arrivals(self) -> list[tuple[RowT, Any]]:
@@ -159,14 +164,22 @@ class FrameBatch(ABC, Generic[RowT]):
         arrived = []
         for row in list(self.waiting):
             assert row.remote is not None
+            remote = row.remote
             try:
-                state = row.remote.poll()
+                state = remote.poll()
                 if state is None:
                     continue
-                arrived.append((row, self.restore(row, state)))
             except Exception as exc:
                 logger.warning("prefill of request_id=%s runs here: %s", row.request_id, exc)
                 self.pending.append(row)
+            else:
+                try:
+                    arrived.append((row, self.restore(row, state)))
+                    remote.arrived(True)
+                except Exception as exc:
+                    remote.arrived(False)
+                    logger.warning("prefill of request_id=%s runs here: %s", row.request_id, exc)
+                    self.pending.append(row)
             self.waiting.remove(row)
             row.remote = None
         return arrived

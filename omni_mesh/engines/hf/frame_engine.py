@@ -17,6 +17,7 @@ prefill requests are answered with where their state waits, its decode requests'
 from __future__ import annotations
 
 import logging
+import time
 from abc import abstractmethod
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
@@ -33,6 +34,9 @@ from omni_mesh.engines.hf.kv_split import KvSplit
 from omni_mesh.engines.reference.common import ReferenceEngine
 
 logger = logging.getLogger(__name__)
+
+#: The pause of a step that has only rows waiting for their pulled state (a read takes ~1 ms).
+WAIT_POLL_S = 0.0005
 
 InputT = TypeVar("InputT")
 
@@ -75,15 +79,22 @@ class FrameEngine(ReferenceEngine[InputT]):
 
     def before_step(self, streams: int) -> None:
         """One frame for every running request (the rows opened since the last step join)."""
+        batch = self.batch
         if self.kv is not None:
             self.kv.tick()
-        if self.batch.busy:
+            if batch.waiting and not (batch.running or batch.pending):
+                time.sleep(WAIT_POLL_S)  # only reads in flight: poll them, not spin on them
+        if batch.busy:
             with torch.inference_mode():
-                self.batch.step()
+                batch.step()
 
     def idle(self) -> None:
         if self.kv is not None:
             self.kv.tick()  # frees what was pulled or expired
+
+    def holds_work(self) -> bool:
+        """A prefill replica's states not pulled yet (until their lease): a drain waits."""
+        return self.kv is not None and self.kv.exchange.held > 0
 
     def stats(self) -> EngineStats | None:
         """A split stage's view (its rows, its frames per second, its transfers, the prompt
@@ -96,7 +107,8 @@ class FrameEngine(ReferenceEngine[InputT]):
             waiting=len(batch.pending) + len(batch.waiting),
             kv_cache_usage=0.0,  # a DynamicCache grows as it needs: no fixed pool to fill
             tokens_per_s=self.kv.frame_rate(batch.frames_made),
-            prefill_tokens_queued=self.kv.queued_tokens,
+            # A prefill request runs in the step it arrives in: none queued between steps.
+            prefill_tokens_queued=0,
             **self.kv.exchange.counts.stats_fields(),
         )
 
@@ -110,8 +122,9 @@ class FrameEngine(ReferenceEngine[InputT]):
     ) -> EngineResult:
         """One request's whole result (in a batch of its own)."""
         stream = self._stream(request, inputs, streaming=False)
-        result = None
+        result = next(stream)
         while result is None:
+            self.before_step(1)
             result = next(stream)
         return result
 

@@ -58,8 +58,8 @@ class FrameStream:
         if self._closed:
             raise StopIteration
         row = self.row
-        if self._seen == len(row.frames) and not row.done:
-            with torch.inference_mode():
+        if self._seen == len(row.frames) and not row.done and row.remote is None:
+            with torch.inference_mode():  # (a row waiting for its state: before_step polls it)
                 self.batch.step()
         if row.error is not None:
             self.close()

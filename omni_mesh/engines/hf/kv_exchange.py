@@ -15,9 +15,14 @@ the sidecars.
 
 A slot starts with a 16-byte tag, also in the params: a read that finds another tag (a slot
 freed and reused: a second pull of the same params) fails rather than decoding someone else's
-KV. A pull that fails (the prefill engine is gone, the read errs or takes longer than
-``pull_timeout_s``, the params are unusable, no room here) raises :class:`KvTransferError`
-and is counted ``failed``: the engine then prefills the request itself.
+KV. An expired hold's slot is reused only after ``pull_timeout_s`` more (a read started before
+the lease ran out may still be running), as is the receive slot of a read aborted in flight. A
+pull that fails (the prefill engine is gone, the read errs or takes longer than
+``pull_timeout_s``, the params are unusable or of another version, no room here, a state the
+row refuses) raises :class:`KvTransferError` and is counted ``failed``: the engine then
+prefills the request itself. A pull cancelled while its read runs lets the read finish (its
+notification frees the prefill's slot). ``pulled_s`` is the time from a read's start until
+the engine saw it done (it polls once per step).
 
 Memory: the buffers are host memory. On a GPU the tensors are copied to the host to be held,
 and back after the pull (NIXL can read GPU memory directly; that is a follow-up).
@@ -26,15 +31,14 @@ and back after the pull (NIXL can read GPU memory directly; that is a follow-up)
 from __future__ import annotations
 
 import base64
-import binascii
 import json
 import logging
 import math
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
@@ -51,6 +55,8 @@ PULLED = b"pulled:"  # a read's notification to the prefill engine: PULLED + hol
 DTYPES = {
     name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "int64", "uint8")
 }
+#: The params' format (``"v"``): a decode engine refuses another (a rolling upgrade).
+PARAMS_VERSION = 1
 #: Remote agents a decode engine keeps (their connections) at most.
 MAX_PEERS = 64
 #: Longest params text a pull accepts (a layout per layer: ~100 bytes each).
@@ -105,7 +111,12 @@ class KvExchange:
         self._metadata = base64.b64encode(self.agent.get_agent_metadata()).decode()
         self._held: dict[str, _Hold] = {}
         self._peers: OrderedDict[str, bytes] = OrderedDict()  # remote agents added: metadata
-        self._draining: list[KvPull] = []  # given up on, still reading into their slots
+        self._reading: Counter[str] = Counter()  # pulls in flight, by remote agent
+        self._draining: list[KvPull] = []  # cancelled, their reads still running
+        # Slots not reused yet: (when, allocator, offset). An expired hold's slot may still be
+        # read by a pull that started before it expired, for up to pull_timeout_s (every pool
+        # of a stage has the same engine_extras); an aborted read's slot may still be written.
+        self._cooling: list[tuple[float, SlotAllocator, int]] = []
 
     # ---- the prefill side ------------------------------------------------------------------
 
@@ -127,6 +138,7 @@ class KvExchange:
             self._buffer[start : start + entry.nbytes].copy_(flat.view(torch.uint8))
         self._held[tag.hex] = _Hold(offset, time.monotonic() + self.lease_s)
         params = {
+            "v": PARAMS_VERSION,
             "remote_engine_id": self.name,
             "agent": self._metadata,
             "hold": tag.hex,
@@ -142,25 +154,30 @@ class KvExchange:
         return len(self._held)
 
     def tick(self) -> None:
-        """Free the slots whose pull finished (the readers' notifications) or whose lease ran
-        out; release the pulls given up on once their reads stopped."""
+        """Free the slots whose pull finished (the readers' notifications); cool those whose
+        lease ran out; settle the cancelled pulls; free the slots that cooled down."""
         for messages in self.agent.get_new_notifs().values():
             for message in messages:
                 if message.startswith(PULLED):
-                    self._free(message[len(PULLED) :].decode(errors="replace"))
+                    hold = self._held.pop(message[len(PULLED) :].decode(errors="replace"), None)
+                    if hold is not None:
+                        self.holds.give(hold.offset)
         now = time.monotonic()
         for hold_id in [h for h, hold in self._held.items() if hold.expires <= now]:
-            self._free(hold_id)
+            self.cool(self.holds, self._held.pop(hold_id).offset)
             self.counts.expired += 1
             logger.info("KV of hold=%s not pulled within %.0f s: freed", hold_id, self.lease_s)
-        for pull in list(self._draining):
-            if pull.settled():
-                self._draining.remove(pull)
+        self._draining = [pull for pull in self._draining if not pull.settled()]
+        if self._cooling and self._cooling[0][0] <= now:
+            ready = [c for c in self._cooling if c[0] <= now]
+            self._cooling = [c for c in self._cooling if c[0] > now]
+            for _, allocator, offset in ready:
+                allocator.give(offset)
 
-    def _free(self, hold_id: str) -> None:
-        hold = self._held.pop(hold_id, None)
-        if hold is not None:
-            self.holds.give(hold.offset)
+    def cool(self, allocator: SlotAllocator, offset: int) -> None:
+        """Free a slot after ``pull_timeout_s`` (a read may still touch it until then)."""
+        self._cooling.append((time.monotonic() + self.pull_timeout_s + 1.0, allocator, offset))
+        self._cooling.sort(key=lambda c: c[0])
 
     # ---- the decode side -------------------------------------------------------------------
 
@@ -169,9 +186,11 @@ class KvExchange:
         :class:`KvTransferError` (counted failed) when it cannot start."""
         try:
             return self._start(params_text)
-        except KvTransferError:
+        except Exception as exc:
             self.counts.failed += 1
-            raise
+            if isinstance(exc, KvTransferError):
+                raise
+            raise KvTransferError(f"kv_transfer: {type(exc).__name__}: {exc}") from None
 
     def _start(self, params_text: str) -> KvPull:
         remote, metadata, hold_id, addr, entries, nbytes = _parse(params_text)
@@ -192,37 +211,50 @@ class KvExchange:
             handle = self.agent.initialize_xfer(
                 "READ", here, there, remote, PULLED + hold_id.encode()
             )
-            state = self.agent.transfer(handle)
-        except Exception as exc:  # nixl's errors: no such agent or registration, disconnected
+        except Exception as exc:  # nixl's errors: no such agent or registration
             self.receive.give(offset)
-            self.forget(remote)
             raise KvTransferError(f"kv_transfer: the read could not start: {exc}") from None
         pull = KvPull(self, handle, remote, hold_id, offset, entries, nbytes)
-        if state == "ERR":
-            pull.cancel()
+        self._reading[remote] += 1
+        try:
+            state = self.agent.transfer(handle)
+        except Exception as exc:  # a disconnected peer
+            state = f"ERR ({exc})"
+        if state.startswith("ERR"):
+            pull.end(aborted=False)
             self.forget(remote)
-            raise KvTransferError("kv_transfer: the read failed at once")
+            raise KvTransferError(f"kv_transfer: the read failed at once: {state}")
         return pull
 
     def _know(self, remote: str, metadata: bytes) -> None:
-        """Add the remote agent (again when its metadata changed); the longest unused one is
-        dropped past :data:`MAX_PEERS` (prefill replicas come and go)."""
+        """Add the remote agent (again when its metadata changed); the longest unused one
+        without reads in flight is dropped past :data:`MAX_PEERS`."""
         if self._peers.get(remote) == metadata:
             self._peers.move_to_end(remote)
             return
         self.forget(remote)
-        self.agent.add_remote_agent(metadata)
+        named = self.agent.add_remote_agent(metadata)
+        named = named.decode() if isinstance(named, bytes) else str(named)
+        if named != remote:  # metadata of another agent than the params name
+            if named not in self._peers:
+                self._remove(named)
+            raise KvTransferError(f"kv_transfer: the metadata is agent {named!r}, not {remote!r}")
         self._peers[remote] = metadata
-        while len(self._peers) > MAX_PEERS:
-            self.forget(next(iter(self._peers)))
+        for peer in [p for p in self._peers if not self._reading[p]]:
+            if len(self._peers) <= MAX_PEERS:
+                break
+            self.forget(peer)
 
     def forget(self, remote: str) -> None:
-        """Drop a remote agent (its read failed: a restarted or dead engine; or unused)."""
+        """Drop a remote agent (a read from it failed: a restarted or dead engine; unused)."""
         if self._peers.pop(remote, None) is not None:
-            try:
-                self.agent.remove_remote_agent(remote)
-            except Exception:  # already gone from NIXL's view
-                logger.debug("remove_remote_agent %s", remote, exc_info=True)
+            self._remove(remote)
+
+    def _remove(self, remote: str) -> None:
+        try:
+            self.agent.remove_remote_agent(remote)
+        except Exception:  # already gone from NIXL's view
+            logger.debug("remove_remote_agent %s", remote, exc_info=True)
 
     def tensors_at(self, offset: int, entries: list[Entry]) -> dict[str, Tensor]:
         """Copies of the tensors a finished read left at ``offset`` of the receive buffer."""
@@ -234,6 +266,9 @@ class KvExchange:
         return out
 
     def close(self) -> None:
+        for pull in self._draining:
+            pull.end(aborted=True)
+        self._draining = []
         try:
             self.agent.deregister_memory(self._registered)
         except Exception:
@@ -241,7 +276,7 @@ class KvExchange:
 
 
 class KvPull:
-    """One read in flight (:meth:`KvExchange.pull`)."""
+    """One read in flight (:meth:`KvExchange.pull`): the row's ``RemotePrefill``."""
 
     def __init__(
         self,
@@ -261,61 +296,84 @@ class KvPull:
         self.entries = entries
         self.nbytes = nbytes
         self.started = time.monotonic()
-        self.done = False  # its slot and handle are released (or handed to draining)
+        self.elapsed = 0.0  # from the start until the read was seen done
+        self.ended = False  # its handle and slot were released (or are cooling)
 
     def poll(self) -> dict[str, Tensor] | None:
         """The tensors once the read is done, None while it runs; raises
         :class:`KvTransferError` (counted failed) when it failed or took too long."""
-        if self.done:
+        if self.ended:
             raise KvTransferError("kv_transfer: this pull already ended")
+        exchange = self.exchange
         state = self._state()
         if state == "PROC":
-            if time.monotonic() - self.started > self.exchange.pull_timeout_s:
-                self.fail(f"no answer within {self.exchange.pull_timeout_s:g} s")
-            return None
+            if time.monotonic() - self.started <= exchange.pull_timeout_s:
+                return None
+            self.end(aborted=True)  # the peer may be alive: it stays known
+            self._failed(f"no answer within {exchange.pull_timeout_s:g} s")
         if state != "DONE":
-            self.fail(f"the read failed ({state})")
-        elapsed = time.monotonic() - self.started
-        tensors = self.exchange.tensors_at(self.offset, self.entries)
-        self._release()
+            self.end(aborted=False)
+            exchange.forget(self.remote)
+            self._failed(f"the read failed ({state})")
+        self.elapsed = time.monotonic() - self.started
+        try:
+            tensors = exchange.tensors_at(self.offset, self.entries)
+        except Exception as exc:  # a layout the slot's bytes cannot take
+            self._failed(f"unreadable: {exc}")
+        finally:
+            self.end(aborted=False)
         if bytes(tensors.pop(TAG).tolist()) != bytes.fromhex(self.hold_id):
-            self.exchange.counts.failed += 1
-            raise KvTransferError("kv_transfer: the slot holds another prefill (pulled twice?)")
-        counts = self.exchange.counts
-        counts.pulled += 1
-        counts.pulled_bytes += self.nbytes
-        counts.pulled_s += elapsed
+            self._failed("the slot holds another prefill (pulled twice?)")
         return tensors
 
-    def fail(self, why: str) -> None:
-        """Give up: counted failed, the slot released once the read stopped; raises."""
-        self.exchange.counts.failed += 1
-        self.exchange.forget(self.remote)
-        self.cancel()
-        raise KvTransferError(f"kv_transfer: pull of hold={self.hold_id} failed: {why}")
+    def arrived(self, ok: bool) -> None:
+        """The row took the state (counted pulled) or refused it (counted failed)."""
+        counts = self.exchange.counts
+        if not ok:
+            counts.failed += 1
+            return
+        counts.pulled += 1
+        counts.pulled_bytes += self.nbytes
+        counts.pulled_s += self.elapsed
 
     def cancel(self) -> None:
-        """Stop waiting (an aborted request): its slot is freed once the read stopped."""
-        if self.done:
-            return
-        self.done = True
-        if not self.settled():
+        """Stop waiting (an aborted request). A read still running is left to finish (its
+        notification frees the prefill's slot), aborted after ``pull_timeout_s``."""
+        if not self.ended and not self.settled():
             self.exchange._draining.append(self)
 
     def settled(self) -> bool:
-        """True once the read stopped and its slot and handle were released."""
-        if self.handle is None:
+        """True once the read stopped and its handle and slot were released."""
+        if self.ended:
             return True
         if self._state() == "PROC":
-            try:  # NIXL aborts a read in flight when its handle is released
-                self.exchange.agent.release_xfer_handle(self.handle)
-            except Exception:
+            if time.monotonic() - self.started <= self.exchange.pull_timeout_s:
                 return False
-            self.handle = None
-            self.exchange.receive.give(self.offset)
+            self.end(aborted=True)
             return True
-        self._release()
+        self.end(aborted=False)
         return True
+
+    def end(self, *, aborted: bool) -> None:
+        """Release the handle (aborting a read in flight) and the slot: at once after a
+        finished read, after cooling after an aborted one (it may still write)."""
+        if self.ended:
+            return
+        self.ended = True
+        exchange = self.exchange
+        exchange._reading[self.remote] -= 1
+        try:
+            exchange.agent.release_xfer_handle(self.handle)
+        except Exception:
+            logger.debug("release_xfer_handle", exc_info=True)
+        if aborted:
+            exchange.cool(exchange.receive, self.offset)
+        else:
+            exchange.receive.give(self.offset)
+
+    def _failed(self, why: str) -> NoReturn:
+        self.exchange.counts.failed += 1
+        raise KvTransferError(f"kv_transfer: pull of hold={self.hold_id} failed: {why}")
 
     def _state(self) -> str:
         try:
@@ -323,16 +381,6 @@ class KvPull:
         except Exception as exc:  # a disconnected peer raises here
             logger.debug("check_xfer_state: %s", exc)
             return "ERR"
-
-    def _release(self) -> None:
-        self.done = True
-        if self.handle is not None:
-            try:
-                self.exchange.agent.release_xfer_handle(self.handle)
-            except Exception:
-                logger.debug("release_xfer_handle", exc_info=True)
-            self.handle = None
-            self.exchange.receive.give(self.offset)
 
 
 def _layout(tensors: dict[str, Tensor]) -> tuple[list[Entry], int]:
@@ -354,20 +402,27 @@ def _parse(text: str) -> tuple[str, bytes, str, int, list[Entry], int]:
         raise KvTransferError(f"kv_transfer: longer than {MAX_PARAMS_BYTES} bytes")
     try:
         p = json.loads(text)
+        if p.get("v") != PARAMS_VERSION:
+            raise ValueError(f"params version {p.get('v')!r}, this engine reads {PARAMS_VERSION}")
         remote, hold_id = str(p["remote_engine_id"]), str(p["hold"])
         metadata = base64.b64decode(p["agent"], validate=True)
         addr, nbytes = int(p["addr"]), int(p["nbytes"])
         entries = [
             Entry(str(n), str(d), tuple(int(x) for x in s), int(o)) for n, d, s, o in p["tensors"]
         ]
-        bytes.fromhex(hold_id)
-    except (ValueError, KeyError, TypeError, binascii.Error) as exc:
-        raise KvTransferError(f"kv_transfer: not a transformers prefill's params ({exc})") from None
-    if not remote or addr < 0 or nbytes <= 0 or not entries or entries[0].name != TAG:
+        if len(bytes.fromhex(hold_id)) != 16:
+            raise ValueError("hold is not 16 bytes")
+    except Exception as exc:  # any shape of bad JSON: not a prefill's params
+        raise KvTransferError(
+            f"kv_transfer: not a transformers prefill's params ({type(exc).__name__}: {exc})"
+        ) from None
+    if not remote or addr < 0 or nbytes <= 0 or not entries:
         raise KvTransferError("kv_transfer: not a transformers prefill's params")
+    if (entries[0].name, entries[0].dtype, entries[0].shape) != (TAG, "uint8", (16,)):
+        raise KvTransferError("kv_transfer: the slot does not start with its tag")
     for e in entries:
         if e.dtype not in DTYPES or any(n < 0 for n in e.shape):
             raise KvTransferError(f"kv_transfer: tensor {e.name!r}: bad dtype or shape")
-        if e.offset < 0 or e.offset + e.nbytes > nbytes:
+        if e.offset < 0 or e.offset % ALIGN or e.offset + e.nbytes > nbytes:
             raise KvTransferError(f"kv_transfer: tensor {e.name!r} lies outside the slot")
     return remote, metadata, hold_id, addr, entries, nbytes

@@ -11,7 +11,8 @@ the answer is the one a pull would have given. Every replica of a split stage ca
 parts (a decode replica also prefills for itself).
 
 Knobs (``engine_extras``): ``kv_lease_s`` (30) how long a prefill's state waits for its pull;
-``kv_buffer_mib`` (64) the hold and the receive buffers' size each; ``kv_pull_timeout_s`` (10)
+``kv_buffer_mib`` (256) the hold and the receive buffers' size each (a prompt takes
+``token_bytes`` a token: logged at start); ``kv_pull_timeout_s`` (10)
 how long a read may take before the decode replica prefills instead;
 ``nixl_progress_delay_us`` (1000 on CPU, else 0) the NIXL progress thread's pause.
 """
@@ -22,7 +23,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -36,17 +37,25 @@ from omni_mesh.engines.reference.common import extra_float, extra_int
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_BUFFER_MIB = 256
+
 
 class KvSplit:
     """One engine's part in a split stage (module docstring)."""
 
-    def __init__(
-        self, ctx: EngineContext, batch: FrameBatch[Any], prompt_tokens: Callable[[Row], int]
-    ) -> None:
+    def __init__(self, ctx: EngineContext, batch: FrameBatch[Any], token_bytes: int) -> None:
         self.batch = batch
-        self._prompt_tokens = prompt_tokens
         default_delay = CPU_PROGRESS_DELAY_US if ctx.device == "cpu" else 0
         name = f"{ctx.pipeline.name}-{ctx.stage.stage_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        buffer_bytes = extra_int(ctx, "kv_buffer_mib", DEFAULT_BUFFER_MIB, 1, 1 << 20) << 20
+        logger.info(
+            "split stage %d: KV buffers of %d MiB each, ~%d prompt tokens held (and as many "
+            "pulled) at %d bytes a token (engine_extras.kv_buffer_mib)",
+            ctx.stage.stage_id,
+            buffer_bytes >> 20,
+            buffer_bytes // max(1, token_bytes),
+            token_bytes,
+        )
         try:
             import nixl._api  # noqa: F401
         except ImportError as exc:
@@ -57,12 +66,11 @@ class KvSplit:
             ) from None
         self.exchange = KvExchange(
             name,
-            buffer_bytes=extra_int(ctx, "kv_buffer_mib", 64, 1, 1 << 20) << 20,
+            buffer_bytes=buffer_bytes,
             lease_s=extra_int(ctx, "kv_lease_s", 30, 1, 3600),
             pull_timeout_s=extra_float(ctx, "kv_pull_timeout_s", 10.0, 0.1, 3600.0),
             progress_delay_us=extra_int(ctx, "nixl_progress_delay_us", default_delay, 0, 1_000_000),
         )
-        self.queued_tokens = 0  # prompt tokens of prefill requests not run yet
         self._rate_at, self._rate_frames = time.monotonic(), 0
 
     def frame_rate(self, frames: int) -> float:
@@ -99,8 +107,6 @@ class _PrefillStream:
         self.split = split
         self.request = request
         self.row: Row | None = row
-        self.tokens = split._prompt_tokens(row)
-        split.queued_tokens += self.tokens
 
     def __iter__(self) -> _PrefillStream:
         return self
@@ -109,7 +115,7 @@ class _PrefillStream:
         row = self.row
         if row is None:
             raise StopIteration
-        self.close()
+        self.row = None
         batch, exchange = self.split.batch, self.split.exchange
         with torch.inference_mode():
             row_cache = batch.prefill(row)
@@ -117,6 +123,4 @@ class _PrefillStream:
         return EngineResult(self.request.request_id, kv_transfer=params)
 
     def close(self) -> None:
-        if self.row is not None:
-            self.row = None
-            self.split.queued_tokens -= self.tokens
+        self.row = None

@@ -108,7 +108,7 @@ class Qwen3OmniThinkerEngine(FrameEngine[ThinkerInput]):
         layer = self.config.talker_config.accept_hidden_layer
         self.batch = ThinkerBatch(self.model, self.config.im_end_token_id, layer)
         if self.ctx.config.prefill is not None:
-            self.kv = KvSplit(self.ctx, self.batch, _prompt_tokens)
+            self.kv = KvSplit(self.ctx, self.batch, self.batch.token_bytes())
         return parameter_count(self.model)
 
     def parse(self, request: EngineRequest) -> ThinkerInput:
@@ -237,11 +237,6 @@ class Qwen3OmniThinkerEngine(FrameEngine[ThinkerInput]):
             }
         )
         return EngineResult(request.request_id, output=output, final=final)
-
-
-def _prompt_tokens(row: Row) -> int:
-    assert isinstance(row, ThinkerRow) and row.prompt is not None
-    return int(row.prompt.input_ids.shape[-1])
 
 
 def _sampling(request: EngineRequest) -> Sampling:

@@ -41,6 +41,7 @@ from omni_mesh.engines.hf.qwen3_omni_inputs import ThinkerPrompt
 from omni_mesh.engines.hf.row_sampling import RowPicker, Sampling
 
 GREEDY = Sampling(False)
+POSITION_DTYPES = (torch.int64, torch.float32)
 
 
 @dataclass(eq=False)
@@ -129,32 +130,58 @@ class ThinkerBatch(FrameBatch[ThinkerRow]):
             state[f"k{i}"], state[f"v{i}"] = keys, values
         return state
 
+    def token_bytes(self) -> int:
+        """Bytes :meth:`held` takes per prompt token: every layer's key and value, the input
+        embedding and the accept layer's hidden state."""
+        text = self.thinker.config.text_config
+        width = int(text.hidden_size)
+        head_dim = int(getattr(text, "head_dim", None) or width // text.num_attention_heads)
+        kv = 2 * int(text.num_hidden_layers) * int(text.num_key_value_heads) * head_dim
+        return (kv + 2 * width) * int(self.thinker.dtype.itemsize)
+
     def restore(self, row: ThinkerRow, state: dict[str, Tensor]) -> Any:
         """:meth:`held`'s tensors back into ``row`` (parsed here from the same request) and its
-        cache; a state of another prompt or model raises, before the row changes."""
+        cache. A state of another prompt, model, dtype or shape raises before the row
+        changes."""
         from transformers import DynamicCache
 
         assert row.prompt is not None
-        length = int(row.prompt.input_ids.shape[-1])
-        width = int(self.thinker.config.text_config.hidden_size)
-        layers = int(self.thinker.config.text_config.num_hidden_layers)
-        tokens = state["tokens"].tolist()
-        embeds, hidden = state["embeds"], state["hidden"]
-        if len(tokens) != 1 or tuple(state["position"].shape) != (4, 1, 1):
-            raise ValueError("the prefill state is not one token's")
-        if tuple(embeds.shape) != (length, width) or tuple(hidden.shape) != (length, width):
-            raise ValueError(f"the prefill state is not of this prompt ({length} x {width})")
-        kv = [(state[f"k{i}"], state[f"v{i}"]) for i in range(layers)]
-        if any(int(k.shape[-2]) != length or k.shape != v.shape for k, v in kv):
-            raise ValueError("the prefill's cache is not of this prompt")
+        text = self.thinker.config.text_config
+        layers = int(text.num_hidden_layers)
+        length, width = int(row.prompt.input_ids.shape[-1]), int(text.hidden_size)
+        heads = int(text.num_key_value_heads)
+        head_dim = int(getattr(text, "head_dim", None) or width // text.num_attention_heads)
+        dtype = self.thinker.dtype
+        kv_names = {f"{kind}{i}" for i in range(layers) for kind in "kv"}
+        if set(state) != {"tokens", "position", "generator", "embeds", "hidden"} | kv_names:
+            raise ValueError(f"the prefill state has tensors {sorted(state)}")
+        generator = row.generator.get_state()
+        _expect(state["tokens"], (1,), torch.int64, "tokens")
+        position = state["position"]  # get_rope_index's dtype (float32 in transformers 5)
+        if tuple(position.shape) != (4, 1, 1) or position.dtype not in POSITION_DTYPES:
+            raise ValueError(f"the prefill state's position is {position.dtype} {position.shape}")
+        _expect(state["generator"], tuple(generator.shape), generator.dtype, "generator")
+        _expect(state["embeds"], (length, width), dtype, "embeds (another prompt?)")
+        _expect(state["hidden"], (length, width), dtype, "hidden (another prompt?)")
+        for name in kv_names:
+            _expect(state[name], (1, heads, length, head_dim), dtype, name)
+        token = int(state["tokens"][0])
+        if not 0 <= token < int(text.vocab_size):
+            raise ValueError(f"the prefill state's token {token} is not in the vocabulary")
+        device = self.device
+        embeds, hidden = state["embeds"].to(device), state["hidden"].to(device)
+        position = position.to(device)
+        kv = [(state[f"k{i}"].to(device), state[f"v{i}"].to(device)) for i in range(layers)]
+        cache = DynamicCache(ddp_cache_data=kv)
+        # everything built: the row changes only now
         row.generator.set_state(state["generator"])
-        row.embeds.append(embeds.to(self.device, self.thinker.dtype))
-        row.hidden.append(hidden.to(self.device, self.thinker.dtype))
-        row.position = state["position"].to(self.device)
-        row.tokens.append(int(tokens[0]))
-        row.frames.append(np.array(tokens, dtype=np.int64))
-        row.done = row.tokens[0] == self.eos or len(row.tokens) >= row.max_tokens
-        return DynamicCache(ddp_cache_data=[(k.to(self.device), v.to(self.device)) for k, v in kv])
+        row.embeds.append(embeds)
+        row.hidden.append(hidden)
+        row.position = position
+        row.tokens.append(token)
+        row.frames.append(np.array([token], dtype=np.int64))
+        row.done = token == self.eos or len(row.tokens) >= row.max_tokens
+        return cache
 
     def _commit(
         self, row: ThinkerRow, token: int, states: tuple[Tensor, ...], index: int, position: Tensor
@@ -195,6 +222,13 @@ class ThinkerBatch(FrameBatch[ThinkerRow]):
             lengths = prompt.feature_attention_mask.sum(-1).to(self.device)
         vision, _ = self.thinker.get_rope_index(input_ids, None, None, mask, False, lengths, None)
         return torch.cat([text[None, ...], vision], dim=0)
+
+
+def _expect(t: Tensor, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> None:
+    if tuple(t.shape) != shape or t.dtype != dtype:
+        raise ValueError(
+            f"the prefill state's {name} is {t.dtype} {tuple(t.shape)}, not {dtype} {shape}"
+        )
 
 
 def _tensor(t: Tensor | None) -> Tensor:

@@ -6,9 +6,11 @@ those params pulls the prompt's state (KV cache, first token, positions, generat
 states) and its answer is the unsplit engine's, bit for bit (every array and field), greedy and
 sampled, with audio input too; pulled rows join a batch already running and keep their tokens,
 and stream the same text. The prefill engine frees what was pulled (the read's notification)
-and what nobody pulled within its lease (counted expired); params the decode engine cannot use
-(not JSON, not a prefill's, a slot outside the prefill engine's registered memory, an agent's
-metadata that is not one, a slot freed and reused since: a second pull) or a prefill engine
+and what nobody pulled within its lease (counted expired; its slot reused only once a pull
+started in time would have ended); params the decode engine cannot use
+(not JSON, not a prefill's, another version, out-of-range numbers, an unaligned tensor, a slot
+outside the prefill engine's registered memory, metadata that is not an agent's or is another
+agent's, another prompt's state, a slot freed and reused since: a second pull) or a prefill engine
 that died after answering make it prefill the request itself, counted failed, with the same
 answer; an aborted pull frees its receive slot;
 a full hold buffer fails the prefill (the sender then has the decode replica prefill)."""
@@ -158,8 +160,11 @@ def test_pulled_rows_join_a_running_batch_and_keep_their_tokens(engines: Engines
         1: [EngineRequest("r1", 31, chat(1), kv_transfer=params[1])],
         3: [EngineRequest("r2", 32, chat(2), kv_transfer=params[2])],
     }
+    counts = exchange(engines.decode).counts
+    pulled, failed = counts.pulled, counts.failed
     results, errors = drive(engines.decode, arrivals)
     assert errors == {}
+    assert (counts.pulled, counts.failed) == (pulled + 2, failed)  # not prefilled here
     for i, want in wants.items():
         (got,) = results[f"r{i}"]
         assert got.final is not None and want.final is not None
@@ -173,13 +178,14 @@ def test_a_pulled_row_streams_the_unsplit_text(engines: Engines) -> None:
     want = one(engines.whole, EngineRequest("w", 41, chat(2)))
     params = prefilled(engines, 2, 41)
     decode = engines.decode
+    pulled = exchange(decode).counts.pulled
     whole_ctx = decode.ctx
     decode.ctx = dataclasses.replace(whole_ctx, async_chunk=True)
     try:
         results, errors = drive(decode, {0: [EngineRequest("s", 41, chat(2), kv_transfer=params)]})
     finally:
         decode.ctx = whole_ctx
-    assert errors == {}
+    assert errors == {} and exchange(decode).counts.pulled == pulled + 1
     chunks = results["s"]
     assert len(chunks) > 2 and chunks[-1].last
     text = "".join(str(c.final.fields["text"]) for c in chunks if c.final is not None)
@@ -195,11 +201,19 @@ def _tampered(params: str, **changes: Any) -> str:
 def test_params_a_decode_cannot_use_make_it_prefill_here(engines: Engines) -> None:
     params = prefilled(engines, 0, 50)
     fields = json.loads(params)
+    unaligned = [list(t) for t in fields["tensors"]]
+    unaligned[1][3] += 4  # an offset off its alignment
     bad = {
         "not JSON": "{not json",
         "not a prefill's": json.dumps({"remote_engine_id": "x"}),
+        "another version": _tampered(params, v=2),
+        "an infinite address": params.replace(f'"addr":{fields["addr"]}', '"addr":1e999'),
+        "nested too deep": "[" * 100_000 + "]" * 100_000,
+        "an unaligned tensor": _tampered(params, tensors=unaligned),
         "outside the registered memory": _tampered(params, addr=fields["addr"] + (1 << 40)),
         "not an agent's metadata": _tampered(params, agent="bm90IG1ldGFkYXRh"),
+        "another agent's metadata": _tampered(params, remote_engine_id="someone-else"),
+        "another prompt's state": prefilled(engines, 2, 50),
     }
     want = one(engines.whole, EngineRequest("w", 50, chat(0)))
     counts = exchange(engines.decode).counts
@@ -208,6 +222,7 @@ def test_params_a_decode_cannot_use_make_it_prefill_here(engines: Engines) -> No
         got = one(engines.decode, EngineRequest("d", 50, chat(0), kv_transfer=text))
         assert_same(got, want)
         assert (counts.failed, counts.pulled) == (failed + 1, pulled), why
+        assert exchange(engines.decode).receive.used == 0, why
     # the good params were never pulled: their hold waits (until its lease)
     assert exchange(engines.prefill).held >= 1
     got = one(engines.decode, EngineRequest("d", 50, chat(0), kv_transfer=params))
@@ -234,7 +249,7 @@ def test_a_second_pull_of_a_reused_slot_prefills_here(engines: Engines) -> None:
 
 
 def test_kv_nobody_pulls_is_freed_when_its_lease_runs_out() -> None:
-    engine = split_engine(kv_lease_s=1)
+    engine = split_engine(kv_lease_s=1, kv_pull_timeout_s=0.5)
     try:
         answer = one(engine, EngineRequest("p", 1, chat(0), kv_transfer=PREFILL_REQUEST))
         assert answer.kv_transfer and exchange(engine).held == 1
@@ -242,7 +257,11 @@ def test_kv_nobody_pulls_is_freed_when_its_lease_runs_out() -> None:
         assert exchange(engine).held == 1  # not before its lease
         time.sleep(1.1)
         engine.idle()
-        assert exchange(engine).held == 0 and exchange(engine).holds.used == 0
+        # expired; its slot is reused only after a pull started in time would have ended
+        assert exchange(engine).held == 0 and exchange(engine).holds.used > 0
+        time.sleep(1.6)  # kv_pull_timeout_s + 1
+        engine.idle()
+        assert exchange(engine).holds.used == 0
         stats = engine.stats()
         assert stats is not None and stats.kv_expired == 1 and stats.kv_pulled == 0
     finally:
