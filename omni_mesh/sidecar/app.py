@@ -28,7 +28,6 @@ from omni_mesh.control_plane.client import (
     ControlPlaneClient,
     ControlPlaneError,
     InstanceLease,
-    LoadReport,
     PoolWatcher,
     RegisterRequest,
     SuspectReporter,
@@ -40,6 +39,7 @@ from omni_mesh.data_plane.signing import hop_token
 from omni_mesh.observability.children import labelled
 from omni_mesh.observability.metrics import SidecarMetrics
 from omni_mesh.sidecar.admission.early_shed import SHEDDABLE_ROUTES, EarlyShed
+from omni_mesh.sidecar.admission.load_report import load_report
 from omni_mesh.sidecar.api import hop_route as routes_hop
 from omni_mesh.sidecar.api import routes as routes_api
 from omni_mesh.sidecar.api import run as routes_run
@@ -53,7 +53,7 @@ from omni_mesh.sidecar.hop.budget import HopStats
 from omni_mesh.sidecar.hop.client import HOP_TOKEN_HEADER, HopClient
 from omni_mesh.sidecar.hop.http import HopHttpClient
 from omni_mesh.sidecar.hop.liveness import HopLiveness, LivenessConfig
-from omni_mesh.sidecar.hop.prefill_tokens import PREFILL_TOKENS_QUEUED, reported_prefill_tokens
+from omni_mesh.sidecar.hop.prefill_tokens import reported_prefill_tokens
 from omni_mesh.sidecar.hop.router import Replica, Router
 from omni_mesh.sidecar.hop.waker import StageWaker
 from omni_mesh.sidecar.middleware import api_metrics_middleware, error_middleware
@@ -274,7 +274,7 @@ async def _control_plane_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     # Registered by serve() once the site listens: never advertise a closed port.
     lease = InstanceLease(
-        client, request, lambda: _load(pod), on_refused=lambda exc: _refused(pod, exc)
+        client, request, lambda: load_report(pod), on_refused=lambda exc: _refused(pod, exc)
     )
     app[LEASE] = lease
     hub = app.get(REALTIME)
@@ -293,34 +293,6 @@ async def _control_plane_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 LEASE: web.AppKey[InstanceLease] = web.AppKey("lease", InstanceLease)
-
-
-def _load(pod: Pod) -> LoadReport:
-    stats = pod.engine.stats if pod.engine is not None else None
-    engine: dict[str, float] = {}
-    if stats is not None:
-        # The engine's own work for the autoscaler (a hop waiting on later stages is not).
-        engine = {
-            "step_ms": stats.step_ms,
-            "batch_size": float(stats.batch_size),
-            "max_num_seqs": float(pod.stage_config.max_num_seqs),
-            # Work handed to the engine and not answered yet, less its queue (the core's own
-            # ``running`` counts only streams open between steps: 0 for whole answers).
-            "running": float(max(0, pod.engine.in_flight - stats.queued)) if pod.engine else 0.0,
-        }
-        if stats.engine is not None:  # a model engine with its own scheduler (vLLM)
-            engine["running"] = float(stats.engine.running)
-            engine["waiting"] = float(stats.engine.waiting)
-            engine["kv_cache_usage"] = stats.engine.kv_cache_usage
-            if pod.stage_config.prefill is not None:  # a split stage: for the prefill picks
-                engine[PREFILL_TOKENS_QUEUED] = float(stats.engine.prefill_tokens_queued)
-    queued = pod.gate.queued if pod.gate is not None else 0
-    return LoadReport(
-        in_flight=pod.in_flight + queued,  # waiters in the admission queue are load too
-        queued=stats.queued if stats is not None else 0,
-        capacity=pod.stage_config.max_inflight,
-        engine=engine,
-    )
 
 
 def make_app(pod: Pod) -> web.Application:

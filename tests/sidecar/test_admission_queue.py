@@ -225,6 +225,30 @@ def test_a_cancelled_waiter_leaves_the_queue() -> None:
     assert drain(q) == [b]
 
 
+def test_mean_in_use_counts_short_work_that_an_instant_misses() -> None:
+    """Slot-seconds over each interval between two reads: work that held a slot for part of
+    it counts for that part, though no slot is held when it is read."""
+    q = AdmissionQueue(4, 10, 60.0)
+    q.offer(waiter(), 10.0)  # the first interval starts with the first admission
+    q.release(10.1, 0.1)
+    q.offer(waiter(), 10.5)
+    q.release(10.8, 0.3)
+    assert q.in_use == 0
+    assert q.mean_in_use(11.0) == pytest.approx((0.1 + 0.3) / 1.0)
+    q.offer(waiter(), 11.0)
+    q.offer(waiter(), 11.5)  # two held for the second half
+    assert q.mean_in_use(12.0) == pytest.approx((0.5 + 2 * 0.5) / 1.0)
+    assert q.mean_in_use(12.0) == 2.0  # no time passed: what is held now
+    assert q.mean_in_use(14.0) == pytest.approx(2.0)
+    q.release(14.0, 3.0)
+    q.release(14.0, 2.5)
+    assert q.mean_in_use(16.0) == 0.0  # idle since the previous read
+    fresh = AdmissionQueue(1, 0, 1.0)
+    assert fresh.mean_in_use(5.0) == 0.0  # nothing yet; the next interval starts at 5
+    fresh.offer(waiter(), 9.0)
+    assert fresh.mean_in_use(10.0) == pytest.approx(1.0 / 5.0)
+
+
 def test_shed_messages_carry_the_retry_after() -> None:
     shed = Shed("queue_full", 2.25, "the queue is full")
     assert shed.retry_after_header == "3"

@@ -8,7 +8,8 @@ way only, no circle between any two files (tests/test_import_circles.py):
 
     app, cli_stage (the composition)
       -> api/ (every route the pod serves: OpenAI, /v1/run, realtime, and /v1/hop for peers)
-        -> admission/ (queue, gate, a request's class and slot, early shedding, outcomes)
+        -> admission/ (queue, gate, a request's class and slot, early shedding, outcomes,
+           the load its heartbeats report)
           -> the shared top level (pod, runner, errors, deadlines, appkeys, inputs, middleware)
             -> hop/ (the outbound hop: client, connections, router, liveness, sheds) and
                engine_link/ (the engine's client and a stage input's outputs)

@@ -48,6 +48,10 @@ class AdmissionGate:
     def queued(self) -> int:
         return len(self.queue)
 
+    def mean_in_use(self) -> float:
+        """Slots held on average since the previous call (the pod's next heartbeat reads it)."""
+        return self.queue.mean_in_use(time.monotonic())
+
     async def enter(self, priority: Priority, tenant: str, deadline: float) -> Waiter:
         """A slot for one request (``deadline``: monotonic seconds); :class:`ApiError` 503
         when it is shed, at once or while it waits."""

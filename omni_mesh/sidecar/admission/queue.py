@@ -15,6 +15,8 @@ is unit-tested on its own; :mod:`omni_mesh.sidecar.admission.admit` wraps it in 
   A waiter is shed as soon as its deadline can no longer be met (:meth:`hopeless_at`).
 - Before any admitted work has finished the service time is unknown and the estimate is
   optimistic (no shedding by estimate): the bounds and the per-waiter timer still hold.
+- **Slots held on average** (:meth:`AdmissionQueue.mean_in_use`): slot-seconds over an
+  interval, which a count read at one instant misses when each piece of work is short.
 """
 
 from __future__ import annotations
@@ -85,6 +87,36 @@ class ServiceTime:
 
 
 @dataclass
+class SlotTime:
+    """The slots held over time: slot-seconds since the last :meth:`take`, whose mean over
+    that interval is how many slots work held on average (Little's law's L = arrival rate x
+    time held). Read at one instant, the count misses work that holds a slot for a short time:
+    a prefill replica's, its engine's part one step long, is there at almost no instant."""
+
+    held: int = 0  # slots held now
+    since: float | None = None  # start of the current interval (None: nothing happened yet)
+    at: float = 0.0  # when ``held`` last changed
+    area: float = 0.0  # slot-seconds since ``since``
+
+    def change(self, held: int, now: float) -> None:
+        """``held`` slots from ``now`` on."""
+        if self.since is None:
+            self.since = self.at = now
+        self.area += self.held * max(0.0, now - self.at)
+        self.held, self.at = held, max(self.at, now)
+
+    def take(self, now: float) -> float:
+        """The mean slots held since the previous take (at first since the first change; the
+        slots held now when no time has passed); the next interval starts ``now``."""
+        self.change(self.held, now)
+        assert self.since is not None
+        span = now - self.since
+        mean = self.area / span if span > 0 else float(self.held)
+        self.since, self.area = now, 0.0
+        return mean
+
+
+@dataclass
 class _Class:
     """The waiters of one priority class: a FIFO per tenant, tenants in round-robin order."""
 
@@ -139,6 +171,7 @@ class AdmissionQueue:
         self.max_wait_s = max_wait_s
         self.in_use = 0
         self.service = ServiceTime(alpha)
+        self.slot_time = SlotTime()
         self._classes = [_Class() for _ in Priority]
 
     # ---- reading ---------------------------------------------------------------------------
@@ -169,6 +202,10 @@ class AdmissionQueue:
         """When to come back: the time the whole queue takes to drain (1 s unmeasured)."""
         rate = self.rate()
         return 1.0 if rate is None else (len(self) + 1) / rate
+
+    def mean_in_use(self, now: float) -> float:
+        """Slots held on average since the previous call (:class:`SlotTime`)."""
+        return self.slot_time.take(now)
 
     def hopeless_at(self, w: Waiter) -> float:
         """When a waiter still queued is shed: its deadline less one service time, or
@@ -232,6 +269,7 @@ class AdmissionQueue:
         """A slot freed (``service_s``: how long the work held it; None when it ended without
         being served, e.g. cancelled at once). Returns the waiters admitted into free slots."""
         self.in_use -= 1
+        self.slot_time.change(self.in_use, now)
         if service_s is not None:
             self.service.observe(service_s)
         admitted: list[Waiter] = []
@@ -258,6 +296,7 @@ class AdmissionQueue:
 
     def _admit(self, w: Waiter, now: float) -> Waiter:
         self.in_use += 1
+        self.slot_time.change(self.in_use, now)
         w.state = "admitted"
         w.admitted_at = now
         return w

@@ -1,0 +1,100 @@
+"""What a pod's heartbeats report (``sidecar/admission/load_report.py``): a vLLM engine's own
+counts, and a split stage's prefill replica's work seen over the heartbeat interval, which
+vLLM's counts, read between steps, never show (the prefill pool autoscaling end to end:
+tests/engines/vllm/test_vllm_pd_autoscale.py)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from omni_mesh.data_plane.messages import EngineStats, Stats
+from omni_mesh.observability.metrics import SidecarMetrics
+from omni_mesh.sidecar.admission.gate import AdmissionGate
+from omni_mesh.sidecar.admission.load_report import load_report
+from omni_mesh.sidecar.admission.queue import AdmissionQueue, Waiter
+from omni_mesh.sidecar.hop.prefill_tokens import PREFILL_TOKENS_QUEUED
+
+pytestmark = pytest.mark.unit
+
+
+@dataclass
+class FakeEngine:
+    stats: Stats
+    in_flight: int = 0
+
+
+@dataclass
+class FakeStageConfig:
+    prefill: object | None = None  # a split stage's prefill: block
+    max_num_seqs: int = 16
+    max_inflight: int = 64
+
+
+@dataclass
+class FakeSettings:
+    role: str = "both"
+
+
+@dataclass
+class FakePod:
+    """The attributes of :class:`~omni_mesh.sidecar.pod.Pod` that the load report reads."""
+
+    engine: FakeEngine | None
+    settings: FakeSettings = field(default_factory=FakeSettings)
+    stage_config: FakeStageConfig = field(default_factory=FakeStageConfig)
+    gate: AdmissionGate = field(
+        default_factory=lambda: AdmissionGate(
+            AdmissionQueue(64, 16, 30.0), SidecarMetrics(CollectorRegistry()), ("p", "0")
+        )
+    )
+    in_flight: int = 0
+
+
+def vllm_between_steps() -> FakeEngine:
+    """A vLLM engine's report read between two steps: nothing running, nothing waiting."""
+    engine = EngineStats(running=0, waiting=0, kv_cache_usage=0.01, tokens_per_s=0.0)
+    stats = Stats(queued=0, running=0, batch_size=2, step_ms=4.0, steps=100, engine=engine)
+    return FakeEngine(stats)
+
+
+def held_for(pod: FakePod, ago_s: tuple[float, float], slots: int) -> None:
+    """``slots`` pieces of work that held a slot from ``ago_s[0]`` to ``ago_s[1]`` s ago."""
+    queue, now = pod.gate.queue, time.monotonic()
+    for _ in range(slots):
+        queue.offer(Waiter(1, "", now + 60, now - ago_s[0]), now - ago_s[0])  # type: ignore[arg-type]
+    for _ in range(slots):
+        queue.release(now - ago_s[1], ago_s[0] - ago_s[1])
+
+
+def test_a_prefill_replica_reports_the_slots_its_work_held_since_the_last_heartbeat() -> None:
+    pod = FakePod(vllm_between_steps(), FakeSettings("prefill"), FakeStageConfig(prefill={}))
+    held_for(pod, (1.0, 0.5), slots=2)  # two prefills, answered before this heartbeat
+    report = load_report(pod)  # type: ignore[arg-type]
+    assert report.in_flight == 0 and report.engine["waiting"] == 0.0
+    assert report.engine["running"] == pytest.approx(1.0, rel=0.1)  # 2 slots x 0.5 of 1 s
+    assert report.engine[PREFILL_TOKENS_QUEUED] == 0.0
+    # The next heartbeat covers only the time since this one: idle.
+    assert load_report(pod).engine["running"] == 0.0  # type: ignore[arg-type]
+
+
+def test_other_replicas_report_their_engines_own_counts() -> None:
+    # A decode replica's (and an unsplit stage's) work in flight may wait on later stages:
+    # vLLM's scheduler says what is the engine's own.
+    for settings, config in (
+        (FakeSettings("decode"), FakeStageConfig(prefill={})),
+        (FakeSettings("both"), FakeStageConfig()),
+    ):
+        pod = FakePod(vllm_between_steps(), settings, config)
+        held_for(pod, (1.0, 0.5), slots=2)
+        report = load_report(pod)  # type: ignore[arg-type]
+        assert report.engine["running"] == 0.0
+        assert (PREFILL_TOKENS_QUEUED in report.engine) == (config.prefill is not None)
+    # An engine without a scheduler of its own: work handed to it less its queue.
+    engine = FakeEngine(Stats(queued=1, running=0, batch_size=1, step_ms=1.0, steps=1), 3)
+    report = load_report(FakePod(engine))  # type: ignore[arg-type]
+    assert report.engine["running"] == 2.0 and report.queued == 1
+    assert load_report(FakePod(None)).engine == {}  # type: ignore[arg-type]
