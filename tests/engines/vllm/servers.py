@@ -1,12 +1,14 @@
 """``tiny-llm`` through ``omni-up``, for the vLLM test modules: one shared deployment per
 session (``tiny_llm_server`` in conftest: test_vllm_openai.py and test_vllm_pd_split.py's
 reference), and the same stage split into prefill and decode pools (``deploy_overlay(prefill=
-...)``). Streaming (``async_chunk``, a chunk per token), the stage's default temperature 0
-(greedy) and ``chat_template`` on."""
+...)``), the prefill pool autoscaled or not (``prefill_autoscale=``). Streaming
+(``async_chunk``, a chunk per token), the stage's default temperature 0 (greedy) and
+``chat_template`` on."""
 
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import openai
 
+from omni_mesh.configs.autoscale import AutoscaleConfig
 from omni_mesh.configs.loader import bundled_deploy_path
 from tests.procs import ManagedProcess, clean_env, free_port
 
@@ -45,6 +48,15 @@ class Server:
         value = self.metric(self.stage_url, RUNNING + "{")
         return -1.0 if value is None else value
 
+    def cp_status(self) -> str:
+        """What ``omni-cp status`` prints for the deployment's control plane."""
+        cp = re.search(r"control plane\s+(http://\S+)", self.proc.stdout)
+        assert cp is not None, self.proc.stdout
+        argv = [sys.executable, "-m", "omni_mesh.control_plane", "status", "--cp", cp[1]]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done
+        return done.stdout
+
 
 SPLIT_PROMPT = "the quick brown fox"
 
@@ -71,8 +83,14 @@ def handoffs(server: Server, outcome: str) -> float:
     return server.metric(server.url, line) or 0.0
 
 
-def deploy_overlay(prefill: int = 0, decode: int = 1, kv_lease_s: int = 30) -> str:
-    """The deploy overlay of the tests' ``tiny-llm``; ``prefill`` > 0 splits its stage."""
+def deploy_overlay(
+    prefill: int = 0,
+    decode: int = 1,
+    kv_lease_s: int = 30,
+    prefill_autoscale: AutoscaleConfig | None = None,
+) -> str:
+    """The deploy overlay of the tests' ``tiny-llm``; ``prefill`` > 0 splits its stage, whose
+    prefill pool (``prefill`` its starting size) follows ``prefill_autoscale`` when given."""
     text = (
         f"base_config: {bundled_deploy_path(MODEL)}\n"
         "async_chunk: true\n"
@@ -85,17 +103,25 @@ def deploy_overlay(prefill: int = 0, decode: int = 1, kv_lease_s: int = 30) -> s
         + (f", kv_lease_s: {kv_lease_s}}}\n" if prefill else "}\n")
     )
     if prefill:
-        text += f"    prefill: {{num_replicas: {prefill}}}\n"
+        scale = ""
+        if prefill_autoscale is not None:  # JSON is a YAML flow mapping
+            scale = f", autoscale: {prefill_autoscale.model_dump_json(exclude_defaults=True)}"
+        text += f"    prefill: {{num_replicas: {prefill}{scale}}}\n"
     return text
 
 
 @contextmanager
 def tiny_llm(
-    log_dir: Path, prefill: int = 0, decode: int = 1, kv_lease_s: int = 30
+    log_dir: Path,
+    prefill: int = 0,
+    decode: int = 1,
+    kv_lease_s: int = 30,
+    prefill_autoscale: AutoscaleConfig | None = None,
 ) -> Iterator[Server]:
-    """``omni-up`` of ``tiny-llm`` (split when ``prefill``), stopped with Ctrl-C at the end."""
+    """``omni-up`` of ``tiny-llm`` (split when ``prefill``; see :func:`deploy_overlay`),
+    stopped with Ctrl-C at the end."""
     overlay = log_dir / "tiny-llm.yaml"
-    overlay.write_text(deploy_overlay(prefill, decode, kv_lease_s))
+    overlay.write_text(deploy_overlay(prefill, decode, kv_lease_s, prefill_autoscale))
     port = free_port()
     argv = [sys.executable, "-m", "omni_mesh.launcher.cli", "--pipeline", MODEL,
             "--port", str(port), "--deploy-config", str(overlay), "--secret", SECRET]  # fmt: skip

@@ -88,16 +88,9 @@ def test_the_split_stage_answers_as_the_unsplit_one_with_the_kv_pulled(
     queued = f'omni_stage_prefill_tokens_queued{{pipeline="{MODEL}",stage="0"}}'
     urls = split.stage_urls["prefill"] + split.stage_urls["decode"]
     wait_until(lambda: [split.metric(u, queued) for u in urls] == [0.0] * 3, 10, interval=0.2)
-    cp = re.search(r"control plane\s+(http://\S+)", split.proc.stdout)
-    assert cp is not None
-    status = subprocess.run(
-        [sys.executable, "-m", "omni_mesh.control_plane", "status", "--cp", cp[1]],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert status.stdout.count("headless/prefill") == 1, status
-    assert status.stdout.count("headless/decode") == 2, status
+    status = split.cp_status()
+    assert status.count("headless/prefill") == 1, status
+    assert status.count("headless/decode") == 2, status
 
 
 def _input(request_id: str, seed: int, kv_transfer: str, **fields: str | int) -> StageInput:
