@@ -34,9 +34,13 @@ import base64
 import json
 import logging
 import math
+import queue
+import threading
 import time
 import uuid
 from collections import Counter, OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -111,6 +115,11 @@ class KvExchange:
         self._metadata = base64.b64encode(self.agent.get_agent_metadata()).decode()
         self._held: dict[str, _Hold] = {}
         self._peers: OrderedDict[str, bytes] = OrderedDict()  # remote agents added: metadata
+        self._connecting: dict[str, tuple[Future[None], bytes]] = {}
+        # One thread adds and removes remote agents, in order (vLLM's connector hands its
+        # handshakes to a thread too): NIXL connects as it adds one, and blocks while the
+        # peer is unreachable. A daemon: a connect that hangs never holds the process's exit.
+        self._connector = _Worker("kv-connect")
         self._reading: Counter[str] = Counter()  # pulls in flight, by remote agent
         self._draining: list[KvPull] = []  # cancelled, their reads still running
         # Slots not reused yet: (when, allocator, offset). An expired hold's slot may still be
@@ -167,6 +176,7 @@ class KvExchange:
             self.cool(self.holds, self._held.pop(hold_id).offset)
             self.counts.expired += 1
             logger.info("KV of hold=%s not pulled within %.0f s: freed", hold_id, self.lease_s)
+        self._settle_connects()
         self._draining = [pull for pull in self._draining if not pull.settled()]
         if self._cooling and self._cooling[0][0] <= now:
             ready = [c for c in self._cooling if c[0] <= now]
@@ -185,12 +195,14 @@ class KvExchange:
         """Start reading the slot ``params_text`` names (a prefill answer's params). Raises
         :class:`KvTransferError` (counted failed) when it cannot start."""
         try:
-            return self._start(params_text)
+            pull = self._start(params_text)
         except Exception as exc:
             self.counts.failed += 1
             if isinstance(exc, KvTransferError):
                 raise
             raise KvTransferError(f"kv_transfer: {type(exc).__name__}: {exc}") from None
+        pull.begin_if_connected()  # a known peer's read starts now (counts its own failure)
+        return pull
 
     def _start(self, params_text: str) -> KvPull:
         remote, metadata, hold_id, addr, entries, nbytes = _parse(params_text)
@@ -202,44 +214,59 @@ class KvExchange:
         offset = self.receive.take(nbytes)
         if offset is None:
             raise KvTransferError("kv_transfer: the receive buffer is full")
-        try:
-            self._know(remote, metadata)
-            here = self.agent.get_xfer_descs(
-                [(self._base + self._receive_at + offset, nbytes, 0)], "DRAM"
-            )
-            there = self.agent.get_xfer_descs([(addr, nbytes, 0)], "DRAM")
-            handle = self.agent.initialize_xfer(
-                "READ", here, there, remote, PULLED + hold_id.encode()
-            )
-        except Exception as exc:  # nixl's errors: no such agent or registration
-            self.receive.give(offset)
-            raise KvTransferError(f"kv_transfer: the read could not start: {exc}") from None
-        pull = KvPull(self, handle, remote, hold_id, offset, entries, nbytes)
+        connected = self._connect(remote, metadata)
         self._reading[remote] += 1
+        return KvPull(self, remote, hold_id, addr, offset, entries, nbytes, connected)
+
+    def begin_read(self, pull: KvPull) -> Any:
+        """Start ``pull``'s NIXL read (its remote agent is known); the handle."""
+        here = self.agent.get_xfer_descs(
+            [(self._base + self._receive_at + pull.offset, pull.nbytes, 0)], "DRAM"
+        )
+        there = self.agent.get_xfer_descs([(pull.addr, pull.nbytes, 0)], "DRAM")
+        handle = self.agent.initialize_xfer(
+            "READ", here, there, pull.remote, PULLED + pull.hold_id.encode()
+        )
         try:
-            state = self.agent.transfer(handle)
+            state = str(self.agent.transfer(handle))
         except Exception as exc:  # a disconnected peer
             state = f"ERR ({exc})"
         if state.startswith("ERR"):
-            pull.end(aborted=False)
-            self.forget(remote)
-            raise KvTransferError(f"kv_transfer: the read failed at once: {state}")
-        return pull
+            self._release_handle(handle)
+            raise KvTransferError(f"the read failed at once: {state}")
+        return handle
 
-    def _know(self, remote: str, metadata: bytes) -> None:
-        """Add the remote agent (again when its metadata changed); the longest unused one
-        without reads in flight is dropped past :data:`MAX_PEERS`."""
+    def _connect(self, remote: str, metadata: bytes) -> Future[None]:
+        """The remote agent known to NIXL: a done future for a known peer, else its adding
+        (NIXL connects there, which blocks while the peer is unreachable: on the connecting
+        thread, never the engine's)."""
         if self._peers.get(remote) == metadata:
             self._peers.move_to_end(remote)
-            return
-        self.forget(remote)
+            return _DONE
+        pending = self._connecting.get(remote)
+        if pending is not None and pending[1] == metadata:
+            return pending[0]
+        self.forget(remote)  # its metadata changed: a restarted engine of the same name
+        future = self._connector.submit(self._add, remote, metadata)
+        self._connecting[remote] = (future, metadata)
+        return future
+
+    def _add(self, remote: str, metadata: bytes) -> None:
+        """(On the connecting thread.) Add the remote agent; its name must be the params'."""
         named = self.agent.add_remote_agent(metadata)
         named = named.decode() if isinstance(named, bytes) else str(named)
         if named != remote:  # metadata of another agent than the params name
-            if named not in self._peers:
-                self._remove(named)
-            raise KvTransferError(f"kv_transfer: the metadata is agent {named!r}, not {remote!r}")
-        self._peers[remote] = metadata
+            self.agent.remove_remote_agent(named)
+            raise KvTransferError(f"the metadata is agent {named!r}, not {remote!r}")
+
+    def _settle_connects(self) -> None:
+        """Record the agents added since; the longest unused ones without reads in flight are
+        dropped past :data:`MAX_PEERS`."""
+        for remote, (future, metadata) in list(self._connecting.items()):
+            if future.done():
+                del self._connecting[remote]
+                if future.exception() is None:
+                    self._peers[remote] = metadata
         for peer in [p for p in self._peers if not self._reading[p]]:
             if len(self._peers) <= MAX_PEERS:
                 break
@@ -248,13 +275,19 @@ class KvExchange:
     def forget(self, remote: str) -> None:
         """Drop a remote agent (a read from it failed: a restarted or dead engine; unused)."""
         if self._peers.pop(remote, None) is not None:
-            self._remove(remote)
+            self._connector.submit(self._remove, remote)
 
     def _remove(self, remote: str) -> None:
         try:
             self.agent.remove_remote_agent(remote)
         except Exception:  # already gone from NIXL's view
             logger.debug("remove_remote_agent %s", remote, exc_info=True)
+
+    def _release_handle(self, handle: Any) -> None:
+        try:
+            self.agent.release_xfer_handle(handle)
+        except Exception:
+            logger.debug("release_xfer_handle", exc_info=True)
 
     def tensors_at(self, offset: int, entries: list[Entry]) -> dict[str, Tensor]:
         """Copies of the tensors a finished read left at ``offset`` of the receive buffer."""
@@ -269,6 +302,7 @@ class KvExchange:
         for pull in self._draining:
             pull.end(aborted=True)
         self._draining = []
+        self._connector.stop()
         try:
             self.agent.deregister_memory(self._registered)
         except Exception:
@@ -276,28 +310,51 @@ class KvExchange:
 
 
 class KvPull:
-    """One read in flight (:meth:`KvExchange.pull`): the row's ``RemotePrefill``."""
+    """One pull (:meth:`KvExchange.pull`): its remote agent being added, then its read in
+    flight. The row's ``RemotePrefill``."""
 
     def __init__(
         self,
         exchange: KvExchange,
-        handle: Any,
         remote: str,
         hold_id: str,
+        addr: int,
         offset: int,
         entries: list[Entry],
         nbytes: int,
+        connected: Future[None],
     ) -> None:
         self.exchange = exchange
-        self.handle = handle
         self.remote = remote
         self.hold_id = hold_id
-        self.offset = offset
+        self.addr = addr  # of the slot, in the prefill engine
+        self.offset = offset  # of the receive slot
         self.entries = entries
         self.nbytes = nbytes
+        self.connected = connected
+        self.handle: Any = None  # the read's, once started
         self.started = time.monotonic()
         self.elapsed = 0.0  # from the start until the read was seen done
         self.ended = False  # its handle and slot were released (or are cooling)
+
+    @property
+    def overdue(self) -> bool:
+        return time.monotonic() - self.started > self.exchange.pull_timeout_s
+
+    def begin_if_connected(self) -> None:
+        """Start the read once the remote agent is known; raises :class:`KvTransferError`
+        (counted failed) when it cannot be."""
+        if self.handle is not None or not self.connected.done():
+            return
+        error = self.connected.exception()
+        try:
+            if error is not None:
+                raise KvTransferError(f"the prefill engine's agent could not be added: {error}")
+            self.handle = self.exchange.begin_read(self)
+        except Exception as exc:
+            self.end(aborted=False)
+            self.exchange.forget(self.remote)
+            self._failed(str(exc))
 
     def poll(self) -> dict[str, Tensor] | None:
         """The tensors once the read is done, None while it runs; raises
@@ -305,9 +362,15 @@ class KvPull:
         if self.ended:
             raise KvTransferError("kv_transfer: this pull already ended")
         exchange = self.exchange
+        self.begin_if_connected()
+        if self.handle is None:  # still connecting
+            if self.overdue:
+                self.end(aborted=False)
+                self._failed(f"the prefill engine not reached in {exchange.pull_timeout_s:g} s")
+            return None
         state = self._state()
         if state == "PROC":
-            if time.monotonic() - self.started <= exchange.pull_timeout_s:
+            if not self.overdue:
                 return None
             self.end(aborted=True)  # the peer may be alive: it stays known
             self._failed(f"no answer within {exchange.pull_timeout_s:g} s")
@@ -343,11 +406,16 @@ class KvPull:
             self.exchange._draining.append(self)
 
     def settled(self) -> bool:
-        """True once the read stopped and its handle and slot were released."""
+        """True once the read stopped (or never started) and its slot was released (a pull
+        cancelled while its agent was being added reads nothing: the prefill's lease frees
+        its slot)."""
         if self.ended:
             return True
+        if self.handle is None:  # no read started: nothing writes into the slot
+            self.end(aborted=False)
+            return True
         if self._state() == "PROC":
-            if time.monotonic() - self.started <= self.exchange.pull_timeout_s:
+            if not self.overdue:
                 return False
             self.end(aborted=True)
             return True
@@ -356,16 +424,14 @@ class KvPull:
 
     def end(self, *, aborted: bool) -> None:
         """Release the handle (aborting a read in flight) and the slot: at once after a
-        finished read, after cooling after an aborted one (it may still write)."""
+        finished read (or none), after cooling after an aborted one (it may still write)."""
         if self.ended:
             return
         self.ended = True
         exchange = self.exchange
         exchange._reading[self.remote] -= 1
-        try:
-            exchange.agent.release_xfer_handle(self.handle)
-        except Exception:
-            logger.debug("release_xfer_handle", exc_info=True)
+        if self.handle is not None:
+            exchange._release_handle(self.handle)
         if aborted:
             exchange.cool(exchange.receive, self.offset)
         else:
@@ -381,6 +447,40 @@ class KvPull:
         except Exception as exc:  # a disconnected peer raises here
             logger.debug("check_xfer_state: %s", exc)
             return "ERR"
+
+
+_DONE: Future[None] = Future()
+_DONE.set_result(None)
+
+
+class _Worker:
+    """One daemon thread running submitted calls in order (``ThreadPoolExecutor``'s threads
+    are joined at exit, and a connect to an unreachable peer blocks for minutes)."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[
+            tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None
+        ]
+        self._calls = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def stop(self) -> None:
+        self._calls.put(None)
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            future, fn, args = call
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # handed to the future's reader
+                future.set_exception(exc)
 
 
 def _layout(tensors: dict[str, Tensor]) -> tuple[list[Entry], int]:
