@@ -17,18 +17,14 @@ that is not split exits 2."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -49,7 +45,8 @@ from tests.engines.vllm.servers import (
     kv_metric,
     tiny_llm,
 )
-from tests.procs import descendants, free_port, wait_until
+from tests.procs import free_port, wait_until
+from tests.procs.pods import cpu_s, engine_pids, kill, pod_and_engine
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -168,45 +165,16 @@ def test_a_pull_that_fails_is_prefilled_where_it_is(split: Server) -> None:
     wait_until(lambda: kv_metric(split, "decode", "failed") >= failed + 1, 10, interval=0.2)
 
 
-def _pod_and_engine(server: Server, url: str) -> list[int]:
-    """The pids of the pod listening at ``url`` (omni-up's child) and of its engine."""
-    port = url.rsplit(":", 1)[1]
-    for pid in descendants(server.proc.pid):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-        except OSError:
-            continue
-        if "omni_mesh.sidecar.cli_stage" in " ".join(argv) and port in argv:
-            return [pid, *descendants(pid)]
-    raise AssertionError(f"no pod at {url}")
-
-
-def _kill(pids: list[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def test_idle_split_engines_leave_the_cores_alone(split: Server) -> None:
     # NIXL's progress thread spins a whole core per engine unless paced (kv_split.py): idle,
     # every engine of the split stage must use a small part of one.
-    engines = [
-        pid
-        for urls in split.stage_urls.values()
-        for url in urls
-        for pid in _pod_and_engine(split, url)[1:]
-        if b"omni_mesh.engines" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    ]
+    urls = [url for pool in split.stage_urls.values() for url in pool]
+    engines = engine_pids(split.proc.pid, urls)
     assert len(engines) == 3, engines
     time.sleep(1.0)  # the last requests' stats and steps
-    before = {pid: _cpu_s(pid) for pid in engines}
+    before = {pid: cpu_s(pid) for pid in engines}
     time.sleep(3.0)
-    used = {pid: (_cpu_s(pid) - t) / 3.0 for pid, t in before.items()}
+    used = {pid: (cpu_s(pid) - t) / 3.0 for pid, t in before.items()}
     assert all(share < 0.3 for share in used.values()), used  # cores per engine, idle
 
 
@@ -215,7 +183,7 @@ def test_killing_the_prefill_and_a_decode_replica_under_load_fails_nothing(
 ) -> None:
     expected = {seed: complete(tiny_llm_server, seed) for seed in SEEDS}
     prefill, decode = split.stage_urls["prefill"][0], split.stage_urls["decode"][1]
-    victims = [_pod_and_engine(split, prefill), _pod_and_engine(split, decode)]
+    victims = [pod_and_engine(split.proc.pid, prefill), pod_and_engine(split.proc.pid, decode)]
     results: list[tuple[int, str | BaseException]] = []
     stop = threading.Event()
 
@@ -234,9 +202,9 @@ def test_killing_the_prefill_and_a_decode_replica_under_load_fails_nothing(
         t.start()
     try:
         time.sleep(2.0)
-        _kill(victims[0])  # the prefill replica: its pod and its vLLM engine
+        kill(victims[0])  # the prefill replica: its pod and its vLLM engine
         time.sleep(3.0)
-        _kill(victims[1])  # a decode replica
+        kill(victims[1])  # a decode replica
         time.sleep(3.0)
     finally:
         stop.set()
