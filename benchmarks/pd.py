@@ -211,20 +211,40 @@ async def _deployment(
     model_dir: Path, log_dir: Path, split: bool, replicas: int, window_s: float
 ) -> Run:
     overlay = _overlay(log_dir, model_dir, split, replicas)
+    return await deployment(
+        MODEL,
+        overlay,
+        log_dir,
+        split,
+        replicas,
+        r"stage 0 llm-decode #\d+\s+(http://\S+)",
+        lambda url, name: mixed_load(url, name, window_s, (DECODE_RATE, LONG_RATE)),
+    )
+
+
+async def deployment(
+    pipeline: str,
+    overlay: Path,
+    log_dir: Path,
+    split: bool,
+    replicas: int,
+    decode_pods: str,
+    load: Callable[[str, str], Awaitable[Run]],
+) -> Run:
+    """``omni-up`` of ``overlay`` under ``load(url, name)``; for a split stage, the decode pods'
+    (``decode_pods``: a regex of omni-up's endpoint lines) transfer counters."""
     port = free_port()
-    argv = [sys.executable, "-m", "omni_mesh.launcher.cli", "--pipeline", MODEL,
+    argv = [sys.executable, "-m", "omni_mesh.launcher.cli", "--pipeline", pipeline,
             "--port", str(port), "--deploy-config", str(overlay)]  # fmt: skip
     name = f"split 1P:{replicas}D" if split else f"unsplit, {replicas} replica(s)"
-    proc = ManagedProcess(argv, name=f"omni-up-{'split' if split else 'unsplit'}{replicas}",
-                          env=clean_env(), log_dir=log_dir).start()  # fmt: skip
+    label = f"omni-up-{pipeline}-{'split' if split else 'unsplit'}{replicas}"
+    proc = ManagedProcess(argv, name=label, env=clean_env(), log_dir=log_dir).start()
     try:
         proc.wait_for_output(r"omni-up ready", timeout=300)
-        url = f"http://127.0.0.1:{port}"
-        run = await mixed_load(url, name, window_s, (DECODE_RATE, LONG_RATE))
+        run = await load(f"http://127.0.0.1:{port}", name)
         if split:
             await asyncio.sleep(1.5)  # the engines' last stats reports
-            decode = re.findall(r"stage 0 llm-decode #\d+\s+(http://\S+)", proc.stdout)
-            text = "".join(metrics(u) for u in decode)
+            text = "".join(metrics(u) for u in re.findall(decode_pods, proc.stdout))
             run.kv = {
                 "bytes": sample(text, "omni_stage_kv_transfer_bytes_total"),
                 "seconds": sample(text, "omni_stage_kv_transfer_seconds_total"),

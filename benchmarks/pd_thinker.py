@@ -18,10 +18,7 @@ Target: decode inter-token p99 ≤ 0.5x the 2-replica unsplit figure at equal to
 
 from __future__ import annotations
 
-import asyncio
 import json
-import re
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,9 +26,8 @@ from pathlib import Path
 import aiohttp
 
 from benchmarks.common import Options, Report
-from benchmarks.pd import Run, metrics, mixed_load, sample, tables
+from benchmarks.pd import Run, deployment, mixed_load, tables
 from omni_mesh.configs.loader import bundled_deploy_path
-from tests.procs import ManagedProcess, clean_env, free_port
 
 PIPELINE = "qwen3-omni"
 DECODE_RATE = 6.0
@@ -92,17 +88,14 @@ async def _chat(
 
 
 async def _deployment(log_dir: Path, split: bool, replicas: int, window_s: float) -> Run:
-    overlay = _overlay(log_dir, split, replicas)
-    port = free_port()
-    argv = [sys.executable, "-m", "omni_mesh.launcher.cli", "--pipeline", PIPELINE,
-            "--port", str(port), "--deploy-config", str(overlay)]  # fmt: skip
-    name = f"split 1P:{replicas}D" if split else f"unsplit, {replicas} replica(s)"
-    label = f"omni-up-thinker-{'split' if split else 'unsplit'}{replicas}"
-    proc = ManagedProcess(argv, name=label, env=clean_env(), log_dir=log_dir).start()
-    try:
-        proc.wait_for_output(r"omni-up ready", timeout=300)
-        url = f"http://127.0.0.1:{port}"
-        run = await mixed_load(
+    return await deployment(
+        PIPELINE,
+        _overlay(log_dir, split, replicas),
+        log_dir,
+        split,
+        replicas,
+        r"stage 0 thinker-decode #\d+\s+(http://\S+)",
+        lambda url, name: mixed_load(
             url,
             name,
             window_s,
@@ -110,20 +103,8 @@ async def _deployment(log_dir: Path, split: bool, replicas: int, window_s: float
             stream=_chat,
             decode_tokens=DECODE_TOKENS,
             long_max_tokens=LONG_MAX_TOKENS,
-        )
-        if split:
-            await asyncio.sleep(1.5)  # the engines' last stats reports
-            decode = re.findall(r"stage 0 thinker-decode #\d+\s+(http://\S+)", proc.stdout)
-            text = "".join(metrics(u) for u in decode)
-            run.kv = {
-                "bytes": sample(text, "omni_stage_kv_transfer_bytes_total"),
-                "seconds": sample(text, "omni_stage_kv_transfer_seconds_total"),
-                "pulled": sample(text, 'omni_stage_kv_transfers_total{outcome="pulled"'),
-                "failed": sample(text, 'omni_stage_kv_transfers_total{outcome="failed"'),
-            }
-        return run
-    finally:
-        proc.interrupt(timeout=60)
+        ),
+    )
 
 
 async def bench(opts: Options) -> Report:

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import re
-import sys
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,7 +11,8 @@ from pathlib import Path
 import openai
 
 from omni_mesh.configs.loader import bundled_deploy_path
-from tests.procs import ManagedProcess, clean_env, free_port
+from tests.procs import ManagedProcess
+from tests.procs.omni_up import omni_up, stage_pools
 
 PIPELINE = "qwen3-omni"
 SECRET = "split-thinker-tests-secret"
@@ -66,19 +65,9 @@ def split_thinker(log_dir: Path, prefill: int, decode: int) -> Iterator[SplitThi
     """``omni-up`` of the split deployment, stopped with Ctrl-C at the end."""
     deploy = log_dir / "qwen3-omni-split.yaml"
     deploy.write_text(overlay(prefill, decode))
-    port = free_port()
-    argv = [sys.executable, "-m", "omni_mesh.launcher.cli", "--pipeline", PIPELINE,
-            "--port", str(port), "--deploy-config", str(deploy), "--secret", SECRET]  # fmt: skip
-    proc = ManagedProcess(argv, name="omni-up", env=clean_env(), log_dir=log_dir).start()
-    try:
-        proc.wait_for_output(r"omni-up ready", timeout=240)
-        pools: dict[str, list[str]] = {}
-        for pool, url in re.findall(r"stage 0 thinker-(\S+) #\d+\s+(http://\S+)", proc.stdout):
-            pools.setdefault(pool, []).append(url)
-        deployment = SplitThinker(proc, f"http://127.0.0.1:{port}", pools)
+    with omni_up(PIPELINE, deploy, log_dir, secret=SECRET) as (proc, url):
+        deployment = SplitThinker(proc, url, stage_pools(proc.stdout, 0, "thinker"))
         try:
             yield deployment
         finally:
             deployment.client.close()
-    finally:
-        proc.interrupt(timeout=60)

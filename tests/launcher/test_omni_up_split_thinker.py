@@ -16,7 +16,6 @@ import base64
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -27,7 +26,7 @@ import pytest
 from tests.engines.hf.omni_reference import audio_messages, expected, wav_samples
 from tests.launcher.split_thinker import PIPELINE, SplitThinker, split_thinker
 from tests.procs import wait_until
-from tests.procs.pods import cpu_s, engine_pids, kill, pod_and_engine
+from tests.procs.pods import cpu_s, engine_pids, kills_under_load, pod_and_engine
 
 pytestmark = [
     pytest.mark.integration,
@@ -155,32 +154,13 @@ def test_killing_the_prefill_and_a_decode_replica_under_load_fails_nothing(
     want = {seed: expected(TEXT, seed=seed, max_tokens=MAX_TOKENS)[0] for seed in SEEDS}
     prefill, decode = one_two.pools["prefill"][0], one_two.pools["decode"][1]
     victims = [pod_and_engine(one_two.proc.pid, prefill), pod_and_engine(one_two.proc.pid, decode)]
-    results: list[tuple[int, str | BaseException]] = []
-    stop = threading.Event()
-
-    def load(worker: int) -> None:
-        n = worker
-        while not stop.is_set():
-            seed = SEEDS[n % len(SEEDS)]
-            try:
-                results.append((seed, text_chat(one_two, seed, stream=n % 2 == 0)))
-            except Exception as exc:  # counted as a failure below
-                results.append((seed, exc))
-            n += 1
-
-    threads = [threading.Thread(target=load, args=(w,)) for w in range(4)]
-    for t in threads:
-        t.start()
-    try:
-        time.sleep(2.0)
-        kill(victims[0])  # the prefill replica: its pod and its engine
-        time.sleep(2.0)
-        kill(victims[1])  # a decode replica
-        time.sleep(2.0)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(120)
+    results = kills_under_load(
+        lambda seed, stream: text_chat(one_two, seed, stream=stream),
+        SEEDS,
+        victims,  # the prefill replica (its pod and its engine), then a decode replica
+        workers=4,
+        pauses_s=(2.0, 2.0, 2.0),
+    )
     failed = [r for r in results if not isinstance(r[1], str)]
     assert failed == [] and len(results) > 10, failed[:3]
     assert all(text == want[seed] for seed, text in results), results

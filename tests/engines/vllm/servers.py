@@ -19,7 +19,8 @@ import openai
 
 from omni_mesh.configs.autoscale import AutoscaleConfig
 from omni_mesh.configs.loader import bundled_deploy_path
-from tests.procs import ManagedProcess, clean_env, free_port
+from tests.procs import ManagedProcess
+from tests.procs.omni_up import omni_up, stage_pools
 
 MODEL = "tiny-llm"
 SECRET = "vllm-tests-secret"  # the deployment secret: tests may send hops themselves
@@ -122,19 +123,9 @@ def tiny_llm(
     stopped with Ctrl-C at the end."""
     overlay = log_dir / "tiny-llm.yaml"
     overlay.write_text(deploy_overlay(prefill, decode, kv_lease_s, prefill_autoscale))
-    port = free_port()
-    argv = [sys.executable, "-m", "omni_mesh.launcher.cli", "--pipeline", MODEL,
-            "--port", str(port), "--deploy-config", str(overlay), "--secret", SECRET]  # fmt: skip
-    proc = ManagedProcess(argv, name="omni-up", env=clean_env(), log_dir=log_dir).start()
-    try:
-        proc.wait_for_output(r"omni-up ready", timeout=200)
-        urls: dict[str, list[str]] = {}
-        for pool, url in re.findall(r"stage 0 llm(\S*) #\d+\s+(http://\S+)", proc.stdout):
-            urls.setdefault(pool.removeprefix("-"), []).append(url)
-        server = Server(proc, f"http://127.0.0.1:{port}", urls)
+    with omni_up(MODEL, overlay, log_dir, secret=SECRET, timeout_s=200) as (proc, url):
+        server = Server(proc, url, stage_pools(proc.stdout, 0, "llm"))
         try:
             yield server
         finally:
             server.client.close()  # its pooled connections (a ResourceWarning at exit else)
-    finally:
-        proc.interrupt(timeout=60)

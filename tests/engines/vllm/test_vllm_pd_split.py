@@ -21,7 +21,6 @@ import json
 import re
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -46,7 +45,7 @@ from tests.engines.vllm.servers import (
     tiny_llm,
 )
 from tests.procs import free_port, wait_until
-from tests.procs.pods import cpu_s, engine_pids, kill, pod_and_engine
+from tests.procs.pods import cpu_s, engine_pids, kills_under_load, pod_and_engine
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -184,32 +183,13 @@ def test_killing_the_prefill_and_a_decode_replica_under_load_fails_nothing(
     expected = {seed: complete(tiny_llm_server, seed) for seed in SEEDS}
     prefill, decode = split.stage_urls["prefill"][0], split.stage_urls["decode"][1]
     victims = [pod_and_engine(split.proc.pid, prefill), pod_and_engine(split.proc.pid, decode)]
-    results: list[tuple[int, str | BaseException]] = []
-    stop = threading.Event()
-
-    def load(worker: int) -> None:
-        n = worker
-        while not stop.is_set():
-            seed = SEEDS[n % len(SEEDS)]
-            try:
-                results.append((seed, complete(split, seed, stream=n % 2 == 0)))
-            except Exception as exc:  # counted as a failure below
-                results.append((seed, exc))
-            n += 1
-
-    threads = [threading.Thread(target=load, args=(w,)) for w in range(6)]
-    for t in threads:
-        t.start()
-    try:
-        time.sleep(2.0)
-        kill(victims[0])  # the prefill replica: its pod and its vLLM engine
-        time.sleep(3.0)
-        kill(victims[1])  # a decode replica
-        time.sleep(3.0)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(120)
+    results = kills_under_load(
+        lambda seed, stream: complete(split, seed, stream=stream),
+        SEEDS,
+        victims,  # the prefill replica (its pod and its vLLM engine), then a decode replica
+        workers=6,
+        pauses_s=(2.0, 3.0, 3.0),
+    )
     failed = [r for r in results if not isinstance(r[1], str)]
     assert failed == [] and len(results) > 20, failed[:3]
     assert all(text == expected[seed] for seed, text in results), results
