@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import random
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -39,6 +41,8 @@ from benchmarks.measure import Target, md_table, percentile, ratio
 from benchmarks.vllm import streamed_completion, vllm_env
 from omni_mesh.configs.loader import bundled_deploy_path
 from tests.procs import ManagedProcess, clean_env, free_port
+
+logger = logging.getLogger(__name__)
 
 MODEL = "tiny-llm"
 DECODE_RATE = 6.0  # decode requests per second
@@ -256,6 +260,22 @@ async def deployment(
         proc.interrupt(timeout=60)
 
 
+async def three_runs(prefix: str, deploy: Callable[[Path, bool, int], Awaitable[Run]]) -> list[Run]:
+    """``deploy(log_dir, split, replicas)`` unsplit 2, split 1P:1D, unsplit 1, one after the
+    other; their logs removed after, kept (and said where) when one fails."""
+    log_dir = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        runs = [
+            await deploy(log_dir, split, replicas)
+            for split, replicas in ((False, 2), (True, 1), (False, 1))
+        ]
+    except BaseException:
+        logger.error("benchmark failed; process logs kept in %s", log_dir)
+        raise
+    shutil.rmtree(log_dir, ignore_errors=True)
+    return runs
+
+
 async def bench(opts: Options) -> Report:
     report = Report(
         "pd",
@@ -263,11 +283,12 @@ async def bench(opts: Options) -> Report:
     )
     window_s = opts.pickf(40.0, 12.0)
     with vllm_env() as model_dir:
-        log_dir = Path(tempfile.mkdtemp(prefix="omni-bench-pd-"))
-        runs = [
-            await _deployment(model_dir, log_dir, split, replicas, window_s)
-            for split, replicas in ((False, 2), (True, 1), (False, 1))
-        ]
+        runs = await three_runs(
+            "omni-bench-pd-",
+            lambda log_dir, split, replicas: _deployment(
+                model_dir, log_dir, split, replicas, window_s
+            ),
+        )
     tables(report, runs, window_s)
     _notes(report)
     return report

@@ -19,14 +19,13 @@ Target: decode inter-token p99 ≤ 0.5x the 2-replica unsplit figure at equal to
 from __future__ import annotations
 
 import json
-import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
 
 from benchmarks.common import Options, Report
-from benchmarks.pd import Run, deployment, mixed_load, tables
+from benchmarks.pd import Run, deployment, mixed_load, tables, three_runs
 from omni_mesh.configs.loader import bundled_deploy_path
 
 PIPELINE = "qwen3-omni"
@@ -114,11 +113,10 @@ async def bench(opts: Options) -> Report:
         "mixed load",
     )
     window_s = opts.pickf(30.0, 10.0)
-    log_dir = Path(tempfile.mkdtemp(prefix="omni-bench-pd-thinker-"))
-    runs = [
-        await _deployment(log_dir, split, replicas, window_s)
-        for split, replicas in ((False, 2), (True, 1), (False, 1))
-    ]
+    runs = await three_runs(
+        "omni-bench-pd-thinker-",
+        lambda log_dir, split, replicas: _deployment(log_dir, split, replicas, window_s),
+    )
     tables(report, runs, window_s, (DECODE_RATE, LONG_RATE), (DECODE_TOKENS, LONG_MAX_TOKENS))
     report.notes.append(
         "Every deployment runs omni-cp, an API server, its thinker engines (tiny-qwen3-omni on "

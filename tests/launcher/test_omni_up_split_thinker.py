@@ -8,7 +8,8 @@ monolithic ``generate``'s for the same seed, decoded from state the decode engin
 the split engines leave the cores alone. Killing
 the prefill replica (pod and engine, SIGKILL) and then a decode replica under load fails no
 request and changes no answer: hops whose prefill replica is gone are prefilled by a decode
-replica (counted ``local``), and a cut decode is replayed elsewhere."""
+replica (counted ``local``), and a cut decode is replayed elsewhere; the killed pods' engine
+temp folders are removed by the replicas started in their place."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ import base64
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -167,4 +170,12 @@ def test_killing_the_prefill_and_a_decode_replica_under_load_fails_nothing(
     assert one_two.handoffs("local") >= 1  # the prefill pool was gone a while
     assert re.search(
         r"process=stage0-thinker-prefill-0 pid=\d+ was killed by SIGKILL", one_two.proc.stderr
+    )
+    # Killed with their engines, neither pod could remove its engine's temp folder: the
+    # replicas omni-up started in their place removed them.
+    tmp = Path(tempfile.gettempdir())
+    wait_until(
+        lambda: not [p for pids in victims for p in tmp.glob(f"omni-engine-s0-p{pids[0]}-*")],
+        60,
+        interval=0.5,
     )

@@ -17,7 +17,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 from collections.abc import Callable
 
 import msgspec
@@ -49,6 +48,7 @@ from omni_mesh.data_plane.shm import (
     unlink_prefix,
 )
 from omni_mesh.procutil import die_with_parent
+from omni_mesh.sidecar.engine_link.tmp_dirs import make_engine_tmp, sweep_orphaned_engine_tmp
 from omni_mesh.sidecar.engine_link.work import EngineRun, Work
 
 logger = logging.getLogger(__name__)
@@ -164,7 +164,8 @@ class EngineClient:
             env[VISIBLE_DEVICES_ENV] = visible_devices(
                 self.stage_id, self.devices, os.environ.get(VISIBLE_DEVICES_ENV)
             )
-        self.engine_tmp = tempfile.mkdtemp(prefix=f"omni-engine-s{self.stage_id}-")
+        sweep_orphaned_engine_tmp()  # those of pods killed with their engines
+        self.engine_tmp = make_engine_tmp(self.stage_id)
         tmp = {"TMPDIR": self.engine_tmp, "TMP": self.engine_tmp, "TEMP": self.engine_tmp}
         tmp[ENGINE_TMP_ENV] = self.engine_tmp  # the engine removes it too (a killed sidecar)
         try:
