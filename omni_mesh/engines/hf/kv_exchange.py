@@ -33,52 +33,27 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import math
-import queue
-import threading
 import time
 import uuid
 from collections import Counter, OrderedDict
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from omni_mesh.data_plane.kv_transfer import KvTransferError
-from omni_mesh.engines.hf.kv_arena import ALIGN, SlotAllocator
+from omni_mesh.engines.hf.kv_arena import SlotAllocator
+from omni_mesh.engines.hf.kv_params import DTYPES, PARAMS_VERSION, PULLED, TAG, Entry, layout, parse
+from omni_mesh.engines.hf.kv_pull import DONE, KvPull, Worker
 from omni_mesh.engines.kv_counts import KvCounts
 from omni_mesh.engines.nixl_agents import nixl_agent
 
 logger = logging.getLogger(__name__)
 
-TAG = "tag"  # the slot's first tensor: 16 bytes naming the hold
-PULLED = b"pulled:"  # a read's notification to the prefill engine: PULLED + hold id
-DTYPES = {
-    name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "int64", "uint8")
-}
-#: The params' format (``"v"``): a decode engine refuses another (a rolling upgrade).
-PARAMS_VERSION = 1
 #: Remote agents a decode engine keeps (their connections) at most.
 MAX_PEERS = 64
-#: Longest params text a pull accepts (a layout per layer: ~100 bytes each).
-MAX_PARAMS_BYTES = 1 << 20
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One tensor in a slot."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int  # from the slot's start
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * int(DTYPES[self.dtype].itemsize)
 
 
 @dataclass
@@ -119,7 +94,7 @@ class KvExchange:
         # One thread adds and removes remote agents, in order (vLLM's connector hands its
         # handshakes to a thread too): NIXL connects as it adds one, and blocks while the
         # peer is unreachable. A daemon: a connect that hangs never holds the process's exit.
-        self._connector = _Worker("kv-connect")
+        self._connector = Worker("kv-connect")
         self._reading: Counter[str] = Counter()  # pulls in flight, by remote agent
         self._draining: list[KvPull] = []  # cancelled, their reads still running
         # Slots not reused yet: (when, allocator, offset). An expired hold's slot may still be
@@ -134,7 +109,7 @@ class KvExchange:
         Raises :class:`KvTransferError` when the buffer has no room."""
         tag = uuid.uuid4()
         named = {TAG: torch.frombuffer(bytearray(tag.bytes), dtype=torch.uint8), **tensors}
-        entries, total = _layout(named)
+        entries, total = layout(named)
         offset = self.holds.take(total)
         if offset is None:
             raise KvTransferError(
@@ -205,7 +180,7 @@ class KvExchange:
         return pull
 
     def _start(self, params_text: str) -> KvPull:
-        remote, metadata, hold_id, addr, entries, nbytes = _parse(params_text)
+        remote, metadata, hold_id, addr, entries, nbytes = parse(params_text)
         if nbytes > self.receive.capacity:
             raise KvTransferError(
                 f"kv_transfer: {nbytes} bytes, more than this engine's receive buffer "
@@ -232,7 +207,7 @@ class KvExchange:
         except Exception as exc:  # a disconnected peer
             state = f"ERR ({exc})"
         if state.startswith("ERR"):
-            self._release_handle(handle)
+            self.release_handle(handle)
             raise KvTransferError(f"the read failed at once: {state}")
         return handle
 
@@ -242,7 +217,7 @@ class KvExchange:
         thread, never the engine's)."""
         if self._peers.get(remote) == metadata:
             self._peers.move_to_end(remote)
-            return _DONE
+            return DONE
         pending = self._connecting.get(remote)
         if pending is not None and pending[1] == metadata:
             return pending[0]
@@ -283,7 +258,14 @@ class KvExchange:
         except Exception:  # already gone from NIXL's view
             logger.debug("remove_remote_agent %s", remote, exc_info=True)
 
-    def _release_handle(self, handle: Any) -> None:
+    def drain(self, pull: KvPull) -> None:
+        """Keep a cancelled pull until its read stopped (settled at each :meth:`tick`)."""
+        self._draining.append(pull)
+
+    def read_ended(self, remote: str) -> None:
+        self._reading[remote] -= 1
+
+    def release_handle(self, handle: Any) -> None:
         try:
             self.agent.release_xfer_handle(handle)
         except Exception:
@@ -307,222 +289,3 @@ class KvExchange:
             self.agent.deregister_memory(self._registered)
         except Exception:
             logger.debug("deregister_memory", exc_info=True)
-
-
-class KvPull:
-    """One pull (:meth:`KvExchange.pull`): its remote agent being added, then its read in
-    flight. The row's ``RemotePrefill``."""
-
-    def __init__(
-        self,
-        exchange: KvExchange,
-        remote: str,
-        hold_id: str,
-        addr: int,
-        offset: int,
-        entries: list[Entry],
-        nbytes: int,
-        connected: Future[None],
-    ) -> None:
-        self.exchange = exchange
-        self.remote = remote
-        self.hold_id = hold_id
-        self.addr = addr  # of the slot, in the prefill engine
-        self.offset = offset  # of the receive slot
-        self.entries = entries
-        self.nbytes = nbytes
-        self.connected = connected
-        self.handle: Any = None  # the read's, once started
-        self.started = time.monotonic()
-        self.elapsed = 0.0  # from the start until the read was seen done
-        self.ended = False  # its handle and slot were released (or are cooling)
-
-    @property
-    def overdue(self) -> bool:
-        return time.monotonic() - self.started > self.exchange.pull_timeout_s
-
-    def begin_if_connected(self) -> None:
-        """Start the read once the remote agent is known; raises :class:`KvTransferError`
-        (counted failed) when it cannot be."""
-        if self.handle is not None or not self.connected.done():
-            return
-        error = self.connected.exception()
-        try:
-            if error is not None:
-                raise KvTransferError(f"the prefill engine's agent could not be added: {error}")
-            self.handle = self.exchange.begin_read(self)
-        except Exception as exc:
-            self.end(aborted=False)
-            self.exchange.forget(self.remote)
-            self._failed(str(exc))
-
-    def poll(self) -> dict[str, Tensor] | None:
-        """The tensors once the read is done, None while it runs; raises
-        :class:`KvTransferError` (counted failed) when it failed or took too long."""
-        if self.ended:
-            raise KvTransferError("kv_transfer: this pull already ended")
-        exchange = self.exchange
-        self.begin_if_connected()
-        if self.handle is None:  # still connecting
-            if self.overdue:
-                self.end(aborted=False)
-                self._failed(f"the prefill engine not reached in {exchange.pull_timeout_s:g} s")
-            return None
-        state = self._state()
-        if state == "PROC":
-            if not self.overdue:
-                return None
-            self.end(aborted=True)  # the peer may be alive: it stays known
-            self._failed(f"no answer within {exchange.pull_timeout_s:g} s")
-        if state != "DONE":
-            self.end(aborted=False)
-            exchange.forget(self.remote)
-            self._failed(f"the read failed ({state})")
-        self.elapsed = time.monotonic() - self.started
-        try:
-            tensors = exchange.tensors_at(self.offset, self.entries)
-        except Exception as exc:  # a layout the slot's bytes cannot take
-            self._failed(f"unreadable: {exc}")
-        finally:
-            self.end(aborted=False)
-        if bytes(tensors.pop(TAG).tolist()) != bytes.fromhex(self.hold_id):
-            self._failed("the slot holds another prefill (pulled twice?)")
-        return tensors
-
-    def arrived(self, ok: bool) -> None:
-        """The row took the state (counted pulled) or refused it (counted failed)."""
-        counts = self.exchange.counts
-        if not ok:
-            counts.failed += 1
-            return
-        counts.pulled += 1
-        counts.pulled_bytes += self.nbytes
-        counts.pulled_s += self.elapsed
-
-    def cancel(self) -> None:
-        """Stop waiting (an aborted request). A read still running is left to finish (its
-        notification frees the prefill's slot), aborted after ``pull_timeout_s``."""
-        if not self.ended and not self.settled():
-            self.exchange._draining.append(self)
-
-    def settled(self) -> bool:
-        """True once the read stopped (or never started) and its slot was released (a pull
-        cancelled while its agent was being added reads nothing: the prefill's lease frees
-        its slot)."""
-        if self.ended:
-            return True
-        if self.handle is None:  # no read started: nothing writes into the slot
-            self.end(aborted=False)
-            return True
-        if self._state() == "PROC":
-            if not self.overdue:
-                return False
-            self.end(aborted=True)
-            return True
-        self.end(aborted=False)
-        return True
-
-    def end(self, *, aborted: bool) -> None:
-        """Release the handle (aborting a read in flight) and the slot: at once after a
-        finished read (or none), after cooling after an aborted one (it may still write)."""
-        if self.ended:
-            return
-        self.ended = True
-        exchange = self.exchange
-        exchange._reading[self.remote] -= 1
-        if self.handle is not None:
-            exchange._release_handle(self.handle)
-        if aborted:
-            exchange.cool(exchange.receive, self.offset)
-        else:
-            exchange.receive.give(self.offset)
-
-    def _failed(self, why: str) -> NoReturn:
-        self.exchange.counts.failed += 1
-        raise KvTransferError(f"kv_transfer: pull of hold={self.hold_id} failed: {why}")
-
-    def _state(self) -> str:
-        try:
-            return str(self.exchange.agent.check_xfer_state(self.handle))
-        except Exception as exc:  # a disconnected peer raises here
-            logger.debug("check_xfer_state: %s", exc)
-            return "ERR"
-
-
-_DONE: Future[None] = Future()
-_DONE.set_result(None)
-
-
-class _Worker:
-    """One daemon thread running submitted calls in order (``ThreadPoolExecutor``'s threads
-    are joined at exit, and a connect to an unreachable peer blocks for minutes)."""
-
-    def __init__(self, name: str) -> None:
-        self._calls: queue.SimpleQueue[
-            tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None
-        ]
-        self._calls = queue.SimpleQueue()
-        threading.Thread(target=self._run, name=name, daemon=True).start()
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-        future: Future[Any] = Future()
-        self._calls.put((future, fn, args))
-        return future
-
-    def stop(self) -> None:
-        self._calls.put(None)
-
-    def _run(self) -> None:
-        while (call := self._calls.get()) is not None:
-            future, fn, args = call
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as exc:  # handed to the future's reader
-                future.set_exception(exc)
-
-
-def _layout(tensors: dict[str, Tensor]) -> tuple[list[Entry], int]:
-    entries, offset = [], 0
-    for name, t in tensors.items():
-        dtype = str(t.dtype).removeprefix("torch.")
-        if dtype not in DTYPES:
-            raise KvTransferError(f"cannot hold {name}: dtype {dtype}")
-        entry = Entry(name, dtype, tuple(int(n) for n in t.shape), offset)
-        entries.append(entry)
-        offset += -(-entry.nbytes // ALIGN) * ALIGN
-    return entries, offset
-
-
-def _parse(text: str) -> tuple[str, bytes, str, int, list[Entry], int]:
-    """(remote agent, its metadata, hold id, address, entries, bytes) of a prefill answer's
-    params; :class:`KvTransferError` naming what is wrong."""
-    if len(text) > MAX_PARAMS_BYTES:
-        raise KvTransferError(f"kv_transfer: longer than {MAX_PARAMS_BYTES} bytes")
-    try:
-        p = json.loads(text)
-        if p.get("v") != PARAMS_VERSION:
-            raise ValueError(f"params version {p.get('v')!r}, this engine reads {PARAMS_VERSION}")
-        remote, hold_id = str(p["remote_engine_id"]), str(p["hold"])
-        metadata = base64.b64decode(p["agent"], validate=True)
-        addr, nbytes = int(p["addr"]), int(p["nbytes"])
-        entries = [
-            Entry(str(n), str(d), tuple(int(x) for x in s), int(o)) for n, d, s, o in p["tensors"]
-        ]
-        if len(bytes.fromhex(hold_id)) != 16:
-            raise ValueError("hold is not 16 bytes")
-    except Exception as exc:  # any shape of bad JSON: not a prefill's params
-        raise KvTransferError(
-            f"kv_transfer: not a transformers prefill's params ({type(exc).__name__}: {exc})"
-        ) from None
-    if not remote or addr < 0 or nbytes <= 0 or not entries:
-        raise KvTransferError("kv_transfer: not a transformers prefill's params")
-    if (entries[0].name, entries[0].dtype, entries[0].shape) != (TAG, "uint8", (16,)):
-        raise KvTransferError("kv_transfer: the slot does not start with its tag")
-    for e in entries:
-        if e.dtype not in DTYPES or any(n < 0 for n in e.shape):
-            raise KvTransferError(f"kv_transfer: tensor {e.name!r}: bad dtype or shape")
-        if e.offset < 0 or e.offset % ALIGN or e.offset + e.nbytes > nbytes:
-            raise KvTransferError(f"kv_transfer: tensor {e.name!r} lies outside the slot")
-    return remote, metadata, hold_id, addr, entries, nbytes
