@@ -18,7 +18,6 @@ Target: decode inter-token p99 ≤ 0.5x the 2-replica unsplit figure at equal to
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import aiohttp
 
 from benchmarks.common import Options, Report
 from benchmarks.pd import Run, deployment, mixed_load, tables, three_runs
+from benchmarks.vllm import chat_text, streamed_completion
 from omni_mesh.configs.loader import bundled_deploy_path
 
 PIPELINE = "qwen3-omni"
@@ -67,22 +67,7 @@ async def _chat(
         "stream_options": {"include_usage": True},
     }
     t0 = time.monotonic()
-    times: list[float] = []
-    usage: dict[str, int] = {}
-    async with sess.post(url + "/v1/chat/completions", json=body) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:300]!r}")
-        async for line in resp.content:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            event = json.loads(line[6:])
-            choices = event.get("choices") or []
-            if choices and choices[0].get("delta", {}).get("content"):
-                times.append(time.monotonic())
-            if event.get("usage"):
-                usage = {k: int(v) for k, v in event["usage"].items() if isinstance(v, int)}
-    if not times:
-        raise RuntimeError("a chat streamed no text")
+    times, usage = await streamed_completion(sess, url, body, "/v1/chat/completions", chat_text)
     return times[0] - t0, times, usage.get("completion_tokens", 0), usage.get("prompt_tokens", 0)
 
 

@@ -32,9 +32,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -132,21 +133,37 @@ async def _complete(sess: aiohttp.ClientSession, url: str, i: int) -> Stream:
     return Stream(times[0] - t0, itl, tokens)
 
 
+def _completion_token(event: dict[str, Any]) -> bool:
+    """A ``/v1/completions`` token event (its text may still be empty)."""
+    choices = event.get("choices")
+    return bool(choices) and choices[0].get("finish_reason") is None
+
+
+def chat_text(event: dict[str, Any]) -> bool:
+    """A ``/v1/chat/completions`` event carrying text."""
+    choices = event.get("choices") or []
+    return bool(choices) and bool(choices[0].get("delta", {}).get("content"))
+
+
 async def streamed_completion(
-    sess: aiohttp.ClientSession, url: str, body: dict[str, object]
+    sess: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, object],
+    path: str = "/v1/completions",
+    is_token: Callable[[dict[str, Any]], bool] = _completion_token,
 ) -> tuple[list[float], dict[str, int]]:
-    """POST a streamed ``/v1/completions`` (``stream_options.include_usage``): when each
-    token event arrived (its text may still be empty) and the final ``usage``."""
+    """POST a streamed completion to ``path`` (``stream_options.include_usage``): when each
+    token event (``is_token``) arrived and the final ``usage``."""
     times: list[float] = []
     usage: dict[str, int] = {}
-    async with sess.post(url + "/v1/completions", json=body) as resp:
+    async with sess.post(url + path, json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:300]!r}")
         async for line in resp.content:
             if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
             event = json.loads(line[6:])
-            if event.get("choices") and event["choices"][0].get("finish_reason") is None:
+            if is_token(event):
                 times.append(time.monotonic())
             if event.get("usage"):
                 usage = {k: int(v) for k, v in event["usage"].items() if isinstance(v, int)}

@@ -13,7 +13,6 @@ temp folders are removed by the replicas started in their place."""
 
 from __future__ import annotations
 
-import base64
 import re
 import subprocess
 import sys
@@ -26,7 +25,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.engines.hf.omni_reference import audio_messages, expected, wav_samples
+from tests.engines.hf.omni_reference import (
+    assert_same_audio,
+    audio_messages,
+    expected,
+    sdk_chat,
+)
 from tests.launcher.split_thinker import PIPELINE, SplitThinker, split_thinker
 from tests.procs import wait_until
 from tests.procs.pods import cpu_s, engine_pids, kills_under_load, pod_and_engine
@@ -57,17 +61,7 @@ def one_two(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SplitThinker]:
 
 
 def chat(up: SplitThinker, messages: list[dict[str, Any]], seed: int) -> tuple[str, np.ndarray]:
-    out = up.client.chat.completions.create(
-        model=PIPELINE,
-        messages=messages,  # type: ignore[arg-type]
-        modalities=["text", "audio"],
-        audio={"voice": "ethan", "format": "wav"},
-        seed=seed,
-        max_tokens=MAX_TOKENS,
-    )
-    message = out.choices[0].message
-    assert message.audio is not None and message.content is not None
-    return message.content, wav_samples(base64.b64decode(message.audio.data))
+    return sdk_chat(up.client, messages, seed, MAX_TOKENS)
 
 
 def text_chat(up: SplitThinker, seed: int, stream: bool = False) -> str:
@@ -78,11 +72,6 @@ def text_chat(up: SplitThinker, seed: int, stream: bool = False) -> str:
         return out.choices[0].message.content or ""
     chunks = up.client.chat.completions.create(max_tokens=MAX_TOKENS, stream=True, **kwargs)
     return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-
-
-def assert_same_audio(got: np.ndarray, want: np.ndarray) -> None:
-    assert got.shape == want.shape
-    assert int(np.abs(got.astype(np.int32) - want.astype(np.int32)).max()) <= 1
 
 
 @pytest.mark.parametrize("audio_in", [False, True], ids=["text-in", "audio-in"])

@@ -162,3 +162,28 @@ CHATS: list[tuple[list[dict[str, Any]], int]] = [
     ),
     ([{"role": "user", "content": "count to ten"}], 3),
 ]
+
+
+def sdk_chat(
+    sdk: Any, messages: list[dict[str, Any]], seed: int, max_tokens: int = 8
+) -> tuple[str, np.ndarray]:
+    """(text, PCM16 samples) of a qwen3-omni chat with text and audio out, through the
+    ``openai`` client ``sdk``."""
+    out = sdk.chat.completions.create(
+        model="qwen3-omni",
+        messages=messages,
+        modalities=["text", "audio"],
+        audio={"voice": "ethan", "format": "wav"},
+        seed=seed,
+        max_tokens=max_tokens,
+    )
+    message = out.choices[0].message
+    assert message.audio is not None and message.content is not None
+    return message.content, wav_samples(base64.b64decode(message.audio.data))
+
+
+def assert_same_audio(got: np.ndarray, want: np.ndarray) -> None:
+    """The same samples but for one step of rounding (a streamed decode differs from the
+    whole one by ~1e-14)."""
+    assert got.shape == want.shape
+    assert int(np.abs(got.astype(np.int32) - want.astype(np.int32)).max()) <= 1

@@ -17,7 +17,12 @@ import numpy as np
 import openai
 import pytest
 
-from tests.engines.hf.omni_reference import audio_messages, expected, wav_samples
+from tests.engines.hf.omni_reference import (
+    assert_same_audio,
+    audio_messages,
+    expected,
+    sdk_chat,
+)
 from tests.sidecar.topology import Topology, kill_a_busy_engine
 
 pytestmark = [
@@ -53,22 +58,7 @@ def client(topo: Topology) -> openai.OpenAI:
 
 
 def chat(topo: Topology, messages: list[dict[str, Any]], seed: int, max_tokens: int = 8) -> Any:
-    out = client(topo).chat.completions.create(
-        model=PIPELINE,
-        messages=messages,  # type: ignore[arg-type]
-        modalities=["text", "audio"],
-        audio={"voice": "ethan", "format": "wav"},
-        seed=seed,
-        max_tokens=max_tokens,
-    )
-    message = out.choices[0].message
-    assert message.audio is not None
-    return message.content, wav_samples(base64.b64decode(message.audio.data))
-
-
-def assert_same_audio(got: np.ndarray, want: np.ndarray) -> None:
-    assert got.shape == want.shape
-    assert int(np.abs(got.astype(np.int32) - want.astype(np.int32)).max()) <= 1
+    return sdk_chat(client(topo), messages, seed, max_tokens)
 
 
 @pytest.mark.parametrize("audio_in", [False, True], ids=["text-in", "audio-in"])
