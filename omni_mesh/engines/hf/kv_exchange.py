@@ -64,7 +64,9 @@ class _Hold:
 
 class KvExchange:
     """One engine's NIXL agent, its hold and receive buffers, and the holds and pulls in
-    flight (module docstring). Every call comes from the engine's thread."""
+    flight (module docstring). Every call comes from the engine's thread; the agent itself is
+    also called by the connecting thread, which adds and removes remote agents (as vLLM's
+    connector adds them on a handshake thread while its worker transfers)."""
 
     def __init__(
         self,
