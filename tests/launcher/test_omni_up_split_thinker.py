@@ -33,7 +33,7 @@ from tests.engines.hf.omni_reference import (
 )
 from tests.launcher.split_thinker import PIPELINE, SplitThinker, split_thinker
 from tests.procs import wait_until
-from tests.procs.pods import cpu_s, engine_pids, kills_under_load, pod_and_engine
+from tests.procs.pods import engine_pids, idle_core_shares, kills_under_load, pod_and_engine
 
 pytestmark = [
     pytest.mark.integration,
@@ -133,10 +133,7 @@ def test_idle_split_engines_leave_the_cores_alone(one_one: SplitThinker) -> None
     # NIXL's progress thread spins a whole core per agent unless paced (nixl_agents.py).
     engines = engine_pids(one_one.proc.pid, one_one.pools["prefill"] + one_one.pools["decode"])
     assert len(engines) == 2, engines
-    time.sleep(1.0)  # the last requests' stats and steps
-    before = {pid: cpu_s(pid) for pid in engines}
-    time.sleep(3.0)
-    used = {pid: (cpu_s(pid) - t) / 3.0 for pid, t in before.items()}
+    used = idle_core_shares(engines)
     assert all(share < 0.3 for share in used.values()), used  # cores per engine, idle
 
 

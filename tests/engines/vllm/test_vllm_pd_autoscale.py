@@ -17,16 +17,15 @@ between steps, see none of a prefill's one step (tests/sidecar/test_load_report.
 from __future__ import annotations
 
 import re
-import threading
 import time
 from collections.abc import Iterator
-from types import TracebackType
 
 import pytest
 
 from omni_mesh.configs.autoscale import AutoscaleConfig
 from tests.engines.vllm.servers import MODEL, Server, complete, handoffs, kv_metric, tiny_llm
 from tests.procs import wait_until
+from tests.procs.pods import ClientLoad
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -54,49 +53,6 @@ def split(vllm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) ->
     with tiny_llm(log_dir, prefill=1, decode=1, prefill_autoscale=POLICY) as server:
         assert len(server.stage_urls["prefill"]) == 1 and len(server.stage_urls["decode"]) == 1
         yield server
-
-
-class Load:
-    """Client threads sending the seeded completions in turn, streamed and not, until the
-    block ends (``pause_s`` between two requests of a thread); every answer or error kept."""
-
-    def __init__(self, server: Server, threads: int, pause_s: float = 0.0) -> None:
-        self.server = server
-        self.pause_s = pause_s
-        self.results: list[tuple[int, str | BaseException]] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(n,)) for n in range(threads)]
-
-    def _run(self, n: int) -> None:
-        while not self._stop.is_set():
-            seed = SEEDS[n % len(SEEDS)]
-            try:
-                self.results.append((seed, complete(self.server, seed, stream=n % 2 == 0)))
-            except Exception as exc:  # counted as a failure by the test
-                self.results.append((seed, exc))
-            n += 1
-            self._stop.wait(self.pause_s)
-
-    def __enter__(self) -> Load:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(120)
-
-    def failed(self) -> list[tuple[int, str | BaseException]]:
-        return [r for r in self.results if not isinstance(r[1], str)]
-
-    def wrong(self, expected: dict[int, str]) -> list[tuple[int, str | BaseException]]:
-        return [r for r in self.results if r[1] != expected[r[0]]]
 
 
 def served(server: Server, url: str) -> float:
@@ -127,7 +83,7 @@ def test_the_prefill_pool_grows_under_load_and_shrinks_by_draining_when_it_is_go
 
     # 1) Load: omni-up starts a second --role prefill replica, which registers in the prefill
     # pool and serves prefills, whose KV the decode replica pulls.
-    with Load(split, threads=4) as load:
+    with ClientLoad(lambda seed, stream: complete(split, seed, stream=stream), SEEDS, 4) as load:
         wait_until(lambda: STARTED.search(split.proc.stderr), 60, interval=0.2, message=log)
         started = STARTED.search(split.proc.stderr)
         assert started is not None
@@ -145,7 +101,9 @@ def test_the_prefill_pool_grows_under_load_and_shrinks_by_draining_when_it_is_go
     # (drained), then gets SIGTERM and exits 0; the trickle's requests meanwhile all succeed.
     drained = re.compile(rf"autoscale stage=0 pool=prefill drained process={name} ")
     retired = re.compile(rf"retired process={name} pid=\d+ exited with code 0")
-    with Load(split, threads=1, pause_s=0.5) as trickle:
+    with ClientLoad(
+        lambda seed, stream: complete(split, seed, stream=stream), SEEDS, 1, pause_s=0.5
+    ) as trickle:
         wait_until(lambda: retired.search(split.proc.stderr), 90, interval=0.2, message=log)
         time.sleep(1.0)  # requests after the retirement too
     assert trickle.failed() == [] and trickle.results, trickle.failed()[:3]

@@ -45,7 +45,7 @@ from tests.engines.vllm.servers import (
     tiny_llm,
 )
 from tests.procs import free_port, wait_until
-from tests.procs.pods import cpu_s, engine_pids, kills_under_load, pod_and_engine
+from tests.procs.pods import engine_pids, idle_core_shares, kills_under_load, pod_and_engine
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -170,10 +170,7 @@ def test_idle_split_engines_leave_the_cores_alone(split: Server) -> None:
     urls = [url for pool in split.stage_urls.values() for url in pool]
     engines = engine_pids(split.proc.pid, urls)
     assert len(engines) == 3, engines
-    time.sleep(1.0)  # the last requests' stats and steps
-    before = {pid: cpu_s(pid) for pid in engines}
-    time.sleep(3.0)
-    used = {pid: (cpu_s(pid) - t) / 3.0 for pid, t in before.items()}
+    used = idle_core_shares(engines)
     assert all(share < 0.3 for share in used.values()), used  # cores per engine, idle
 
 
