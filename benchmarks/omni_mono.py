@@ -114,7 +114,7 @@ class Monolith:
         self.pad_id = int(pad if pad is not None else self.model.config.im_end_token_id)
 
     def prompt_ids(self, text: str) -> list[int]:
-        from omni_mesh.engines.hf.qwen3_omni_inputs import conversation, thinker_prompt
+        from omni_mesh.engines.qwen3_omni.inputs import conversation, thinker_prompt
 
         conv = conversation("bench", None, text, FEATURE_RATE)
         prompt = thinker_prompt(self.tokenizer, self.features, conv)

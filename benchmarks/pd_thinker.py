@@ -1,5 +1,5 @@
 """Prefill/decode split of qwen3-omni's thinker (transformers; the engine moves the prompt's
-state over NIXL itself: ``engines/hf/kv_split.py``) against the same thinker unsplit, the same
+state over NIXL itself: ``engines/batching/kv_split.py``) against the same thinker unsplit, the same
 machine, one run: ``tiny-qwen3-omni``'s thinker split 1P:1D against two unsplit thinker
 replicas, and one unsplit replica, through ``omni-up`` (one talker and one code2wav idle
 beside them: the load is text-only chat, the thinker alone), one deployment after the other.

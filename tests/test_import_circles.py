@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import omni_mesh
 from tests.layering import circles, module_graph, wrong_way
 
 pytestmark = pytest.mark.unit
@@ -15,6 +16,9 @@ pytestmark = pytest.mark.unit
 PACKAGES = [
     "omni_mesh.configs",
     "omni_mesh.control_plane",
+    "omni_mesh.data_plane",
+    "omni_mesh.engines",
+    "omni_mesh.launcher",
     "omni_mesh.observability",
     "omni_mesh.run_client",
     "omni_mesh.sidecar",
@@ -26,6 +30,12 @@ def test_no_circle_between_a_packages_files(name: str) -> None:
     package = importlib.import_module(name)
     assert package.__file__ is not None
     assert circles(module_graph(Path(package.__file__).parent, name)) == []
+
+
+def test_no_circle_anywhere_in_omni_mesh() -> None:
+    """Across packages too, imports inside functions included (issue #32)."""
+    root = Path(omni_mesh.__file__).parent
+    assert circles(module_graph(root, "omni_mesh")) == []
 
 
 def test_the_checks_see_a_circle_and_a_wrong_way_import(tmp_path: Path) -> None:

@@ -1,12 +1,12 @@
 """The engines of the ``echo`` example: plain Python classes implementing the engine protocol
-(:class:`omni_mesh.engines.base.StageEngine`: ``load`` once, then ``execute`` per batch)."""
+(:class:`omni_mesh.api.StageEngine`: ``load`` once, then ``execute`` per batch)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import ClassVar
 
-from omni_mesh.engines.base import (
+from omni_mesh.api import (
     EngineInputError,
     EngineRequest,
     EngineResult,

@@ -8,9 +8,7 @@ it too, so the engine classes and the processor below are found by their ``modul
 
 from __future__ import annotations
 
-from omni_mesh.configs.pipeline import OutputKind, PipelineSpec, StageSpec
-from omni_mesh.configs.registry import register_pipeline
-from omni_mesh.engines.base import StageData
+from omni_mesh.api import OutputKind, PipelineSpec, StageData, StageSpec, register_pipeline
 
 _HERE = "examples.echo_pipeline"
 

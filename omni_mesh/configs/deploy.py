@@ -2,7 +2,7 @@
 
 A deploy config says how many replicas a stage has, which devices they use, how large their
 batches are, which connector carries each edge of the pipeline's DAG and which engine knobs they
-get. The topology itself is a :class:`~omni_mesh.configs.pipeline.PipelineSpec` (Python, never
+get. The topology itself is a :class:`~omni_mesh.configs.pipeline_spec.PipelineSpec` (Python, never
 YAML). YAML files, platform sections and command-line overrides are merged into these models by
 :mod:`omni_mesh.configs.loader`; nothing else reads raw deploy dicts.
 
@@ -46,7 +46,7 @@ from omni_mesh.configs.deploy_fields import (
     edge_stage,
 )
 from omni_mesh.configs.errors import ConfigIssue, DeployConfigError
-from omni_mesh.configs.pipeline import MAX_STAGES, PipelineSpec
+from omni_mesh.configs.pipeline_spec import MAX_STAGES, PipelineSpec
 from omni_mesh.configs.stage_deploy import (
     ConnectorSpec,
     StageDeployConfig,

@@ -9,7 +9,7 @@ from typing import Protocol
 
 from omni_mesh.configs.deploy_fields import edge_stage
 from omni_mesh.configs.errors import ConfigIssue
-from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.configs.pipeline_spec import PipelineSpec
 from omni_mesh.configs.stage_deploy import StageDeployConfig
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 
 from omni_mesh.configs.deploy import DeployConfig
-from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.configs.pipeline_spec import PipelineSpec
 
 __all__ = ["pipeline_fingerprint"]
 

@@ -34,7 +34,7 @@ from omni_mesh.configs.errors import (
     issues_from_validation,
 )
 from omni_mesh.configs.merge import MergedLayers, Raw
-from omni_mesh.configs.pipeline import PipelineSpec, is_valid_name
+from omni_mesh.configs.pipeline_spec import PipelineSpec, is_valid_name
 from omni_mesh.configs.yaml_io import (
     MAX_OVERRIDES_BYTES,
     MAX_YAML_BYTES,

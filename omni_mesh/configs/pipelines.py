@@ -3,7 +3,7 @@ synthetic pipeline used by benchmarks and scale tests."""
 
 from __future__ import annotations
 
-from omni_mesh.configs.pipeline import OutputKind, PipelineSpec, StageSpec
+from omni_mesh.configs.pipeline_spec import OutputKind, PipelineSpec, StageSpec
 
 _REF = "omni_mesh.engines.reference"
 
@@ -142,7 +142,8 @@ TINY_OMNI_VLLM = PipelineSpec(
 
 # ---- real architectures on transformers: one Hugging Face folder, each stage loads its part ----
 
-_HF = "omni_mesh.engines.hf"
+_QWEN3_OMNI = "omni_mesh.engines.qwen3_omni"
+_CSM = "omni_mesh.engines.csm"
 QWEN3_OMNI = PipelineSpec(
     name="qwen3-omni",
     description="Qwen3-Omni-MoE: thinker (text + audio in) -> talker (+ code predictor) -> "
@@ -153,22 +154,22 @@ QWEN3_OMNI = PipelineSpec(
         StageSpec(
             stage_id=0,
             name="thinker",
-            engine=f"{_HF}.qwen3_omni_thinker:Qwen3OmniThinkerEngine",
+            engine=f"{_QWEN3_OMNI}.thinker:Qwen3OmniThinkerEngine",
             final_output=OutputKind.TEXT,
         ),
         StageSpec(
             stage_id=1,
             name="talker",
-            engine=f"{_HF}.qwen3_omni_talker:Qwen3OmniTalkerEngine",
+            engine=f"{_QWEN3_OMNI}.talker:Qwen3OmniTalkerEngine",
             sources=(0,),
-            processor=f"{_HF}.qwen3_omni_processors:thinker_to_talker",
+            processor=f"{_QWEN3_OMNI}.processors:thinker_to_talker",
         ),
         StageSpec(
             stage_id=2,
             name="code2wav",
-            engine=f"{_HF}.qwen3_omni_code2wav:Qwen3OmniCode2WavEngine",
+            engine=f"{_QWEN3_OMNI}.code2wav:Qwen3OmniCode2WavEngine",
             sources=(1,),
-            processor=f"{_HF}.qwen3_omni_processors:talker_to_code2wav",
+            processor=f"{_QWEN3_OMNI}.processors:talker_to_code2wav",
             final_output=OutputKind.AUDIO,
         ),
     ),
@@ -180,13 +181,13 @@ CSM_TTS = PipelineSpec(
     "decoder) (tiny-csm by default; engine_extras.model).",
     prompt_fields=("seed", "voice", "max_tokens"),
     stages=(
-        StageSpec(stage_id=0, name="talker", engine=f"{_HF}.csm_talker:CsmTalkerEngine"),
+        StageSpec(stage_id=0, name="talker", engine=f"{_CSM}.talker:CsmTalkerEngine"),
         StageSpec(
             stage_id=1,
             name="code2wav",
-            engine=f"{_HF}.csm_code2wav:CsmCode2WavEngine",
+            engine=f"{_CSM}.code2wav:CsmCode2WavEngine",
             sources=(0,),
-            processor=f"{_HF}.csm_processors:talker_to_code2wav",
+            processor=f"{_CSM}.processors:talker_to_code2wav",
             final_output=OutputKind.AUDIO,
         ),
     ),

@@ -25,7 +25,7 @@ from omni_mesh.configs.deploy_fields import (
     RefName,
     StageSampling,
 )
-from omni_mesh.configs.pipeline import MAX_STAGES
+from omni_mesh.configs.pipeline_spec import MAX_STAGES
 
 
 class PrefillPool(BaseModel):

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
-from omni_mesh.configs.pipeline import PipelineError
+from omni_mesh.configs.pipeline_spec import PipelineError
 from omni_mesh.configs.registry import load_pipeline_modules, pipeline_modules_from
 from omni_mesh.configs.settings import ControlPlaneClientSettings, ControlPlaneSettings, LogLevel
 from omni_mesh.configs.settings_flags import (

@@ -23,7 +23,7 @@ from omni_mesh.data_plane.shm import ShmReader, inline
 
 if TYPE_CHECKING:  # annotations only: building connectors needs no pydantic import
     from omni_mesh.configs.deploy import DeployConfig
-    from omni_mesh.configs.pipeline import PipelineSpec
+    from omni_mesh.configs.pipeline_spec import PipelineSpec
 
 
 class ConnectorError(ValueError):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 
-from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.configs.pipeline_spec import PipelineSpec
 from omni_mesh.data_plane.codec import CodecError, decode, encode_into
 from omni_mesh.data_plane.messages import SCHEMA_VERSION, StageInput
 from omni_mesh.data_plane.signing import TAG_BYTES, check_secret, sign, verify

@@ -18,7 +18,7 @@ from typing import TypeVar
 
 import msgspec
 
-from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.configs.pipeline_spec import PipelineSpec
 from omni_mesh.data_plane.messages import Payload, Scalar, StageInput, is_whole
 
 SEPARATOR = "."

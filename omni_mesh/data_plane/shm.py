@@ -29,13 +29,15 @@ import os
 
 from omni_mesh.data_plane.shm_arena import ArenaStats, ShmArena, ShmSlot
 from omni_mesh.data_plane.shm_cleanup import sweep_orphans, unlink_prefix
-from omni_mesh.data_plane.shm_common import SEGMENT_PREFIX, ShmArenaFull, ShmError, ShmRefError
+from omni_mesh.data_plane.shm_common import (
+    SEGMENT_PREFIX,
+    SHM_DIR,
+    ShmArenaFull,
+    ShmError,
+    ShmRefError,
+)
 from omni_mesh.data_plane.shm_payload import externalize, inline
 from omni_mesh.data_plane.shm_reader import ShmReader
-
-#: Directory holding the segments; tests may point it elsewhere (read at call time by every
-#: arena, reader and janitor created without ``directory=``).
-SHM_DIR = "/dev/shm"
 
 __all__ = [
     "SEGMENT_PREFIX",

@@ -26,14 +26,13 @@ class ShmRefError(ShmError, ValueError):
     """A :class:`ShmRef` names no readable slot (missing segment, bad name, out of bounds)."""
 
 
-def resolve_directory(directory: str | None) -> str:
-    """``directory``, else :data:`omni_mesh.data_plane.shm.SHM_DIR` as it is now (tests may
-    point that public name elsewhere; it is read at call time)."""
-    if directory is not None:
-        return directory
-    from omni_mesh.data_plane import shm  # the facade imports this module: import it late
+#: Where segments live unless a caller names another folder (tests use their own).
+SHM_DIR = "/dev/shm"
 
-    return shm.SHM_DIR
+
+def resolve_directory(directory: str | None) -> str:
+    """``directory``, else :data:`SHM_DIR`."""
+    return SHM_DIR if directory is None else directory
 
 
 def check_name(name: str, what: str) -> None:

@@ -37,10 +37,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from omni_mesh.data_plane.messages import EngineStats, SamplingParams, Scalar
+from omni_mesh.engines.moved import current_module
 
 if TYPE_CHECKING:
     from omni_mesh.configs.deploy import StageDeployConfig
-    from omni_mesh.configs.pipeline import PipelineSpec, StageSpec
+    from omni_mesh.configs.pipeline_spec import PipelineSpec, StageSpec
 
 
 class EngineInputError(ValueError):
@@ -194,8 +195,10 @@ Processor = Callable[[StageData], StageData]
 
 
 def import_object(path: str) -> Any:
-    """Resolve ``"package.module:attr"``; raises ImportError/AttributeError naming the path."""
+    """Resolve ``"package.module:attr"``; raises ImportError/AttributeError naming the path. A
+    built-in module that moved is found under its old name too (with a DeprecationWarning)."""
     module_name, _, attr = path.partition(":")
+    module_name = current_module(module_name)
     module = importlib.import_module(module_name)
     try:
         return getattr(module, attr)

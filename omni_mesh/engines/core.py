@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from omni_mesh.configs.pipeline import PipelineSpec, StageSpec
+from omni_mesh.configs.pipeline_spec import PipelineSpec, StageSpec
 from omni_mesh.data_plane.kv_transfer import is_prefill
 from omni_mesh.data_plane.messages import (
     Payload,

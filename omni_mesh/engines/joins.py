@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from omni_mesh.configs.pipeline import PipelineSpec, StageSpec
+from omni_mesh.configs.pipeline_spec import PipelineSpec, StageSpec
 from omni_mesh.data_plane.joins import JoinInputError, split_join
 from omni_mesh.engines.base import EngineInputError, StageData, import_object
 

@@ -35,7 +35,7 @@ import logging
 import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from omni_mesh.configs.autoscale import AutoscaleConfig
@@ -46,10 +46,8 @@ from omni_mesh.control_plane.client import (
     ScalePool,
     ScaleStatus,
 )
+from omni_mesh.launcher.planned import Planned
 from omni_mesh.launcher.supervisor import Child, RestartPolicy, Supervisor
-
-if TYPE_CHECKING:  # local_deploy runs the actuator
-    from omni_mesh.launcher.local_deploy import Planned
 
 logger = logging.getLogger(__name__)
 

@@ -50,7 +50,7 @@ from omni_mesh.configs.autoscale import AutoscaleConfig
 from omni_mesh.configs.cli_flags import env_overrides
 from omni_mesh.configs.deploy import MAX_REPLICAS, DeployConfig, DeployConfigError
 from omni_mesh.configs.loader import load_deploy_config
-from omni_mesh.configs.pipeline import PipelineError, PipelineSpec
+from omni_mesh.configs.pipeline_spec import PipelineError, PipelineSpec
 from omni_mesh.configs.registry import (
     PIPELINE_MODULES_ENV,
     get_pipeline,

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from omni_mesh.configs.autoscale import AutoscaleConfig
-from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.configs.pipeline_spec import PipelineSpec
 from omni_mesh.configs.settings import ControlPlaneSettings, LogLevel
 from omni_mesh.configs.settings_flags import env_names
 from omni_mesh.configs.stage_settings import StageSettings
@@ -48,6 +48,7 @@ from omni_mesh.data_plane.shm_cleanup import (
     sweep_orphans,  # the host janitor, after the pods are gone
 )
 from omni_mesh.launcher.autoscale import StageActuator
+from omni_mesh.launcher.planned import LOCALHOST, Planned
 from omni_mesh.launcher.supervisor import (
     RestartPolicy,
     Supervisor,
@@ -58,7 +59,6 @@ from omni_mesh.launcher.supervisor import (
 
 logger = logging.getLogger(__name__)
 
-LOCALHOST = "127.0.0.1"
 SECRET_ENV = "OMNI_SECRET"
 #: omni-stage settings omni-up sets for each child (its role, address, control plane, what it
 #: loads, how it stops, its secret): their ``OMNI_STAGE_*`` variables are not passed on.
@@ -125,25 +125,6 @@ class UpConfig:
     @property
     def replica_spec(self) -> str:
         return ":".join(str(n) for n in self.replicas)
-
-
-@dataclass(frozen=True)
-class Planned:
-    """One process to start: its name, command line and where it answers."""
-
-    name: str
-    argv: tuple[str, ...]
-    url: str
-    label: str  # shown in the endpoint list
-    health_path: str = "/health"
-    stop_rank: int = 0  # stopped in ascending rank: API server, stage 0, 1, …, control plane
-    stage_id: int | None = None  # a stage replica's stage
-    role: str = ""  # a split stage's replica: "prefill" or "decode"
-    slot: int = 0  # a stage replica's slot: its slice of the stage's devices (--replica-index)
-
-    @property
-    def ready_url(self) -> str:
-        return f"{_probe_url(self.url)}{self.health_path}"
 
 
 # ---- the processes -----------------------------------------------------------------------------
@@ -219,14 +200,6 @@ def _stage_cmd(config: UpConfig, cp_url: str) -> tuple[str, ...]:
 
 def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def _probe_url(url: str) -> str:
-    """Where to check a server that listens on every interface."""
-    for wildcard in ("http://0.0.0.0:", "http://[::]:"):
-        if url.startswith(wildcard):
-            return f"http://{LOCALHOST}:{url.removeprefix(wildcard)}"
-    return url
 
 
 # ---- running -----------------------------------------------------------------------------------

@@ -4,12 +4,9 @@ scrape time, and the prompt tokens it has not prefilled yet (:meth:`KvMetrics.ex
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
-
-if TYPE_CHECKING:
-    from omni_mesh.data_plane.messages import EngineStats
 
 SC_KV_HANDOFFS = "omni_stage_kv_handoffs"
 SC_KV_TRANSFERS = "omni_stage_kv_transfers"
@@ -18,6 +15,24 @@ SC_KV_TRANSFER_SECONDS = "omni_stage_kv_transfer_seconds"
 SC_PREFILL_TOKENS_QUEUED = "omni_stage_prefill_tokens_queued"
 #: ``EngineStats`` totals by the outcome they count (``omni_stage_kv_transfers_total``).
 _OUTCOMES = {"pulled": "kv_pulled", "failed": "kv_pull_failed", "expired": "kv_expired"}
+
+
+class KvTotals(Protocol):
+    """What an engine reports of its KV transfers, as totals since it started (the engine's
+    stats message has these fields; observability imports nothing of the data plane)."""
+
+    @property
+    def prefill_tokens_queued(self) -> int: ...
+    @property
+    def kv_pulled(self) -> int: ...
+    @property
+    def kv_pull_failed(self) -> int: ...
+    @property
+    def kv_expired(self) -> int: ...
+    @property
+    def kv_pulled_bytes(self) -> int: ...
+    @property
+    def kv_pulled_s(self) -> float: ...
 
 
 class KvMetrics:
@@ -61,7 +76,7 @@ class KvMetrics:
         )
         self._exported: dict[str, float] = {}  # the engine's totals at the last scrape
 
-    def export_engine(self, labels: tuple[str, str], stats: EngineStats) -> None:
+    def export_engine(self, labels: tuple[str, str], stats: KvTotals) -> None:
         """Add what the engine's totals grew by since the last scrape (an engine that
         restarted counts from zero again; every outcome is shown, 0 too), and set its queued
         prefill tokens."""

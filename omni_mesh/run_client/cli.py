@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from omni_mesh.configs.pipeline import PipelineError, PipelineSpec
+from omni_mesh.configs.pipeline_spec import PipelineError, PipelineSpec
 from omni_mesh.configs.registry import get_pipeline, load_pipeline_modules, pipeline_modules_from
 from omni_mesh.configs.settings import ControlPlaneClientSettings, LogLevel
 from omni_mesh.configs.settings_flags import add_pipeline_module_flag

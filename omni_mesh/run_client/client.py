@@ -32,7 +32,7 @@ from types import TracebackType
 
 import aiohttp
 
-from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.configs.pipeline_spec import PipelineSpec
 from omni_mesh.data_plane import codec
 from omni_mesh.data_plane.constants import JSON, MSGPACK
 from omni_mesh.data_plane.messages import (

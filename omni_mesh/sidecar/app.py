@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from omni_mesh.configs.deploy import DeployConfig
 from omni_mesh.configs.fingerprint import pipeline_fingerprint
-from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.configs.pipeline_spec import PipelineSpec
 from omni_mesh.configs.stage_settings import StageSettings
 from omni_mesh.control_plane.client import (
     KV_ROLE_LABEL,

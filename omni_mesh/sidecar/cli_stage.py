@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from omni_mesh.configs.cli_flags import add_stage_flags, cli_overrides_from_args, env_overrides
 from omni_mesh.configs.deploy import DeployConfig, DeployConfigError
 from omni_mesh.configs.loader import load_deploy_config
-from omni_mesh.configs.pipeline import PipelineError, PipelineSpec
+from omni_mesh.configs.pipeline_spec import PipelineError, PipelineSpec
 from omni_mesh.configs.registry import (
     PIPELINE_MODULES_ENV,
     get_pipeline,

@@ -7,7 +7,7 @@ import secrets
 import time
 import uuid
 
-from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.configs.pipeline_spec import PipelineSpec
 from omni_mesh.data_plane.messages import Payload, Prompt, SamplingParams, Scalar, StageInput
 
 _OPTIONAL = ("seed", "voice", "max_tokens", "size", "steps")

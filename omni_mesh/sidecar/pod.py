@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import Gauge
 
 from omni_mesh.configs.deploy import DeployConfig, StageDeployConfig
-from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.configs.pipeline_spec import PipelineSpec
 from omni_mesh.configs.stage_settings import StageSettings
 from omni_mesh.data_plane.shm import ShmReader
 from omni_mesh.data_plane.signing import hop_token

@@ -30,7 +30,7 @@ from typing import Any
 
 import msgspec
 
-from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.configs.pipeline_spec import PipelineSpec
 from omni_mesh.data_plane.joins import JoinInputError, join_input
 from omni_mesh.data_plane.messages import (
     HopResult,

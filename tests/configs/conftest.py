@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_mesh.configs.pipeline import OutputKind, PipelineSpec, StageSpec
+from omni_mesh.configs.pipeline_spec import OutputKind, PipelineSpec, StageSpec
 
 from .helpers import WriteYaml
 

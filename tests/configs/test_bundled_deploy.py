@@ -11,7 +11,7 @@ from omni_mesh.configs.loader import (
     load_deploy_config,
     read_yaml,
 )
-from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.configs.pipeline_spec import PipelineSpec
 from omni_mesh.configs.registry import get_pipeline, list_pipelines
 
 pytestmark = pytest.mark.unit

@@ -15,7 +15,7 @@ from omni_mesh.configs.cli_flags import (
 )
 from omni_mesh.configs.deploy import StageDeployConfig
 from omni_mesh.configs.loader import load_deploy_config
-from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.configs.pipeline_spec import PipelineSpec
 
 from .helpers import WriteYaml
 

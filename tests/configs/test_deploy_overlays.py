@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from omni_mesh.configs.loader import DeployConfigError, load_deploy_config
-from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.configs.pipeline_spec import PipelineSpec
 
 from .helpers import WriteYaml
 

@@ -9,7 +9,7 @@ import pytest
 
 from omni_mesh.configs.cli_flags import add_stage_flags, cli_overrides_from_args
 from omni_mesh.configs.loader import load_deploy_config
-from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.configs.pipeline_spec import PipelineSpec
 
 from .helpers import WriteYaml
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from omni_mesh.configs.loader import DeployConfigError, load_deploy_config
-from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.configs.pipeline_spec import PipelineSpec
 
 from .helpers import WriteYaml
 

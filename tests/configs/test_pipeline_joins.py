@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from omni_mesh.configs.loader import DeployConfigError, load_deploy_config
-from omni_mesh.configs.pipeline import PipelineError, PipelineSpec
+from omni_mesh.configs.pipeline_spec import PipelineError, PipelineSpec
 from omni_mesh.configs.registry import get_pipeline
 
 pytestmark = pytest.mark.unit

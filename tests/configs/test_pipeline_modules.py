@@ -20,7 +20,7 @@ from tests.procs import clean_env
 pytestmark = pytest.mark.unit
 
 PIPELINE_SRC = """
-from omni_mesh.configs.pipeline import OutputKind, PipelineSpec, StageSpec
+from omni_mesh.configs.pipeline_spec import OutputKind, PipelineSpec, StageSpec
 from omni_mesh.configs.registry import register_pipeline
 register_pipeline(PipelineSpec(name="{name}", stages=(StageSpec(
     stage_id=0, name="only", engine="omni_mesh.engines.synthetic:SyntheticEngine",

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from omni_mesh.configs.pipeline import (
+from omni_mesh.configs.pipeline_spec import (
     PipelineSpec,
     StageSpec,
     UnknownPipelineError,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.configs.pipeline_spec import PipelineSpec
 from omni_mesh.configs.pipelines import TINY_OMNI
 from omni_mesh.data_plane import shm
 

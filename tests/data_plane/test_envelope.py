@@ -7,7 +7,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.configs.pipeline_spec import PipelineSpec
 from omni_mesh.data_plane.codec import encode
 from omni_mesh.data_plane.envelope import (
     ENVELOPE_VERSION,

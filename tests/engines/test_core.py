@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from omni_mesh.configs.deploy import StageDeployConfig
-from omni_mesh.configs.pipeline import OutputKind, PipelineSpec, StageSpec
+from omni_mesh.configs.pipeline_spec import OutputKind, PipelineSpec, StageSpec
 from omni_mesh.configs.registry import get_pipeline, register_pipeline
 from omni_mesh.data_plane.messages import (
     Payload,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from omni_mesh.configs.deploy import StageDeployConfig
-from omni_mesh.configs.pipeline import OutputKind, PipelineSpec, StageSpec
+from omni_mesh.configs.pipeline_spec import OutputKind, PipelineSpec, StageSpec
 from omni_mesh.configs.registry import register_pipeline
 from omni_mesh.data_plane.joins import join_input
 from omni_mesh.data_plane.messages import Payload, StageInput, Tensor

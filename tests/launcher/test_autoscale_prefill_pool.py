@@ -35,7 +35,7 @@ from omni_mesh.control_plane.client import (
 from omni_mesh.launcher import cli as cli_up
 from omni_mesh.launcher import local_deploy
 from omni_mesh.launcher.autoscale import DRAIN_NOTICE_S, StageActuator, StagePool, _free_slot
-from omni_mesh.launcher.local_deploy import Planned
+from omni_mesh.launcher.planned import Planned
 from omni_mesh.launcher.supervised_child import RestartPolicy
 from omni_mesh.launcher.supervisor import Supervisor
 from tests.procs import ControlPlaneProcess, start_control_plane, wait_until

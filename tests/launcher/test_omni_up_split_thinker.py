@@ -1,6 +1,6 @@
 """qwen3-omni through ``omni-up`` with its thinker split into a prefill and a decode pool
 (deploy ``prefill:``; transformers engines, the prompt's state moved engine to engine over real
-NIXL: ``engines/hf/kv_split.py``), 1P:1D and 1P:2D, through the official ``openai`` SDK.
+NIXL: ``engines/batching/kv_split.py``), 1P:1D and 1P:2D, through the official ``openai`` SDK.
 
 Every answer, text and audio, streamed and not, text in and audio in, is transformers'
 monolithic ``generate``'s for the same seed, decoded from state the decode engines pulled
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.engines.hf.omni_reference import (
+from tests.engines.qwen3_omni.omni_reference import (
     assert_same_audio,
     audio_messages,
     expected,

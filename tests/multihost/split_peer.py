@@ -15,7 +15,7 @@ from pathlib import Path
 from omni_mesh.data_plane.kv_transfer import PREFILL_REQUEST
 from omni_mesh.engines.base import EngineRequest
 from tests.engines.helpers import make_engine
-from tests.engines.hf.test_qwen3_omni_thinker_split import chat, split_engine
+from tests.engines.qwen3_omni.test_qwen3_omni_thinker_split import chat, split_engine
 
 #: (request index in omni_reference.CHATS, seed): a text prompt and an audio one.
 REQUESTS = ((0, 21), (1, 22))

@@ -16,7 +16,7 @@ processes a child spawned die with it.
 
 from __future__ import annotations
 
-from omni_mesh.launcher.local_deploy import LOCALHOST
+from omni_mesh.launcher.planned import LOCALHOST
 from omni_mesh.procutil import free_port
 from tests.procs.control_plane import ControlPlaneProcess, cp_argv, start_control_plane
 from tests.procs.managed import ManagedProcess, stop_together

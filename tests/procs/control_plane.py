@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from omni_mesh.launcher.local_deploy import LOCALHOST
+from omni_mesh.launcher.planned import LOCALHOST
 from omni_mesh.procutil import free_port
 from tests.procs.managed import ManagedProcess
 from tests.procs.polling import clean_env

@@ -8,7 +8,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from omni_mesh.launcher.local_deploy import LOCALHOST
+from omni_mesh.launcher.planned import LOCALHOST
 from omni_mesh.procutil import free_port
 from tests.procs.managed import ManagedProcess
 

@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from omni_mesh.configs.pipeline import OutputKind, PipelineSpec, StageSpec
+from omni_mesh.configs.pipeline_spec import OutputKind, PipelineSpec, StageSpec
 from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.data_plane import media
 from omni_mesh.data_plane.messages import (

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from omni_mesh.configs.pipeline import OutputKind
+from omni_mesh.configs.pipeline_spec import OutputKind
 from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.data_plane import media
 from omni_mesh.data_plane.messages import HopResult, Payload, RunOutputBin, StageError

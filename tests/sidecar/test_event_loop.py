@@ -24,7 +24,7 @@ import uvloop
 from aiohttp import web
 from blockbuster import BlockBuster, BlockBusterFunction, BlockingError, blockbuster_ctx
 
-from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.configs.pipeline_spec import PipelineSpec
 from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.data_plane import media
 from omni_mesh.data_plane.messages import HopResult

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from omni_mesh.configs.pipeline import OutputKind
+from omni_mesh.configs.pipeline_spec import OutputKind
 from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.data_plane import codec, media
 from omni_mesh.data_plane.messages import (

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from omni_mesh.configs.pipeline import OutputKind, PipelineSpec, StageSpec
+from omni_mesh.configs.pipeline_spec import OutputKind, PipelineSpec, StageSpec
 from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.data_plane.messages import (
     HopResult,

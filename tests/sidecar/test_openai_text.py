@@ -10,7 +10,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from omni_mesh.configs.pipeline import OutputKind
+from omni_mesh.configs.pipeline_spec import OutputKind
 from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.data_plane.messages import Prompt, SamplingParams, Scalar
 from omni_mesh.data_plane.tensors import payload_from_arrays

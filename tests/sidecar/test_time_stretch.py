@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from omni_mesh.configs.pipeline import OutputKind
+from omni_mesh.configs.pipeline_spec import OutputKind
 from omni_mesh.data_plane import media
 from omni_mesh.sidecar.api.outputs import FinalOutput, OutputChunk
 from omni_mesh.sidecar.api.sinks import SpeechAudio, SpeechEvents

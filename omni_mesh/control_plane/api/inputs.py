@@ -12,7 +12,7 @@ from typing import TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from omni_mesh.configs.pipeline import PipelineSpec, UnknownPipelineError, UnknownStageError
+from omni_mesh.configs.pipeline_spec import PipelineSpec, UnknownPipelineError, UnknownStageError
 from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.control_plane.errors import BadRequestError, NotFoundError, PayloadTooLargeError
 from omni_mesh.control_plane.schema import MAX_BODY_BYTES

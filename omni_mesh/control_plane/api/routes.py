@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from redis.exceptions import RedisError
 
-from omni_mesh.configs.pipeline import UnknownPipelineError
+from omni_mesh.configs.pipeline_spec import UnknownPipelineError
 from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.control_plane.api import appkeys, watch
 from omni_mesh.control_plane.api import scale as routes_scale

@@ -23,7 +23,7 @@ import logging
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.configs.pipeline_spec import PipelineSpec
 from omni_mesh.control_plane.api import appkeys
 from omni_mesh.control_plane.api.inputs import float_param, int_param, lookup_pipeline
 from omni_mesh.control_plane.errors import BadRequestError

@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 from redis.asyncio import Redis
 
-from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.configs.pipeline_spec import PipelineSpec
 from omni_mesh.control_plane.schema import (
     REASON_UNREACHABLE,
     InstanceInfo,

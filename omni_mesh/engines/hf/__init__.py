@@ -1,6 +1,6 @@
-"""Real model architectures from ``transformers``, one stage per submodule of one model folder.
-
-``qwen3_omni_*``: Qwen3-Omni-MoE (thinker → talker with code predictor → causal code2wav);
-``csm_*``: CSM (backbone + depth decoder → Mimi decoder). :mod:`.folders` resolves a stage's
-``model`` (a tiny registered name, built offline on first use, or a Hugging Face folder).
+"""Loading the model families' stages from Hugging Face folders (shared by every family that runs
+on ``transformers``): :mod:`.folders` resolves a stage's ``model`` (a tiny registered name, built
+offline on first use, or a folder), :mod:`.common` loads a stage's own part of it on its devices,
+:mod:`.tokenizer` trains the tiny folders' tokenizers offline, :mod:`.codes` carries codec frames
+between a talker and its code2wav.
 """

@@ -14,7 +14,7 @@ import numpy as np
 
 from omni_mesh.data_plane.messages import Scalar
 from omni_mesh.engines.base import EngineResult, StageData
-from omni_mesh.engines.reference.common import FieldReader
+from omni_mesh.engines.fields import FieldReader
 
 
 def codes_chunk(

@@ -31,8 +31,8 @@ class TinyBuilder:
 
 #: Registered tiny models of the real-architecture pipelines.
 TINY_FOLDERS: dict[str, TinyBuilder] = {
-    "tiny-qwen3-omni": TinyBuilder("omni_mesh.engines.hf.qwen3_omni_tiny:write_tiny_model", 1),
-    "tiny-csm": TinyBuilder("omni_mesh.engines.hf.csm_tiny:write_tiny_model", 1),
+    "tiny-qwen3-omni": TinyBuilder("omni_mesh.engines.qwen3_omni.tiny:write_tiny_model", 1),
+    "tiny-csm": TinyBuilder("omni_mesh.engines.csm.tiny:write_tiny_model", 1),
 }
 
 

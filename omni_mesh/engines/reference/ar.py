@@ -17,13 +17,9 @@ import torch
 from torch import Tensor, nn
 
 from omni_mesh.engines.base import EngineRequest, EngineResult, StageData
-from omni_mesh.engines.reference.common import (
-    DEFAULT_MAX_PROMPT_BYTES,
-    ReferenceEngine,
-    extra_int,
-    passthrough,
-    temperature_top_k,
-)
+from omni_mesh.engines.extras import extra_int
+from omni_mesh.engines.fields import DEFAULT_MAX_PROMPT_BYTES, passthrough
+from omni_mesh.engines.reference.common import temperature_top_k
 from omni_mesh.engines.reference.dit import SIZE_RANGE, STEPS_RANGE
 from omni_mesh.engines.reference.layers import (
     Block,
@@ -33,6 +29,7 @@ from omni_mesh.engines.reference.layers import (
     sample,
     sinusoidal,
 )
+from omni_mesh.engines.torch_engine import TorchEngine
 
 GRID = 8
 IMAGE_VOCAB = 512
@@ -71,7 +68,7 @@ class ArInput:
     top_k: int
 
 
-class ImageArEngine(ReferenceEngine[ArInput]):
+class ImageArEngine(TorchEngine[ArInput]):
     """Image-token AR model (see module docstring)."""
 
     model: ImageTokenLM

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from omni_mesh.engines.base import EngineRequest, EngineResult, StageData
+from omni_mesh.engines.extras import extra_int
 from omni_mesh.engines.reference.codec import (
     CODEBOOK_SIZE,
     CONTEXT_FRAMES,
@@ -36,8 +37,10 @@ from omni_mesh.engines.reference.codec import (
     SAMPLE_RATE,
     SAMPLES_PER_FRAME,
 )
-from omni_mesh.engines.reference.common import ReferenceEngine, as_tensor, extra_int
-from omni_mesh.engines.reference.layers import derive_seed, init_weights, make_generator
+from omni_mesh.engines.reference.common import as_tensor
+from omni_mesh.engines.reference.layers import init_weights
+from omni_mesh.engines.seeds import derive_seed, make_generator
+from omni_mesh.engines.torch_engine import TorchEngine
 
 __all__ = ["CONTEXT_FRAMES", "SAMPLES_PER_FRAME", "SAMPLE_RATE", "Code2WavEngine", "Decoder"]
 
@@ -109,7 +112,7 @@ class Code2WavInput:
     context: np.ndarray | None
 
 
-class Code2WavEngine(ReferenceEngine[Code2WavInput]):
+class Code2WavEngine(TorchEngine[Code2WavInput]):
     """Codec decoder: codes → 24 kHz waveform (see module docstring)."""
 
     model: Decoder

@@ -22,8 +22,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from omni_mesh.engines.base import EngineRequest, EngineResult, StageData
-from omni_mesh.engines.reference.common import ReferenceEngine, as_tensor
+from omni_mesh.engines.reference.common import as_tensor
 from omni_mesh.engines.reference.layers import Mlp, SelfAttention, init_weights, sinusoidal
+from omni_mesh.engines.torch_engine import TorchEngine
 
 SIZE_RANGE = (16, 512)
 STEPS_RANGE = (1, 200)
@@ -94,7 +95,7 @@ class DitInput:
     steps: int
 
 
-class DitEngine(ReferenceEngine[DitInput]):
+class DitEngine(TorchEngine[DitInput]):
     """Diffusion transformer: image tokens → uint8 RGB image (see module docstring)."""
 
     model: Dit

@@ -10,7 +10,6 @@ Everything here is deterministic: weights come from :func:`init_weights` with an
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Iterable
 from typing import cast
@@ -19,20 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-SEED_MASK = (1 << 63) - 1
-
-
-def derive_seed(*parts: object) -> int:
-    """A stable 63-bit seed from any printable parts (same on every host and Python run)."""
-    text = "\x1f".join(str(p) for p in parts)
-    digest = hashlib.sha256(text.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "little") & SEED_MASK
-
-
-def make_generator(seed: int) -> torch.Generator:
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(seed & SEED_MASK)
-    return gen
+from omni_mesh.engines.seeds import make_generator
 
 
 @torch.no_grad()

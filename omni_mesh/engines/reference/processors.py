@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from omni_mesh.engines.base import EngineInputError, StageData
-from omni_mesh.engines.reference.common import passthrough
+from omni_mesh.engines.fields import passthrough
 
 
 def _require(data: StageData, processor: str, name: str) -> np.ndarray:

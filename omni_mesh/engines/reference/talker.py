@@ -36,18 +36,10 @@ from torch import Tensor, nn
 
 from omni_mesh.data_plane.messages import Scalar
 from omni_mesh.engines.base import EngineRequest, EngineResult, StageData
+from omni_mesh.engines.extras import extra_float, extra_int
+from omni_mesh.engines.fields import DEFAULT_MAX_PROMPT_BYTES, FieldReader
 from omni_mesh.engines.reference.codec import CODEBOOK_SIZE, CONTEXT_FRAMES, NUM_CODEBOOKS
-from omni_mesh.engines.reference.common import (
-    DEFAULT_MAX_PROMPT_BYTES,
-    VOICES,
-    FieldReader,
-    ReferenceEngine,
-    as_tensor,
-    extra_float,
-    extra_int,
-    temperature_top_k,
-    voice_index,
-)
+from omni_mesh.engines.reference.common import VOICES, as_tensor, temperature_top_k, voice_index
 from omni_mesh.engines.reference.layers import (
     Block,
     BlockStack,
@@ -57,6 +49,7 @@ from omni_mesh.engines.reference.layers import (
     sinusoidal,
 )
 from omni_mesh.engines.reference.thinker import HIDDEN as THINKER_HIDDEN
+from omni_mesh.engines.torch_engine import TorchEngine
 
 __all__ = ["CODEBOOK_SIZE", "NUM_CODEBOOKS", "TalkerEngine", "TalkerInput", "TalkerModel"]
 
@@ -125,7 +118,7 @@ class TalkerInput:
     top_k: int
 
 
-class TalkerEngine(ReferenceEngine[TalkerInput]):
+class TalkerEngine(TorchEngine[TalkerInput]):
     """Codec-frame AR model conditioned on thinker hidden states or text (module docstring)."""
 
     model: TalkerModel

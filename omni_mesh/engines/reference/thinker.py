@@ -20,15 +20,9 @@ import torch
 from torch import Tensor, nn
 
 from omni_mesh.engines.base import EngineRequest, EngineResult, StageData
-from omni_mesh.engines.reference.common import (
-    DEFAULT_MAX_PROMPT_BYTES,
-    ReferenceEngine,
-    extra_int,
-    passthrough,
-    sampling_or_default,
-    temperature_top_k,
-    voice_index,
-)
+from omni_mesh.engines.extras import extra_int
+from omni_mesh.engines.fields import DEFAULT_MAX_PROMPT_BYTES, passthrough
+from omni_mesh.engines.reference.common import sampling_or_default, temperature_top_k, voice_index
 from omni_mesh.engines.reference.layers import (
     Block,
     BlockStack,
@@ -37,6 +31,7 @@ from omni_mesh.engines.reference.layers import (
     sample,
     sinusoidal,
 )
+from omni_mesh.engines.torch_engine import TorchEngine
 
 VOCAB = 256
 HIDDEN = 1024
@@ -77,7 +72,7 @@ class ThinkerInput:
     top_k: int
 
 
-class ThinkerEngine(ReferenceEngine[ThinkerInput]):
+class ThinkerEngine(TorchEngine[ThinkerInput]):
     """Byte-level LM: prompt → printable text + hidden states (see module docstring)."""
 
     model: ByteLM

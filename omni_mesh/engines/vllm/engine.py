@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from omni_mesh.configs.pipeline import OutputKind
+from omni_mesh.configs.pipeline_spec import OutputKind
 from omni_mesh.data_plane.kv_transfer import (
     KvTransferError,
     decode_params,
@@ -58,6 +58,7 @@ from omni_mesh.engines.base import (
     EngineResult,
     StageEngine,
 )
+from omni_mesh.engines.extras import extra_bool, extra_int
 from omni_mesh.engines.model_cache import default_cache_dir
 from omni_mesh.engines.vllm.args import build_engine_args, make_vllm_config
 from omni_mesh.engines.vllm.kv_split import (
@@ -86,25 +87,6 @@ REQUEST_SAMPLING_FIELDS = (
 )
 
 
-def _extra_int(ctx: EngineContext, key: str, default: int, low: int, high: int) -> int:
-    value = ctx.config.engine_extras.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise EngineConfigError(
-            f"stage {ctx.stage.stage_id}: engine_extras.{key} must be an integer in "
-            f"[{low}, {high}], got {value!r}"
-        )
-    return value
-
-
-def _extra_bool(ctx: EngineContext, key: str, default: bool) -> bool:
-    value = ctx.config.engine_extras.get(key, default)
-    if not isinstance(value, bool):
-        raise EngineConfigError(
-            f"stage {ctx.stage.stage_id}: engine_extras.{key} must be true or false, got {value!r}"
-        )
-    return value
-
-
 class VllmEngine(StageEngine):
     """A stage engine backed by vLLM (see the module docstring)."""
 
@@ -112,11 +94,11 @@ class VllmEngine(StageEngine):
 
     def __init__(self, ctx: EngineContext) -> None:
         super().__init__(ctx)
-        self.chunk_tokens = _extra_int(ctx, "chunk_tokens", DEFAULT_CHUNK_TOKENS, 1, 4096)
-        self.first_chunk_tokens = _extra_int(ctx, "first_chunk_tokens", 1, 1, 4096)
-        self.context_tokens = _extra_int(ctx, "context_tokens", 0, 0, 4096)
-        self.chat_template = _extra_bool(ctx, "chat_template", False)
-        self.request_sampling = _extra_bool(ctx, "request_sampling", True)
+        self.chunk_tokens = extra_int(ctx, "chunk_tokens", DEFAULT_CHUNK_TOKENS, 1, 4096)
+        self.first_chunk_tokens = extra_int(ctx, "first_chunk_tokens", 1, 1, 4096)
+        self.context_tokens = extra_int(ctx, "context_tokens", 0, 0, 4096)
+        self.chat_template = extra_bool(ctx, "chat_template", False)
+        self.request_sampling = extra_bool(ctx, "request_sampling", True)
         cache = ctx.config.engine_extras.get("model_cache")
         if cache is not None and not isinstance(cache, str):
             raise EngineConfigError(
@@ -137,13 +119,13 @@ class VllmEngine(StageEngine):
     def load(self) -> None:
         args = build_engine_args(self.ctx.config, self.cache_dir)
         if self.ctx.config.prefill is not None:
-            lease_s = _extra_int(self.ctx, "kv_lease_s", 30, 1, 3600)
+            lease_s = extra_int(self.ctx, "kv_lease_s", 30, 1, 3600)
             args = with_kv_connector(args, lease_s)
             from vllm.platforms import current_platform
 
             cpu = current_platform.device_type == "cpu"
             default_delay = CPU_PROGRESS_DELAY_US if cpu else 0
-            delay = _extra_int(self.ctx, "nixl_progress_delay_us", default_delay, 0, 1_000_000)
+            delay = extra_int(self.ctx, "nixl_progress_delay_us", default_delay, 0, 1_000_000)
             pace_nixl_progress(delay)
         if self.ctx.config.world_size == 1:
             # vLLM reads this to choose its executor (on CPU: the in-process one only when it

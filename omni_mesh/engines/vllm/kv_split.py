@@ -19,8 +19,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from omni_mesh.engines.kv_counts import KvCounts
-from omni_mesh.engines.nixl_agents import CPU_PROGRESS_DELAY_US, pace_nixl_progress
+from omni_mesh.engines.kv.counts import KvCounts
+from omni_mesh.engines.kv.nixl_agents import CPU_PROGRESS_DELAY_US, pace_nixl_progress
 from omni_mesh.procutil import free_port
 
 __all__ = [

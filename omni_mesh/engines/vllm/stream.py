@@ -18,15 +18,26 @@ logprobs are asked, the prompt's as ``prompt_logprobs`` / ``prompt_top_logprobs`
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from omni_mesh.data_plane.messages import Scalar
 from omni_mesh.engines.base import EngineRequest, EngineResult, StageData
 
-if TYPE_CHECKING:
-    from omni_mesh.engines.vllm.engine import VllmEngine
+
+class StreamOwner(Protocol):
+    """What a stream needs of its engine (:class:`~.engine.VllmEngine`)."""
+
+    def prefill_locally(self, stream: VllmStream) -> None:
+        """Run the stream's request again, prefilled here (its KV pull failed)."""
+
+    def abort(self, vid: str) -> None:
+        """Abort vLLM request ``vid`` now."""
+
+    def decode(self, ids: list[int]) -> str:
+        """Token ids as text."""
+
 
 #: Input fields consumed by the engine itself (everything else passes through to ``output``).
 CONSUMED_FIELDS = frozenset({"prompt", "max_tokens", "messages", "echo", "chat_template"})
@@ -43,7 +54,7 @@ class VllmStream:
     def __init__(
         self,
         *,
-        engine: VllmEngine,
+        engine: StreamOwner,
         vid: str,
         request: EngineRequest,
         streaming: bool,

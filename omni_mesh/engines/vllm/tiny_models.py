@@ -19,10 +19,10 @@ processes may race, the first atomic rename wins), anything else must be an exis
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from omni_mesh.engines.hf.tokenizer import training_corpus
 from omni_mesh.engines.model_cache import build_once, default_cache_dir, existing_folder
 
 VERSION = 1
@@ -35,24 +35,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 _SPECIAL = ["<|pad|>", "<|bos|>", "<|eos|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
-
-_CORPUS = (
-    "the quick brown fox jumps over the lazy dog. a serving fabric moves tensors between "
-    "stages; the thinker writes text, the talker speaks codes, and code2wav turns them into "
-    "sound. hello world! how are you today? tell me a story about a small robot who learned "
-    "to sing. numbers 0 1 2 3 4 5 6 7 8 9 and punctuation , . ; : ! ? ' \" ( ) - + = / "
-)
-
-
-def training_corpus() -> list[str]:
-    """The fixed text plus seeded pseudo-words: enough distinct pairs for every BPE merge."""
-    rng = random.Random(SEED)
-    letters = "etaoinshrdlucmfwypvbgkjqxz"
-    words = [
-        "".join(rng.choice(letters[: rng.randint(6, 26)]) for _ in range(rng.randint(2, 9)))
-        for _ in range(20_000)
-    ]
-    return [_CORPUS] * 4 + [" ".join(words[i : i + 50]) for i in range(0, len(words), 50)]
 
 
 class TinyModelError(ValueError):

@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Any
 
-from omni_mesh.configs.pipeline import OutputKind, PipelineSpec
+from omni_mesh.configs.pipeline_spec import OutputKind, PipelineSpec
 from omni_mesh.data_plane import media
 from omni_mesh.sidecar.api.openai_text import finish_reason, usage_of
 from omni_mesh.sidecar.api.outputs import FinalOutput, OutputChunk, final_stage

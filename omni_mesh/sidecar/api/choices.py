@@ -24,7 +24,7 @@ from typing import Protocol
 import msgspec
 from aiohttp import web
 
-from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.configs.pipeline_spec import PipelineSpec
 from omni_mesh.data_plane.messages import HopResult, Prompt
 from omni_mesh.sidecar.api.client_requests import collect
 from omni_mesh.sidecar.api.outputs import ChunkAssembler, FinalOutput, OutputChunk, joined_off_loop

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from omni_mesh.configs.pipeline import OutputKind, PipelineSpec
+from omni_mesh.configs.pipeline_spec import OutputKind, PipelineSpec
 from omni_mesh.data_plane import wire
 from omni_mesh.data_plane.messages import Prompt, Scalar
 from omni_mesh.data_plane.tensors import tensor_from_array

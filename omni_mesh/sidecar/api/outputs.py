@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from omni_mesh.configs.pipeline import OutputKind, PipelineSpec
+from omni_mesh.configs.pipeline_spec import OutputKind, PipelineSpec
 from omni_mesh.data_plane import media
 from omni_mesh.data_plane.messages import (
     HopResult,

@@ -28,7 +28,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from omni_mesh.configs.pipeline import OutputKind
+from omni_mesh.configs.pipeline_spec import OutputKind
 from omni_mesh.data_plane import wire
 from omni_mesh.data_plane.messages import Prompt, SamplingParams
 from omni_mesh.sidecar.api import completions as routes_completions

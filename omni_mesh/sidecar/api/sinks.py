@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
-from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.configs.pipeline_spec import PipelineSpec
 from omni_mesh.data_plane import codec, media
 from omni_mesh.data_plane.messages import HopResult
 from omni_mesh.sidecar.api.outputs import (

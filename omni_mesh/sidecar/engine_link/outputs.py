@@ -17,7 +17,7 @@ from typing import Protocol
 
 import msgspec
 
-from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.configs.pipeline_spec import PipelineSpec
 from omni_mesh.data_plane.messages import StageInput, StageOutput, transfer_key
 from omni_mesh.observability.tracing import StageSpan, open_stage_span, tracing_on
 from omni_mesh.sidecar.engine_link.client import EngineClient

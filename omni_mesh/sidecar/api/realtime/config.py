@@ -13,7 +13,7 @@ from typing import Any, Literal
 import msgspec
 from msgspec import UNSET, Struct
 
-from omni_mesh.configs.pipeline import OutputKind, PipelineSpec
+from omni_mesh.configs.pipeline_spec import OutputKind, PipelineSpec
 from omni_mesh.sidecar.api.outputs import final_stage
 from omni_mesh.sidecar.api.realtime.client_events import (
     AudioFormatIn,

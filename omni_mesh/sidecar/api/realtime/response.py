@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from omni_mesh.configs.pipeline import OutputKind
+from omni_mesh.configs.pipeline_spec import OutputKind
 from omni_mesh.data_plane.messages import Prompt
 from omni_mesh.sidecar.api.client_requests import entry, request_frames
 from omni_mesh.sidecar.api.outputs import ChunkAssembler, OutputChunk, final_stage

@@ -1,0 +1,256 @@
+"""qwen3-omni stage 0, the thinker: Qwen3-Omni-MoE's thinker (audio encoder + MoE LM) on
+transformers.
+
+Computes what ``Qwen3OmniMoeThinkerForConditionalGeneration.generate`` gives when the monolithic
+model's ``generate`` calls it (``output_hidden_states``, ``eos_token_id`` = ``<|im_end|>``).
+Sampling: the request's ``temperature`` (0 or unset: greedy, as the folder's generation config
+has it for the tiny model), ``top_p``, ``top_k``, drawn from the request's own generator seeded
+as ``torch.manual_seed(seed)`` seeds the process (``row_sampling.row_generator``);
+``max_tokens`` (default ``engine_extras.max_tokens``, 64; at most
+``engine_extras.max_tokens_limit``, 1024).
+
+Continuous batching: every running request of the engine is a row of one
+:class:`ThinkerBatch` (``qwen3_omni_thinker_batch``): each prefills alone, then one batched
+forward per step gives every row its next token; the engine runs that step in ``before_step``,
+once per core step, and requests opened since the last step join it. A request leaves on
+``<|im_end|>``, at ``max_tokens`` or when its stream is closed (an abort); its tokens are those
+``generate`` gives it alone.
+
+Input fields: ``messages`` (the chat route's conversation, JSON) or ``prompt``; ``voice`` (a
+speaker of the folder's talker config, checked here so a bad one costs no compute). Output
+(what the talker needs, see ``qwen3_omni_processors``): arrays ``sequences`` int64 [P+N],
+``thinker_embed`` and ``thinker_hidden`` float32 [P+N-1, D] (the input embeddings and the hidden
+states of ``talker_config.accept_hidden_layer`` of every position the thinker ran),
+``tts_special`` float32 [3, D] (the input embeddings of tts_bos, tts_eos, tts_pad) and, with
+audio, ``audio_feature_lengths`` int64 [A]; fields ``prompt_tokens`` (P), ``generated_tokens``
+(N), ``voice``, ``text``. Final: ``text`` (special tokens dropped), ``finish_reason`` (stop:
+``<|im_end|>``, else length), ``prompt_tokens``, ``completion_tokens``.
+
+Streaming (``async_chunk``): the text goes to the client as it is generated, every
+``engine_extras.chunk_tokens`` tokens (default 1; later when those tokens end inside a UTF-8
+character), in results with ``forward=False`` (for the client alone: the talker needs the whole
+answer's hidden states, it gets them with the last result as one whole input). The chunks'
+texts concatenated are the whole text. Not streaming, a request still runs in the batch and
+yields one whole result when it ends.
+
+Split (deploy ``prefill:``): prefill and decode replicas, the prompt's KV cache, first token,
+positions, sampler state and prompt hidden states moved engine to engine over NIXL
+(``batching/kv_split.py``, ``kv/exchange.py``); the decode replica's answer is the unsplit one.
+
+Why not vLLM: vLLM's ``qwen3_omni_moe_thinker`` returns tokens, not the per-layer hidden
+states and input embeddings the talker conditions on; handing those out needs a model class
+registered through vLLM's plugin mechanism that returns them (a follow-up).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from omni_mesh.engines.base import EngineInputError, EngineRequest, EngineResult, StageData
+from omni_mesh.engines.batching.frame_batch import Row
+from omni_mesh.engines.batching.frame_engine import FrameEngine
+from omni_mesh.engines.batching.frame_stream import Chunker
+from omni_mesh.engines.batching.kv_split import KvSplit
+from omni_mesh.engines.batching.row_sampling import Sampling, row_generator
+from omni_mesh.engines.extras import extra_int
+from omni_mesh.engines.hf.common import load_part, model_folder, parameter_count
+from omni_mesh.engines.qwen3_omni.inputs import ThinkerPrompt, conversation, thinker_prompt
+from omni_mesh.engines.qwen3_omni.speakers import speaker_name
+from omni_mesh.engines.qwen3_omni.thinker_batch import ThinkerBatch, ThinkerRow
+
+DEFAULT_MODEL = "tiny-qwen3-omni"
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ThinkerInput:
+    prompt: ThinkerPrompt
+    voice: str
+    max_tokens: int
+    sampling: Sampling
+
+
+class Qwen3OmniThinkerEngine(FrameEngine[ThinkerInput]):
+    """Qwen3-Omni's thinker (module docstring)."""
+
+    splits_prefill = True
+    model: Any
+
+    def build(self, seed: int) -> int:
+        from transformers import AutoFeatureExtractor, AutoTokenizer, Qwen3OmniMoeConfig
+        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+            Qwen3OmniMoeThinkerForConditionalGeneration,
+        )
+
+        self.max_tokens = extra_int(self.ctx, "max_tokens", 64, 1, 8192)
+        self.max_tokens_limit = extra_int(self.ctx, "max_tokens_limit", 1024, 1, 32768)
+        self.chunk_tokens = extra_int(self.ctx, "chunk_tokens", 1, 1, 4096)
+        folder = model_folder(self.ctx, DEFAULT_MODEL)
+        self.config = Qwen3OmniMoeConfig.from_pretrained(str(folder))
+        self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        self.features = AutoFeatureExtractor.from_pretrained(str(folder))
+        self.model = load_part(
+            Qwen3OmniMoeThinkerForConditionalGeneration,
+            folder,
+            self.config.thinker_config,
+            "thinker",
+            self.ctx,
+        )
+        self.device = self.model.device
+        self.first_chunk_frames = self.chunk_frames = self.chunk_tokens
+        layer = self.config.talker_config.accept_hidden_layer
+        self.batch = ThinkerBatch(self.model, self.config.im_end_token_id, layer)
+        if self.ctx.config.prefill is not None:
+            self.kv = KvSplit(self.ctx, self.batch, self.batch.token_bytes())
+        return parameter_count(self.model)
+
+    def parse(self, request: EngineRequest) -> ThinkerInput:
+        fields = self.reader(request)
+        voice = speaker_name(fields, self.config.talker_config.speaker_id)
+        messages = fields.data.fields.get("messages")
+        prompt = fields.data.fields.get("prompt")
+        conv = conversation(
+            fields.where,
+            messages if isinstance(messages, str) else None,
+            prompt if isinstance(prompt, str) else None,
+            int(self.features.sampling_rate),
+        )
+        sampling = request.sampling
+        requested = fields.optional_int("max_tokens", None, 1, 1 << 20)
+        if sampling is not None and sampling.max_tokens is not None:
+            requested = min(requested or sampling.max_tokens, sampling.max_tokens)
+        max_tokens = requested or self.max_tokens
+        if max_tokens > self.max_tokens_limit:
+            raise fields.error(
+                "field",
+                "max_tokens",
+                f"is {max_tokens}; this stage generates at most {self.max_tokens_limit} "
+                "(engine_extras.max_tokens_limit)",
+            )
+        try:
+            tensors = thinker_prompt(self.tokenizer, self.features, conv)
+        except EngineInputError as exc:
+            raise fields.error("field", "messages", f"unusable: {exc}") from None
+        except Exception as exc:  # the tokenizer's or the feature extractor's own checks
+            raise fields.error(
+                "field", "messages", f"could not be prepared: {type(exc).__name__}: {exc}"
+            ) from None
+        return ThinkerInput(tensors, voice, max_tokens, _sampling(request))
+
+    def row(self, request: EngineRequest, inputs: ThinkerInput) -> ThinkerRow:
+        return ThinkerRow(
+            request.request_id,
+            row_generator(request.seed, self.device),
+            prompt=inputs.prompt,
+            sampling=inputs.sampling,
+            max_tokens=inputs.max_tokens,
+            voice=inputs.voice,
+        )
+
+    def chunker(self, request: EngineRequest, row: Row) -> Chunker:
+        assert isinstance(row, ThinkerRow)
+        return functools.partial(self._chunk, request, row)
+
+    def _chunk(
+        self,
+        request: EngineRequest,
+        row: ThinkerRow,
+        frames: list[np.ndarray],
+        sent: int,
+        last: bool,
+    ) -> EngineResult | None:
+        """The text of ``frames[sent:]`` (its tokens) for the client alone, or None while it
+        is no new text; the last: the whole output, its final text what was not sent yet."""
+        before = row.sent_text  # the text of tokens[:sent], as the last delta left it
+        if last:
+            result = self._result(request, row)
+            assert result.final is not None
+            text = str(result.final.fields["text"])
+            if not text.startswith(before):  # a decode that changed its past: should not happen
+                logger.warning("streamed text is not a prefix request_id=%s", request.request_id)
+            result.final.fields["text"] = text[len(before) :]
+            return result
+        text = self._stable_text(row.tokens[: len(frames)])
+        if len(text) <= len(before):
+            return None
+        delta = StageData(fields={"text": text[len(before) :]})
+        row.sent_text = text
+        return EngineResult(request.request_id, final=delta, last=False, forward=False)
+
+    def _stable_text(self, tokens: list[int]) -> str:
+        """The text of ``tokens`` that later tokens cannot change (no trailing partial
+        UTF-8 character)."""
+        if not tokens:
+            return ""
+        return str(self.tokenizer.decode(tokens, skip_special_tokens=True)).rstrip("\ufffd")
+
+    def _result(self, request: EngineRequest, row: ThinkerRow) -> EngineResult:
+        prompt = row.prompt
+        assert prompt is not None
+        special = torch.tensor(
+            [
+                self.config.tts_bos_token_id,
+                self.config.tts_eos_token_id,
+                self.config.tts_pad_token_id,
+            ],
+            device=self.device,
+        )
+        with torch.inference_mode():
+            special_embeds = self.model.get_input_embeddings()(special)
+        prompt_ids = prompt.input_ids[0].cpu()
+        generated = torch.tensor(row.tokens, dtype=prompt_ids.dtype)
+        sequences = torch.cat((prompt_ids, generated))
+        prompt_tokens = int(prompt_ids.shape[0])
+        text = self.tokenizer.decode(generated, skip_special_tokens=True)
+        stopped = row.tokens[-1] == self.config.im_end_token_id
+        arrays = {
+            "sequences": sequences.numpy().astype(np.int64),
+            "thinker_embed": _f32(torch.cat(row.embeds)),
+            "thinker_hidden": _f32(torch.cat(row.hidden)),
+            "tts_special": _f32(special_embeds),
+        }
+        if prompt.feature_attention_mask is not None:
+            lengths = prompt.feature_attention_mask.sum(-1)
+            arrays["audio_feature_lengths"] = lengths.numpy().astype(np.int64)
+        output = StageData(
+            fields={
+                "text": text,
+                "voice": row.voice,
+                "prompt_tokens": prompt_tokens,
+                "generated_tokens": len(generated),
+            },
+            arrays=arrays,
+        )
+        final = StageData(
+            {
+                "text": text,
+                "finish_reason": "stop" if stopped else "length",
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": len(generated),
+            }
+        )
+        return EngineResult(request.request_id, output=output, final=final)
+
+
+def _sampling(request: EngineRequest) -> Sampling:
+    """generate()'s sampling: greedy unless the request asks for a temperature > 0."""
+    sampling = request.sampling
+    if sampling is None or not sampling.temperature:
+        return Sampling(False)
+    return Sampling(
+        True,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p if sampling.top_p is not None else 1.0,
+        top_k=sampling.top_k if sampling.top_k else 0,
+    )
+
+
+def _f32(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to("cpu", torch.float32).contiguous().numpy()

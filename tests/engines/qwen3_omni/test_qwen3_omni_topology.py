@@ -1,0 +1,164 @@
+"""qwen3-omni served 1:2:1 (stage pods over shared memory, ``async_chunk`` on: the talker streams
+codes to code2wav) through the official ``openai`` SDK: chat with text and audio out (and audio
+in) equals transformers' monolithic ``generate`` for the same seed (the text exactly, every PCM16
+sample within one step of rounding: the streamed decode differs from the whole one by ~1e-14);
+speech streams its first audio before the answer ends; a kill -9 of a talker engine mid-request
+is replayed on the other talker with the same bytes."""
+
+from __future__ import annotations
+
+import base64
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+
+from tests.engines.qwen3_omni.omni_reference import (
+    assert_same_audio,
+    audio_messages,
+    expected,
+    sdk_chat,
+)
+from tests.sidecar.topology import Topology, kill_a_busy_engine
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.timeout(300),
+    pytest.mark.filterwarnings("ignore:Passing `repetition_penalty`:UserWarning"),
+]
+
+PIPELINE = "qwen3-omni"
+TEXT = [{"role": "user", "content": "tell me a story about a small robot"}]
+
+
+@pytest.fixture(scope="module")
+def topo(qwen3_omni_topology: Topology) -> Iterator[Topology]:
+    try:
+        yield qwen3_omni_topology
+    finally:
+        for sdk in _CLIENTS.values():
+            sdk.close()
+        _CLIENTS.clear()
+
+
+_CLIENTS: dict[str, openai.OpenAI] = {}
+
+
+def client(topo: Topology) -> openai.OpenAI:
+    """One SDK client per topology (thread-safe), closed with it: no sockets left to the GC."""
+    sdk = _CLIENTS.get(topo.api_url)
+    if sdk is None:
+        sdk = openai.OpenAI(base_url=f"{topo.api_url}/v1", api_key="none", max_retries=0)
+        _CLIENTS[topo.api_url] = sdk
+    return sdk
+
+
+def chat(topo: Topology, messages: list[dict[str, Any]], seed: int, max_tokens: int = 8) -> Any:
+    return sdk_chat(client(topo), messages, seed, max_tokens)
+
+
+@pytest.mark.parametrize("audio_in", [False, True], ids=["text-in", "audio-in"])
+def test_chat_equals_the_monolithic_model(topo: Topology, audio_in: bool) -> None:
+    messages = audio_messages() if audio_in else TEXT
+    text, samples = chat(topo, messages, seed=7)
+    want_text, want_samples = expected(messages, seed=7, max_tokens=8)
+    assert text == want_text
+    assert_same_audio(samples, want_samples)
+    assert len(samples) > 1920 * 60  # 63 frames of 80 ms
+
+
+def test_a_text_only_chat_runs_the_thinker_alone(topo: Topology) -> None:
+    hops = [topo.metric(url, "omni_stage_requests_total", route="hop") for url in topo.urls[1]]
+    out = client(topo).chat.completions.create(
+        model=PIPELINE,
+        messages=TEXT,  # type: ignore[arg-type]
+        seed=7,
+        max_tokens=8,
+    )
+    assert out.choices[0].message.content == expected(TEXT, seed=7, max_tokens=8)[0]
+    assert out.choices[0].message.audio is None
+    assert out.usage is not None and out.usage.completion_tokens == 8
+    after = [topo.metric(url, "omni_stage_requests_total", route="hop") for url in topo.urls[1]]
+    assert after == hops  # no talker ran
+
+
+def test_streamed_chat_sends_text_token_by_token_then_audio(topo: Topology) -> None:
+    text, samples = chat(topo, TEXT, seed=9)
+    events = list(
+        client(topo).chat.completions.create(
+            model=PIPELINE,
+            messages=TEXT,  # type: ignore[arg-type]
+            modalities=["text", "audio"],
+            audio={"voice": "ethan", "format": "pcm16"},
+            seed=9,
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    kinds: list[str] = []
+    texts: list[str] = []
+    pcm = b""
+    for event in events:
+        for choice in event.choices:
+            audio = choice.delta.audio
+            if audio is not None and audio.data:
+                kinds.append("audio")
+                pcm += base64.b64decode(audio.data)
+            elif choice.delta.content:
+                kinds.append("text")
+                texts.append(choice.delta.content)
+    assert "".join(texts) == text
+    assert kinds.count("text") > 3  # token by token (a tiny vocabulary: a few bytes each)
+    assert kinds.index("audio") > kinds.index("text")
+    assert kinds.count("audio") > 3  # every decoded chunk
+    assert_same_audio(np.frombuffer(pcm, np.int16), samples)
+    assert events[-1].usage is not None and events[-1].usage.completion_tokens == 8
+
+
+def test_speech_streams_before_the_answer_ends(topo: Topology) -> None:
+    started = time.perf_counter()
+    firsts: list[float] = []
+    data = b""
+    with client(topo).audio.speech.with_streaming_response.create(
+        model=PIPELINE, input="say something", voice="ethan", response_format="pcm"
+    ) as resp:
+        for piece in resp.iter_bytes():
+            firsts.append(time.perf_counter() - started)
+            data += piece
+    total = time.perf_counter() - started
+    assert len(data) > 1920 * 2 * 60
+    assert firsts[0] < total * 0.8, (firsts[0], total)  # audio before the whole answer
+    with pytest.raises(openai.BadRequestError, match="unknown voice 'alloy'"):
+        client(topo).audio.speech.create(model=PIPELINE, input="hi", voice="alloy")
+
+
+def test_kill_9_of_a_talker_engine_mid_request_is_replayed(topo: Topology) -> None:
+    seeds = [31, 32, 33, 34]
+    want = {seed: expected(TEXT, seed, max_tokens=8) for seed in seeds}
+    results: dict[int, Any] = {}
+    (thinker_url,) = topo.urls[0]
+    retries_before = topo.metric(thinker_url, "omni_stage_hop_retries_total")
+
+    def run(seed: int) -> None:
+        try:
+            results[seed] = chat(topo, TEXT, seed)
+        except Exception as exc:  # reported below
+            results[seed] = exc
+
+    threads = [threading.Thread(target=run, args=(seed,)) for seed in seeds]
+    for t in threads:
+        t.start()
+    kill_a_busy_engine(topo, 1)  # a talker, mid-request
+    for t in threads:
+        t.join(180)
+    for seed in seeds:
+        got = results[seed]
+        assert not isinstance(got, Exception), got
+        assert got[0] == want[seed][0]
+        assert_same_audio(got[1], want[seed][1])
+    assert topo.metric(thinker_url, "omni_stage_hop_retries_total") > retries_before
