@@ -21,7 +21,10 @@ from omni_mesh.observability.metrics import (
     SC_SHED,
     SidecarMetrics,
 )
-from omni_mesh.sidecar.admission.admit import admitted, api_slots, request_class
+from omni_mesh.sidecar.admission import facts
+from omni_mesh.sidecar.admission.admit import admitted, api_slots
+from omni_mesh.sidecar.admission.early_shed import EarlyShed
+from omni_mesh.sidecar.admission.facts import admission_facts, request_class
 from omni_mesh.sidecar.admission.gate import AdmissionGate
 from omni_mesh.sidecar.errors import ApiError
 
@@ -76,6 +79,9 @@ class FakePod:
     @property
     def in_flight_gauge(self) -> Gauge:
         return self.metrics.in_flight.labels("synthetic", "1")
+
+    def request_timeout_s(self) -> float:
+        return float(self.deploy.request_timeout_s)
 
 
 @pytest.fixture
@@ -262,3 +268,31 @@ def test_a_route_may_cap_its_classes(pod: FakePod) -> None:
     assert info.value.param == "priority"
     req = make_mocked_request("POST", "/v1/generate", headers={"X-Omni-Priority": "low"})
     assert request_class(pod, req)[0] == "low"  # type: ignore[arg-type]
+
+
+async def test_a_requests_headers_are_read_once_on_its_way_in(
+    pod: FakePod, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shed check (under load) and the entry step share one read of the headers."""
+    reads: list[object] = []
+    read = facts._read
+    monkeypatch.setattr(facts, "_read", lambda p, r: reads.append(r) or read(p, r))
+    pod.engine = None  # an API server: three slots
+    async with admitted(pod, "a", "api"), admitted(pod, "b", "api"), admitted(pod, "c", "api"):
+        headers = {"X-Omni-Priority": "low", "X-Omni-Tenant": "t1", "X-Omni-Timeout-S": "9"}
+        req = make_mocked_request("POST", "/v1/audio/speech", headers=headers)
+        assert EarlyShed(pod).check(req, "/v1/audio/speech") is None  # type: ignore[arg-type]
+        assert len(reads) == 1  # the gate is busy: the check read the headers
+        assert request_class(pod, req, "high") == ("low", "t1")  # type: ignore[arg-type]
+        got = admission_facts(pod, req)  # type: ignore[arg-type]
+        assert (got.tenant, got.timeout_s) == ("t1", 9.0)
+        assert reads == [req]
+
+
+def test_a_malformed_timeout_is_the_routes_400(pod: FakePod) -> None:
+    req = make_mocked_request("POST", "/v1/generate", headers={"X-Omni-Timeout-S": "soon"})
+    got = admission_facts(pod, req)  # type: ignore[arg-type]
+    assert got.malformed
+    with pytest.raises(ApiError) as info:
+        got.resolve(pod, "/v1/generate", None)  # type: ignore[arg-type]
+    assert (info.value.status, info.value.param) == (400, "X-Omni-Timeout-S")

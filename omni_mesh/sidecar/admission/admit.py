@@ -13,27 +13,17 @@ this one.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import re
 import time
 from types import TracebackType
 
-from aiohttp import web
-
-from omni_mesh.data_plane.messages import PriorityClass, StageInput
+from omni_mesh.data_plane.messages import StageInput
 from omni_mesh.sidecar.admission.gate import AdmissionGate
 from omni_mesh.sidecar.admission.queue import AdmissionQueue, Priority, Waiter, parse_priority
-from omni_mesh.sidecar.errors import ApiError, bad_request
+from omni_mesh.sidecar.errors import ApiError
 from omni_mesh.sidecar.pod import Pod
 
 logger = logging.getLogger(__name__)
-
-PRIORITY_HEADER = "X-Omni-Priority"
-TENANT_HEADER = "X-Omni-Tenant"
-PRIORITY_NAMES_TYPED: tuple[PriorityClass, ...] = ("high", "normal", "low")
-_TENANT = re.compile(r"[\w.:\-]{1,64}")
-_PRIORITIES = tuple(Priority)
 
 
 #: The fewest slots of an API server by default (``api_max_inflight`` unset).
@@ -117,52 +107,3 @@ class Admission:
         assert self._gate is not None and self._waiter is not None
         self.pod.in_flight -= 1
         self._gate.leave(self._waiter)
-
-
-# ---- a client request's class -------------------------------------------------------------
-
-
-def request_class(
-    pod: Pod, request: web.Request, body_priority: PriorityClass | None = None
-) -> tuple[PriorityClass, str]:
-    """A client request's priority class and tenant: the ``X-Omni-Priority`` header, else
-    ``priority`` in its body, else normal — on every route the header wins, so a gateway in
-    front can set the class (400 naming it when bad or not accepted on this route:
-    ``priority_classes`` in the deploy config); the tenant is ``X-Omni-Tenant``, else a hash of
-    its API key (never the key itself), else anonymous."""
-    raw = request.headers.get(PRIORITY_HEADER)
-    priority: PriorityClass = "normal"
-    if raw is not None:
-        try:
-            priority = PRIORITY_NAMES_TYPED[parse_priority(raw)]
-        except ValueError as exc:
-            raise bad_request(f"{PRIORITY_HEADER}: {exc}", PRIORITY_HEADER) from None
-    elif body_priority is not None:
-        priority = body_priority
-    route = request.path  # the client routes are plain paths
-    caps = {str(k): v for k, v in pod.deploy.priority_classes.items()}
-    allowed = caps.get(route)
-    if allowed is not None and priority not in allowed:
-        raise bad_request(
-            f"priority: {priority!r} is not accepted on {route} (accepted: {', '.join(allowed)})",
-            "priority",
-        )
-    return priority, request_tenant(request)
-
-
-def request_tenant(request: web.Request) -> str:
-    """A client request's tenant: ``X-Omni-Tenant`` (400 when malformed), else a hash of its
-    API key, else anonymous ('')."""
-    tenant = request.headers.get(TENANT_HEADER, "").strip()
-    if tenant:
-        if not _TENANT.fullmatch(tenant):
-            raise bad_request(
-                f"{TENANT_HEADER}: 1 to 64 characters of letters, digits and ._:-",
-                TENANT_HEADER,
-            )
-        return tenant
-    auth = request.headers.get("Authorization", "")
-    scheme, _, key = auth.partition(" ")
-    if scheme.lower() == "bearer" and key.strip():
-        return "key-" + hashlib.sha256(key.strip().encode()).hexdigest()[:16]
-    return ""

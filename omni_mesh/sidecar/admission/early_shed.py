@@ -4,8 +4,8 @@ Under overload most arrivals at an API server are refused; reading and decoding 
 body first (and building its stage input, a span, an error object) costs the CPU the stages
 need. :class:`EarlyShed` asks the pod's admission queue — without changing it — whether an
 arrival would be shed (:meth:`~omni_mesh.sidecar.admission.queue.AdmissionQueue.refusal`),
-knowing its class from ``X-Omni-Priority``, its tenant from ``X-Omni-Tenant`` or its API key,
-and its deadline from ``X-Omni-Timeout-S`` or the deploy config. The answer is the one the
+knowing its class, tenant and deadline from its admission facts (``facts.py``: read once, kept
+on the request for the route). The answer is the one the
 body-time path gives (503, error type ``shed``, ``Retry-After``, ``X-Omni-Shed``), counted
 in ``omni_stage_shed_total`` by reason and class, with no log line and no span.
 
@@ -21,10 +21,9 @@ from json.encoder import encode_basestring
 
 from aiohttp import web
 
-from omni_mesh.sidecar.admission.admit import PRIORITY_HEADER, gate_of, request_tenant
+from omni_mesh.sidecar.admission.admit import gate_of
+from omni_mesh.sidecar.admission.facts import AdmissionFacts, admission_facts
 from omni_mesh.sidecar.admission.queue import Priority, parse_priority
-from omni_mesh.sidecar.deadlines import request_timeout
-from omni_mesh.sidecar.errors import ApiError
 from omni_mesh.sidecar.hop.shed import SHED_HEADER, SHED_TYPE
 from omni_mesh.sidecar.pod import Pod
 
@@ -68,16 +67,14 @@ class EarlyShed:
         queue = gate.queue
         if queue.idle or pod.draining:  # the common case: two attribute reads
             return None
-        priority = self._priority(request, route)
+        facts = admission_facts(pod, request)  # kept: the route reads them from here
+        if facts.malformed:
+            return None  # the route answers the 400 naming the header
+        priority = self._priority(facts, route)
         if priority is None:
             return None
-        try:
-            tenant = request_tenant(request)
-            timeout_s = request_timeout(pod, request)
-        except ApiError:
-            return None  # the route answers the 400 naming the header
         now = time.monotonic()
-        shed = queue.refusal(priority, tenant, now + timeout_s, now)
+        shed = queue.refusal(priority, facts.tenant, now + facts.timeout_s, now)
         if shed is None:
             return None
         gate.count_shed(shed.reason, priority)
@@ -89,14 +86,9 @@ class EarlyShed:
         }
         return web.Response(body=body, status=503, headers=headers)
 
-    def _priority(self, request: web.Request, route: str) -> Priority | None:
+    def _priority(self, facts: AdmissionFacts, route: str) -> Priority | None:
         """The class the check assumes: the header's, else the highest the route accepts (the
         body may ask for it); None when the header is not a class this route accepts."""
-        raw = request.headers.get(PRIORITY_HEADER)
-        if raw is None:
+        if facts.priority is None:
             return self._top[route]
-        try:
-            priority = parse_priority(raw)
-        except ValueError:
-            return None
-        return priority if priority in self._accepted[route] else None
+        return facts.priority if facts.priority in self._accepted[route] else None

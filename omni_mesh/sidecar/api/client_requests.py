@@ -14,13 +14,13 @@ from collections.abc import AsyncGenerator
 import msgspec
 from aiohttp import web
 
-from omni_mesh.configs.pipeline import PipelineSpec
+from omni_mesh.configs.pipeline_spec import PipelineSpec
 from omni_mesh.data_plane.messages import HopResult, Prompt, SamplingParams, StageInput
 from omni_mesh.observability.tracing import stage_span
-from omni_mesh.sidecar.admission.admit import admitted, request_class
+from omni_mesh.sidecar.admission.admit import admitted
+from omni_mesh.sidecar.admission.facts import admission_facts
 from omni_mesh.sidecar.admission.outcomes import counted
 from omni_mesh.sidecar.api.outputs import ChunkAssembler, FinalOutput, joined_off_loop
-from omni_mesh.sidecar.deadlines import request_timeout
 from omni_mesh.sidecar.errors import bad_request, from_stage_error
 from omni_mesh.sidecar.inputs import BadPrompt, entry_input
 from omni_mesh.sidecar.pod import Pod
@@ -37,12 +37,13 @@ def entry(
     """The entry stage's input for a client request (a bad prompt → 400 naming ``param``),
     with its priority class and tenant: the one entry step of the API routes and of
     ``/v1/run`` on the entry stage."""
-    priority, tenant = request_class(pod, request, prompt.priority)
+    facts = admission_facts(pod, request)  # read by the shed check already, or now
+    priority, tenant, timeout_s = facts.resolve(pod, request.path, prompt.priority)
     try:
         si = entry_input(
             pod.pipeline,
             prompt,
-            timeout_s=request_timeout(pod, request),
+            timeout_s=timeout_s,
             sampling=sampling,
             traceparent=request.headers.get("traceparent", ""),
         )
