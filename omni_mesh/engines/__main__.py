@@ -63,9 +63,16 @@ def main(argv: list[str] | None = None) -> int:
         ctx, BlockingChannel(sock), peer_shm_prefix=args.peer_shm_prefix, torch_threads=args.threads
     )
     try:
-        return proc.run()
+        code = proc.run()
     finally:
         remove_own_tmp()
+    # Stopped cleanly: the engine closed and freed its shared memory; what is left the OS
+    # frees. The interpreter's own teardown (vLLM's and NIXL's finalizers, a large heap) took
+    # seconds of every drain, so it is skipped.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ stage's ``model`` is either such a name or an existing Hugging Face folder (with
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
@@ -26,10 +27,20 @@ def default_cache_dir() -> Path:
 
 def build_once(target: Path, write: Callable[[Path], None]) -> Path:
     """``target``, written by ``write(folder)`` into a staging folder and renamed into place
-    unless it holds a ``config.json`` already (another process may have won the race)."""
+    unless it holds a ``config.json`` already. Processes of one machine that need it at once
+    (the pods of a deployment starting together) build it once: the others wait on a lock
+    file beside it, then find it built."""
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (or the process dies)
+        if (target / "config.json").is_file():
+            return target
+        return _build(target, write)
+
+
+def _build(target: Path, write: Callable[[Path], None]) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         write(staging)
