@@ -8,8 +8,9 @@ entry-point group) defines its stages' engines and registers its pipeline at imp
         StageSpec, register_pipeline,
     )
 
-These names keep their meaning across releases; the modules they live in are internal and
-may move (a name that moves stays importable from its old path with a DeprecationWarning).
+These names keep their meaning across releases, exported from here; the modules behind them are
+internal and may move (``omni_mesh.configs.pipeline``, the earlier home of the pipeline names,
+still gives them, with a DeprecationWarning naming this module).
 Importing this module loads no torch, aiohttp or Redis client: the API servers and omni-up
 import plug-ins too.
 """

@@ -7,17 +7,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import logging
 import re
 import sys
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 
 from omni_mesh.configs import pipelines
 from omni_mesh.configs.pipeline_spec import PipelineError, PipelineSpec, UnknownPipelineError
-
-logger = logging.getLogger(__name__)
 
 # ---- registry --------------------------------------------------------------------------------
 
@@ -107,9 +103,7 @@ def _load_one(label: str, load: Callable[[], object], module: str = "") -> tuple
         return _LOADED[label]
     before = set(_REGISTRY)
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", DeprecationWarning)
-            load()
+        load()
     except PipelineError as exc:
         raise PipelineModuleError(f"pipeline module {label}: {exc}") from None
     except Exception as exc:  # an import error, or any error raised by the module's code
@@ -124,10 +118,6 @@ def _load_one(label: str, load: Callable[[], object], module: str = "") -> tuple
         raise PipelineModuleError(
             f"pipeline module {label}: registered no pipeline "
             "(call omni_mesh.api.register_pipeline at import)"
-        )
-    for warning in caught:  # Python hides deprecations outside __main__: say them in the log
-        logger.warning(
-            "pipeline module %s: %s: %s", label, warning.category.__name__, warning.message
         )
     _LOADED[label] = added
     return added

@@ -1,8 +1,9 @@
 """The cache of tiny model folders, shared by the vLLM and transformers engines.
 
 A tiny model is built by code in this repository the first time it is needed, into
-``<cache>/<name>-v<version>``; several processes may race, the first atomic rename wins. A
-stage's ``model`` is either such a name or an existing Hugging Face folder (with its
+``<cache>/<name>-v<version>``: once, when several processes of the machine need it together
+(they wait on a lock file beside it; without file locks they race, the first atomic rename
+wins). A stage's ``model`` is either such a name or an existing Hugging Face folder (with its
 ``config.json``): a real checkpoint takes the same path as a tiny one.
 """
 
@@ -13,6 +14,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -33,11 +35,38 @@ def build_once(target: Path, write: Callable[[Path], None]) -> Path:
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (or the process dies)
-        if (target / "config.json").is_file():
-            return target
+    lock = target.parent / f".{target.name}.lock"
+    try:  # readable and writable by all: a cache shared by several users
+        fd = os.open(lock, os.O_RDONLY | os.O_CREAT, 0o666)
+    except OSError as exc:
+        logger.warning("no build lock %s (%s): building without it", lock, exc)
         return _build(target, write)
+    try:
+        if not _locked(fd, lock):
+            return _build(target, write)  # no locks here (NFS without a lock daemon)
+        if (target / "config.json").is_file():
+            return target  # built by the process that held the lock
+        return _build(target, write)
+    finally:
+        os.close(fd)  # releases the lock (so does the death of the process)
+
+
+def _locked(fd: int, lock: Path, tick_s: float = 0.1, say_every: int = 300) -> bool:
+    """Take the lock, saying every ``say_every`` ticks (30 s) what it waits for; False where
+    locks are not supported."""
+    ticks = 0
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            ticks += 1
+            if ticks % say_every == 0:
+                logger.info("waiting %.0fs for another process building %s", ticks * tick_s, lock)
+            time.sleep(tick_s)
+        except OSError as exc:  # ENOLCK and kin
+            logger.warning("cannot lock %s (%s): building without it", lock, exc)
+            return False
 
 
 def _build(target: Path, write: Callable[[Path], None]) -> Path:

@@ -1,15 +1,23 @@
-"""Engine modules that moved, for a pipeline that still names them by their old path.
+"""Engine modules that moved, for code that still names them by their old path.
 
-A pipeline names its engines and processors as ``"module:name"`` strings. When issue #32 gave
-every model family its own folder, the modules of ``engines/hf`` moved; a user's pipeline that
-reuses a built-in stage under its old path keeps loading, with a DeprecationWarning naming the
-new path (:func:`current_module`).
+When issue #32 gave every model family its own folder, the modules of ``engines/hf`` moved. A
+pipeline that names a built-in stage's engine or processor by its old ``"module:name"`` path
+keeps loading (:func:`current_module`, used by ``import_object``), and so does a Python import
+of an old module (:class:`OldPaths`, installed when ``omni_mesh.engines`` is imported: the old
+name is the new module itself). Either way a DeprecationWarning and a log line name the new
+path.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.abc
+import importlib.machinery
 import logging
+import sys
 import warnings
+from collections.abc import Sequence
+from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +59,46 @@ def current_module(name: str) -> str:
     moved = MOVED.get(name.removeprefix(_OLD)) if name.startswith(_OLD) else None
     if moved is None:
         return name
-    message = f"{name} moved to {_OLD}{moved}; name the new module in your pipeline"
+    message = f"{name} moved to {_OLD}{moved}; use the new path"
     logger.warning("%s", message)  # an engine process hides DeprecationWarnings by default
     warnings.warn(message, DeprecationWarning, stacklevel=3)
     return _OLD + moved
+
+
+class OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``import omni_mesh.engines.hf.qwen3_omni_talker`` gives the module it moved to."""
+
+    def find_spec(
+        self,
+        fullname: str,
+        path: Sequence[str] | None,
+        target: ModuleType | None = None,
+    ) -> importlib.machinery.ModuleSpec | None:
+        if not fullname.startswith(_OLD) or fullname.removeprefix(_OLD) not in MOVED:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        return importlib.import_module(current_module(spec.name))  # the new module itself
+
+    def exec_module(self, module: ModuleType) -> None:
+        """Nothing to run: the module is the new one, already imported."""
+
+
+def install() -> None:
+    """Add the finder for old module paths (once)."""
+    if not any(isinstance(f, OldPaths) for f in sys.meta_path):
+        sys.meta_path.append(OldPaths())
+
+
+def moved_name(module: str, name: str, homes: dict[str, tuple[str, str]]) -> object:
+    """A module ``__getattr__``'s answer for a name that moved out of ``module``: ``homes``
+    maps it to (its module now, its name there); AttributeError for any other name."""
+    home = homes.get(name)
+    if home is None:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    new_module, new_name = home
+    message = f"{module}.{name} moved to {new_module}.{new_name}; use the new path"
+    logger.warning("%s", message)
+    warnings.warn(message, DeprecationWarning, stacklevel=3)
+    return getattr(importlib.import_module(new_module), new_name)

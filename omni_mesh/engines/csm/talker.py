@@ -21,7 +21,7 @@ Input fields: ``prompt`` (the text to speak, UTF-8, at most ``max_prompt_bytes``
 ``default`` is speaker 0; anything else is a 400 listing the allowed voices), ``max_tokens``.
 
 Continuous batching: every running request of the engine is a row of one :class:`CsmBatch`
-(``csm_talker_batch``), whose step makes one frame for all of them with one batched run of the
+(``talker_batch``), whose step makes one frame for all of them with one batched run of the
 depth decoder and one batched forward of the backbone; the engine runs that step once per core
 step (``before_step``), requests opened since the last step prefill alone and join it, and a
 request leaves when it ends or its stream is closed. Its codes equal what it gets alone, and

@@ -22,7 +22,7 @@ positions (``padded_cache``), so a request's codes are those it gets alone; a ba
 the lone ``generate``'s exact computation. A row that ends still takes part in the round's
 backbone forward (its draw there is never used), which keeps the batch in one piece. Batched
 kernels may move the logits in their last float bits; the codes rely on no choice being that
-close (tiny-csm's heads are drawn wide for that: ``csm_tiny``).
+close (tiny-csm's heads are drawn wide for that: ``tiny``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ transformers.
 Each step the MoE talker picks codebook 0 of a frame and its code predictor the other
 ``num_code_groups - 1`` codebooks, as ``Qwen3OmniMoeTalkerForConditionalGeneration.generate``
 does when the monolithic model calls it (suppressed codec specials, ``codec_eos`` as EOS,
-repetition penalty), on the prompt ``qwen3_omni_talker_prompt`` builds from the thinker's
+repetition penalty), on the prompt ``talker_prompt`` builds from the thinker's
 output. Sampling (``engine_extras``): ``do_sample`` (true), ``temperature`` (0.9), ``top_k``
 (50), ``top_p`` (1.0), ``repetition_penalty`` (1.05), the monolithic defaults; each request
 samples from its own generator seeded by its seed (as ``torch.manual_seed(seed)`` before the
@@ -12,7 +12,7 @@ monolithic ``generate``). ``max_frames`` (default 256) caps a request's frames (
 ``talker_max_new_tokens``).
 
 Continuous batching: every running request of the engine is a row of one
-:class:`TalkerBatch` (``qwen3_omni_talker_batch``), whose step makes one frame for all of them
+:class:`TalkerBatch` (``talker_batch``), whose step makes one frame for all of them
 with one batched forward of the talker and one batched run of the code predictor; the engine
 runs that step in ``before_step``, once per core step, and requests opened since the last step
 prefill (alone) and join it. A request leaves when it ends or its stream is closed (an abort).

@@ -25,7 +25,7 @@ rows instead of one) may move the logits in their last float bits, and the codes
 choice being that close: measured on tiny-qwen3-omni (8 rows against each alone), the talker's
 logits moved by at most 3.1e-5 and the code predictor's by 3.8e-5, while the closest top-two
 logits were 3.6e-3 and 1.7e-2 apart (its heads are drawn with std 2.0 for that: see
-``qwen3_omni_tiny``); a sampled draw flips only if its uniform number falls within such a
+``tiny``); a sampled draw flips only if its uniform number falls within such a
 difference of a boundary between two codes. The equality tests hold the codes equal to the
 monolithic ``generate``'s, alone and batched.
 """

@@ -10,7 +10,7 @@ as ``torch.manual_seed(seed)`` seeds the process (``row_sampling.row_generator``
 ``engine_extras.max_tokens_limit``, 1024).
 
 Continuous batching: every running request of the engine is a row of one
-:class:`ThinkerBatch` (``qwen3_omni_thinker_batch``): each prefills alone, then one batched
+:class:`ThinkerBatch` (``thinker_batch``): each prefills alone, then one batched
 forward per step gives every row its next token; the engine runs that step in ``before_step``,
 once per core step, and requests opened since the last step join it. A request leaves on
 ``<|im_end|>``, at ``max_tokens`` or when its stream is closed (an abort); its tokens are those
@@ -18,7 +18,7 @@ once per core step, and requests opened since the last step join it. A request l
 
 Input fields: ``messages`` (the chat route's conversation, JSON) or ``prompt``; ``voice`` (a
 speaker of the folder's talker config, checked here so a bad one costs no compute). Output
-(what the talker needs, see ``qwen3_omni_processors``): arrays ``sequences`` int64 [P+N],
+(what the talker needs, see ``processors``): arrays ``sequences`` int64 [P+N],
 ``thinker_embed`` and ``thinker_hidden`` float32 [P+N-1, D] (the input embeddings and the hidden
 states of ``talker_config.accept_hidden_layer`` of every position the thinker ran),
 ``tts_special`` float32 [3, D] (the input embeddings of tts_bos, tts_eos, tts_pad) and, with

@@ -8,6 +8,7 @@ import torch
 
 from omni_mesh.data_plane.messages import SamplingParams
 from omni_mesh.engines.fields import FieldReader
+from omni_mesh.engines.moved import moved_name
 
 #: Speaker voices of the talker (OpenAI's classic names plus "default"); the thinker checks a
 #: ``voice`` field against them too, so a bad voice fails before any compute is spent.
@@ -53,3 +54,17 @@ def temperature_top_k(
         temperature if sampling.temperature is None else sampling.temperature,
         top_k if sampling.top_k is None else sampling.top_k,
     )
+
+
+#: What this module held before the engines' shared parts got modules of their own (issue 32).
+_MOVED = {
+    "ReferenceEngine": ("omni_mesh.engines.torch_engine", "TorchEngine"),
+    "passthrough": ("omni_mesh.engines.fields", "passthrough"),
+    "DEFAULT_MAX_PROMPT_BYTES": ("omni_mesh.engines.fields", "DEFAULT_MAX_PROMPT_BYTES"),
+    "extra_int": ("omni_mesh.engines.extras", "extra_int"),
+    "extra_float": ("omni_mesh.engines.extras", "extra_float"),
+}
+
+
+def __getattr__(name: str) -> object:
+    return moved_name(__name__, name, _MOVED)

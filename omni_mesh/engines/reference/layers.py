@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from omni_mesh.engines.moved import moved_name
 from omni_mesh.engines.seeds import make_generator
 
 
@@ -224,3 +225,14 @@ def sample(logits: Tensor, *, temperature: float, top_k: int, generator: torch.G
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits / temperature, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+#: What this module held before the seeds got a module of their own (issue 32).
+_MOVED = {
+    "derive_seed": ("omni_mesh.engines.seeds", "derive_seed"),
+    "SEED_MASK": ("omni_mesh.engines.seeds", "SEED_MASK"),
+}
+
+
+def __getattr__(name: str) -> object:
+    return moved_name(__name__, name, _MOVED)

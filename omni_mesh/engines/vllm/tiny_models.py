@@ -12,8 +12,8 @@ weights are random from a fixed seed and the tokenizer is a byte-level BPE train
   ``t`` < 1024 is code ``t`` (4 consecutive ids make one frame of 4 codebooks). No tokenizer:
   its engine runs with ``skip_tokenizer_init`` and speaks token ids only.
 
-:func:`resolve_model` maps a stage's ``model`` to a folder: a tiny name is built (once; several
-processes may race, the first atomic rename wins), anything else must be an existing folder.
+:func:`resolve_model` maps a stage's ``model`` to a folder: a tiny name is built (once, several
+processes of a machine waiting for the first), anything else must be an existing folder.
 """
 
 from __future__ import annotations

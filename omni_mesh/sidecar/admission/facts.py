@@ -28,18 +28,22 @@ PRIORITY_NAMES_TYPED: tuple[PriorityClass, ...] = ("high", "normal", "low")
 _TENANT = re.compile(r"[\w.:\-]{1,64}")
 
 
+#: A malformed header's 400: (message, the header it names); raised anew at every use.
+Bad = tuple[str, str]
+
+
 @dataclass(frozen=True, slots=True)
 class AdmissionFacts:
     """A client request's admission facts (see the module docstring). ``priority`` is the
     header's class, None when the header is absent (the body may ask for one); each ``*_error``
-    is the 400 its malformed header gets."""
+    is what the 400 of its malformed header says."""
 
     priority: Priority | None
     tenant: str
     timeout_s: float
-    priority_error: ApiError | None = None
-    tenant_error: ApiError | None = None
-    timeout_error: ApiError | None = None
+    priority_error: Bad | None = None
+    tenant_error: Bad | None = None
+    timeout_error: Bad | None = None
 
     @property
     def malformed(self) -> bool:
@@ -53,7 +57,7 @@ class AdmissionFacts:
         front can set the class); 400 naming the header or field that is malformed or a class
         the route does not accept (``priority_classes`` in the deploy config)."""
         if self.priority_error is not None:
-            raise self.priority_error
+            raise bad_request(*self.priority_error)
         priority: PriorityClass = "normal"
         if self.priority is not None:
             priority = PRIORITY_NAMES_TYPED[self.priority]
@@ -68,10 +72,14 @@ class AdmissionFacts:
                 "priority",
             )
         if self.tenant_error is not None:
-            raise self.tenant_error
+            raise bad_request(*self.tenant_error)
+        return priority, self.tenant, self.budget_s()
+
+    def budget_s(self) -> float:
+        """The deadline budget (400 naming ``X-Omni-Timeout-S`` when it is malformed)."""
         if self.timeout_error is not None:
-            raise self.timeout_error
-        return priority, self.tenant, self.timeout_s
+            raise bad_request(*self.timeout_error)
+        return self.timeout_s
 
 
 _FACTS = web.RequestKey("omni_admission_facts", AdmissionFacts)
@@ -87,24 +95,26 @@ def admission_facts(pod: Pod, request: web.Request) -> AdmissionFacts:
 
 def _read(pod: Pod, request: web.Request) -> AdmissionFacts:
     priority: Priority | None = None
-    priority_error = tenant_error = timeout_error = None
+    priority_error: Bad | None = None
+    tenant_error: Bad | None = None
+    timeout_error: Bad | None = None
     raw = request.headers.get(PRIORITY_HEADER)
     if raw is not None:
         try:
             priority = parse_priority(raw)
         except ValueError as exc:
-            priority_error = bad_request(f"{PRIORITY_HEADER}: {exc}", PRIORITY_HEADER)
+            priority_error = (f"{PRIORITY_HEADER}: {exc}", PRIORITY_HEADER)
     tenant = ""
     try:
         tenant = request_tenant(request)
     except ApiError as exc:
-        tenant_error = exc
+        tenant_error = (exc.message, TENANT_HEADER)
     timeout_s = pod.request_timeout_s()
     if TIMEOUT_HEADER in request.headers:
         try:
             timeout_s = request_timeout(pod, request)
         except ApiError as exc:
-            timeout_error = exc
+            timeout_error = (exc.message, TIMEOUT_HEADER)
     return AdmissionFacts(priority, tenant, timeout_s, priority_error, tenant_error, timeout_error)
 
 

@@ -43,11 +43,11 @@ from omni_mesh.data_plane.messages import (
 )
 from omni_mesh.data_plane.shm import inline
 from omni_mesh.sidecar.admission.admit import admitted
+from omni_mesh.sidecar.admission.facts import admission_facts
 from omni_mesh.sidecar.admission.outcomes import counted
 from omni_mesh.sidecar.api.client_requests import entry
 from omni_mesh.sidecar.api.outputs import ENCODED_KINDS, final_output, join_outputs
 from omni_mesh.sidecar.appkeys import POD
-from omni_mesh.sidecar.deadlines import request_timeout
 from omni_mesh.sidecar.errors import bad_request, decode_body, from_stage_error
 from omni_mesh.sidecar.pod import Pod
 
@@ -170,7 +170,7 @@ async def _run_local(
     pod: Pod, req: RunRequest | RunRequestBin, binary: bool, request: web.Request
 ) -> web.Response:
     assert pod.runner is not None
-    timeout_s = request_timeout(pod, request)
+    timeout_s = admission_facts(pod, request).budget_s()  # read once: entry() reads it too
     si = _stage_input(pod, req, request, timeout_s)
     labels = (pod.pipeline.name, str(pod.stage_id))
     t0 = time.monotonic()
@@ -238,7 +238,7 @@ def _response(pod: Pod, si: StageInput, outs: list[StageOutput], binary: bool) -
 async def _forward(pod: Pod, stage_id: int, body: bytearray, request: web.Request) -> web.Response:
     """API server: pass the call to a replica of the stage, replayed on replica failure."""
     content_type = request.content_type
-    deadline_ms = int((time.time() + request_timeout(pod, request)) * 1000)
+    deadline_ms = int((time.time() + admission_facts(pod, request).budget_s()) * 1000)
     payload = bytes(body)
     # counted, so a drain waits for it
     async with admitted(pod, f"forward-{id(request)}", "run", deadline_ms=deadline_ms):
