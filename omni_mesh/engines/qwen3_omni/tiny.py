@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 
 SEED = 20261202
-VERSION = 1
+VERSION = 2  # 2: loadable by vLLM's thinker too (head_dim 32, full processor, issue 33)
 
 #: Special tokens, in id order after the BPE vocabulary (Qwen's names).
 SPECIAL_TOKENS = (
@@ -100,7 +100,7 @@ def write_tiny_model(folder: Path) -> None:
     if bad:
         raise RuntimeError(f"tiny-qwen3-omni: non-finite initial weights in {bad[:3]}")
     model.save_pretrained(folder, safe_serialization=True)
-    _write_feature_extractor(folder)
+    _write_processor(folder)
     (folder / "omni_tiny.json").write_text(json.dumps({"version": VERSION, "seed": SEED}))
 
 
@@ -130,10 +130,26 @@ def _write_tokenizer(folder: Path) -> dict[str, int]:
     return {name: vocab[name] for name in (*SPECIAL_TOKENS, *ROLE_TOKENS)}
 
 
-def _write_feature_extractor(folder: Path) -> None:
-    from transformers import WhisperFeatureExtractor
+def _write_processor(folder: Path) -> None:
+    """The whole multimodal processor (Whisper features, Qwen2-VL image and video processors,
+    the tokenizer): vLLM's thinker reads audio through it (a feature extractor alone is
+    refused)."""
+    from transformers import (
+        AutoTokenizer,
+        Qwen2VLImageProcessor,
+        Qwen3OmniMoeProcessor,
+        WhisperFeatureExtractor,
+    )
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
-    WhisperFeatureExtractor(feature_size=128, sampling_rate=16000).save_pretrained(folder)
+    processor = Qwen3OmniMoeProcessor(
+        image_processor=Qwen2VLImageProcessor(),
+        video_processor=Qwen2VLVideoProcessor(),
+        feature_extractor=WhisperFeatureExtractor(feature_size=128, sampling_rate=16000),
+        tokenizer=AutoTokenizer.from_pretrained(folder),
+        chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(folder)
 
 
 def _config(ids: dict[str, int]) -> object:
@@ -147,7 +163,7 @@ def _config(ids: dict[str, int]) -> object:
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "head_dim": 16,
+        "head_dim": 32,  # vLLM's CPU attention: head_dim in {32, 64, 80, ...}
         "moe_intermediate_size": 32,
         "num_experts": 4,
         "num_experts_per_tok": 2,
@@ -155,9 +171,11 @@ def _config(ids: dict[str, int]) -> object:
         "rope_parameters": {
             "rope_type": "default",
             "rope_theta": 1_000_000.0,
-            "mrope_section": [4, 2, 2],
-            "interleaved": True,
+            "mrope_section": [8, 4, 4],  # sums to head_dim / 2
+            "interleaved": True,  # transformers' name
+            "mrope_interleaved": True,  # vLLM's (read as false without it)
         },
+        "tie_word_embeddings": False,  # vLLM reads it from the text config
         "pad_token_id": ids["<|endoftext|>"],
         "eos_token_id": ids["<|im_end|>"],
     }
@@ -179,12 +197,16 @@ def _config(ids: dict[str, int]) -> object:
         "out_hidden_size": hidden,
         "deepstack_visual_indexes": [0],
         "num_position_embeddings": 64,
+        "patch_size": 16,
+        "image_size": 128,  # patch_size x sqrt(num_position_embeddings): vLLM reads it
+        "apply_vit_abs_pos_embed": True,
     }
     multimodal = {
         "audio_token_id": ids["<|audio_pad|>"],
         "image_token_id": ids["<|image_pad|>"],
         "video_token_id": ids["<|video_pad|>"],
         "audio_start_token_id": ids["<|audio_start|>"],
+        "audio_end_token_id": ids["<|audio_end|>"],
         "position_id_per_seconds": 25,
     }
     thinker = {

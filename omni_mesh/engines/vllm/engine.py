@@ -102,7 +102,8 @@ class VllmEngine(StageEngine):
         cache = ctx.config.engine_extras.get("model_cache")
         if cache is not None and not isinstance(cache, str):
             raise EngineConfigError(
-                f"stage {ctx.stage.stage_id}: engine_extras.model_cache must be a folder path"
+                f"stage {ctx.stage.name!r} ({ctx.pipeline.name}): engine_extras.model_cache "
+                "must be a folder path"
             )
         self.cache_dir = Path(cache) if cache else default_cache_dir()
         self.text_final = ctx.stage.final_output is OutputKind.TEXT
@@ -116,8 +117,15 @@ class VllmEngine(StageEngine):
 
     # ---- lifecycle -----------------------------------------------------------------------
 
+    def engine_args(self) -> dict[str, Any]:
+        """vLLM's engine arguments for this stage (a subclass adds its own)."""
+        return build_engine_args(self.ctx.config, self.cache_dir)
+
+    def loaded(self, args: dict[str, Any]) -> None:
+        """Called once vLLM's engine is up (a subclass hooks into it here)."""
+
     def load(self) -> None:
-        args = build_engine_args(self.ctx.config, self.cache_dir)
+        args = self.engine_args()
         if self.ctx.config.prefill is not None:
             lease_s = extra_int(self.ctx, "kv_lease_s", 30, 1, 3600)
             args = with_kv_connector(args, lease_s)
@@ -145,6 +153,7 @@ class VllmEngine(StageEngine):
         self._tokenizer = None if args.get("skip_tokenizer_init") else self._llm.get_tokenizer()
         if self.ctx.config.prefill is not None:
             self.kv_counts.install()
+        self.loaded(args)
         logger.info(
             "vLLM engine ready stage=%d model=%s max_num_seqs=%d",
             self.ctx.stage.stage_id,
