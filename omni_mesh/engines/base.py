@@ -133,6 +133,13 @@ class StageEngine(ABC):
     #: ``prefill:``, ``data_plane/kv_transfer.py``): the vLLM engine and the qwen3-omni thinker do.
     splits_prefill: ClassVar[bool] = False
 
+    @classmethod
+    def engine_for(cls, ctx: EngineContext) -> type[StageEngine]:
+        """The class that runs the stage: this one, unless the stage's settings pick another
+        (qwen3-omni's thinker runs on transformers or on vLLM by ``engine_extras.backend``).
+        Called before the engine is made; raise :class:`EngineConfigError` for a bad choice."""
+        return cls
+
     def __init__(self, ctx: EngineContext) -> None:
         self.ctx = ctx
         if ctx.config.prefill is not None and not self.splits_prefill:

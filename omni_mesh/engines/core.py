@@ -129,7 +129,10 @@ class EngineCore:
         engine_cls = import_object(ctx.stage.engine)
         if not (isinstance(engine_cls, type) and issubclass(engine_cls, StageEngine)):
             raise TypeError(f"{ctx.stage.engine!r} is not a StageEngine subclass")
-        return cls(ctx.pipeline, ctx.stage, engine_cls(ctx))
+        chosen = engine_cls.engine_for(ctx)  # the stage's settings may pick another class
+        if not (isinstance(chosen, type) and issubclass(chosen, StageEngine)):
+            raise TypeError(f"{ctx.stage.engine!r} picked {chosen!r}, not a StageEngine subclass")
+        return cls(ctx.pipeline, ctx.stage, chosen(ctx))
 
     @property
     def running(self) -> int:

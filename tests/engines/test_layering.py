@@ -5,6 +5,7 @@ Its folders (issue #32): one per model family (``qwen3_omni``, ``csm``) beside f
 the job they share, and the engine host and protocol at the top level:
 
     qwen3_omni/, csm/ (a family: its stages, tiny builder, processors)
+      -> vllm/ (the generic vLLM adapter a family's vLLM stage builds on)
       -> batching/ (the batched decode over transformers, a split stage's side of it)
         -> kv/ (a split stage's state exchange: NIXL agents, buffers, pulls, counters)
         -> hf/ (Hugging Face folders: resolving, loading a stage's part, tiny tokenizers)
@@ -34,7 +35,7 @@ ROOTS = {f"{NAME}.__main__"}
 FAMILIES = ("qwen3_omni", "csm")
 SHARED = {"batching", "kv", "hf", "vllm", "reference"}
 DIRECTIONS: dict[str, set[str]] = {
-    **{family: {"batching", "kv", "hf", "shared"} for family in FAMILIES},
+    **{family: {"batching", "kv", "hf", "vllm", "shared"} for family in FAMILIES},
     "batching": {"kv", "hf", "shared"},
     "kv": {"shared"},
     "hf": {"shared"},

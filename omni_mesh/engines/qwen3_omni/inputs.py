@@ -21,7 +21,9 @@ from typing import Any
 
 import numpy as np
 
+from omni_mesh.data_plane.messages import SamplingParams
 from omni_mesh.engines.base import EngineInputError
+from omni_mesh.engines.fields import FieldReader
 
 MAX_AUDIO_SECONDS = 300.0
 ROLES = ("system", "user", "assistant")
@@ -141,22 +143,8 @@ def thinker_prompt(tokenizer: Any, feature_extractor: Any, conv: Conversation) -
     features = None
     feature_mask = None
     if conv.audios:
-        shortest = min(len(a) for a in conv.audios)
-        if shortest < feature_extractor.n_fft:
-            raise EngineInputError(
-                f"an input_audio holds {shortest} samples at {feature_extractor.sampling_rate} "
-                f"Hz; the audio encoder needs at least {feature_extractor.n_fft}"
-            )
-        extracted = feature_extractor(
-            conv.audios,
-            sampling_rate=feature_extractor.sampling_rate,
-            padding=True,
-            truncation=False,  # as Qwen3-Omni's processor: no 30 s cut
-            return_attention_mask=True,
-            return_tensors="pt",
-        )
-        features = extracted["input_features"]
-        feature_mask = extracted["attention_mask"]
+        check_audio_lengths(conv.audios, feature_extractor)
+        features, feature_mask = audio_features(conv.audios, feature_extractor)
         lengths = _get_feat_extract_output_lengths(feature_mask.sum(-1)).tolist()
         token = tokenizer.audio_token
         pieces = text.split(token)
@@ -169,3 +157,46 @@ def thinker_prompt(tokenizer: Any, feature_extractor: Any, conv: Conversation) -
         )
     encoded = tokenizer(text, return_tensors="pt")
     return ThinkerPrompt(encoded["input_ids"], encoded["attention_mask"], features, feature_mask)
+
+
+def answer_tokens(
+    fields: FieldReader, sampling: SamplingParams | None, default: int, limit: int
+) -> int:
+    """Most tokens the thinker may answer with: the request's ``max_tokens`` (field or sampling
+    param, the smaller), else ``default``; more than ``limit`` names the field."""
+    requested = fields.optional_int("max_tokens", None, 1, 1 << 20)
+    if sampling is not None and sampling.max_tokens is not None:
+        requested = min(requested or sampling.max_tokens, sampling.max_tokens)
+    max_tokens = requested or default
+    if max_tokens > limit:
+        raise fields.error(
+            "field",
+            "max_tokens",
+            f"is {max_tokens}; this stage generates at most {limit} "
+            "(engine_extras.max_tokens_limit)",
+        )
+    return max_tokens
+
+
+def check_audio_lengths(audios: list[np.ndarray], feature_extractor: Any) -> None:
+    """Every audio long enough for the audio encoder (one window of the feature extractor)."""
+    if audios and min(len(a) for a in audios) < feature_extractor.n_fft:
+        raise EngineInputError(
+            f"an input_audio holds {min(len(a) for a in audios)} samples at "
+            f"{feature_extractor.sampling_rate} Hz; the audio encoder needs at least "
+            f"{feature_extractor.n_fft}"
+        )
+
+
+def audio_features(audios: list[np.ndarray], feature_extractor: Any) -> Any:
+    """(features, attention mask) of the audios, padded to the longest, as Qwen3-Omni's
+    processor makes them (no 30 s cut); a row's mask sums to its frames."""
+    extracted = feature_extractor(
+        audios,
+        sampling_rate=feature_extractor.sampling_rate,
+        padding=True,
+        truncation=False,  # as Qwen3-Omni's processor: no 30 s cut
+        return_attention_mask=True,
+        return_tensors="pt",
+    )
+    return extracted["input_features"], extracted["attention_mask"]

@@ -37,14 +37,14 @@ Split (deploy ``prefill:``): prefill and decode replicas, the prompt's KV cache,
 positions, sampler state and prompt hidden states moved engine to engine over NIXL
 (``batching/kv_split.py``, ``kv/exchange.py``); the decode replica's answer is the unsplit one.
 
-Why not vLLM: vLLM's ``qwen3_omni_moe_thinker`` returns tokens, not the per-layer hidden
-states and input embeddings the talker conditions on; handing those out needs a model class
-registered through vLLM's plugin mechanism that returns them (a follow-up).
+On vLLM: ``engine_extras.backend: vllm`` runs vLLM's own thinker instead, tapped for the same
+hidden states (``vllm_thinker.py``); ``auto`` picks it where vLLM is installed.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +52,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from omni_mesh.engines.base import EngineInputError, EngineRequest, EngineResult, StageData
+from omni_mesh.engines.base import (
+    EngineConfigError,
+    EngineContext,
+    EngineInputError,
+    EngineRequest,
+    EngineResult,
+    StageData,
+    StageEngine,
+)
 from omni_mesh.engines.batching.frame_batch import Row
 from omni_mesh.engines.batching.frame_engine import FrameEngine
 from omni_mesh.engines.batching.frame_stream import Chunker
@@ -60,7 +68,12 @@ from omni_mesh.engines.batching.kv_split import KvSplit
 from omni_mesh.engines.batching.row_sampling import Sampling, row_generator
 from omni_mesh.engines.extras import extra_int
 from omni_mesh.engines.hf.common import load_part, model_folder, parameter_count
-from omni_mesh.engines.qwen3_omni.inputs import ThinkerPrompt, conversation, thinker_prompt
+from omni_mesh.engines.qwen3_omni.inputs import (
+    ThinkerPrompt,
+    answer_tokens,
+    conversation,
+    thinker_prompt,
+)
 from omni_mesh.engines.qwen3_omni.speakers import speaker_name
 from omni_mesh.engines.qwen3_omni.thinker_batch import ThinkerBatch, ThinkerRow
 
@@ -77,11 +90,33 @@ class ThinkerInput:
     sampling: Sampling
 
 
+#: ``engine_extras.backend``: the engine that runs the thinker.
+BACKENDS = ("transformers", "vllm", "auto")
+
+
 class Qwen3OmniThinkerEngine(FrameEngine[ThinkerInput]):
     """Qwen3-Omni's thinker (module docstring)."""
 
     splits_prefill = True
     model: Any
+
+    @classmethod
+    def engine_for(cls, ctx: EngineContext) -> type[StageEngine]:
+        """``engine_extras.backend``: ``transformers`` (this class, the default), ``vllm``
+        (vLLM's own thinker, ``vllm_thinker.py``) or ``auto`` (vLLM where it is installed)."""
+        backend = ctx.config.engine_extras.get("backend", "transformers")
+        if backend not in BACKENDS:
+            raise EngineConfigError(
+                f"stage {ctx.stage.name!r} ({ctx.pipeline.name}): engine_extras.backend must be "
+                f"one of {', '.join(BACKENDS)}, got {backend!r}"
+            )
+        if backend == "auto":
+            backend = "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
+        if backend == "transformers":
+            return cls
+        from omni_mesh.engines.qwen3_omni.vllm_thinker import Qwen3OmniVllmThinkerEngine
+
+        return Qwen3OmniVllmThinkerEngine
 
     def build(self, seed: int) -> int:
         from transformers import AutoFeatureExtractor, AutoTokenizer, Qwen3OmniMoeConfig
@@ -122,18 +157,7 @@ class Qwen3OmniThinkerEngine(FrameEngine[ThinkerInput]):
             prompt if isinstance(prompt, str) else None,
             int(self.features.sampling_rate),
         )
-        sampling = request.sampling
-        requested = fields.optional_int("max_tokens", None, 1, 1 << 20)
-        if sampling is not None and sampling.max_tokens is not None:
-            requested = min(requested or sampling.max_tokens, sampling.max_tokens)
-        max_tokens = requested or self.max_tokens
-        if max_tokens > self.max_tokens_limit:
-            raise fields.error(
-                "field",
-                "max_tokens",
-                f"is {max_tokens}; this stage generates at most {self.max_tokens_limit} "
-                "(engine_extras.max_tokens_limit)",
-            )
+        max_tokens = answer_tokens(fields, request.sampling, self.max_tokens, self.max_tokens_limit)
         try:
             tensors = thinker_prompt(self.tokenizer, self.features, conv)
         except EngineInputError as exc:

@@ -177,7 +177,8 @@ class VllmStream:
             arrays.update(self._prompt_final["arrays"])
         return StageData(fields=fields, arrays=arrays)
 
-    def _result(self, *, last: bool) -> EngineResult:
+    def _result(self, *, last: bool) -> EngineResult | None:
+        """The next result (None: nothing to hand out yet, for a subclass that decides)."""
         text = "".join(self._text)
         arrays = {"token_ids": np.asarray(self._ids, dtype=np.int64)}
         if self.context_tokens and self._history:
