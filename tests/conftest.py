@@ -12,7 +12,9 @@ Fixtures (see ``tests/procs.py`` for the helpers behind them):
   ``redis_url`` defaults to the (already flushed) session Redis; all stopped at teardown.
 - ``control_plane``: one omni-cp with default timings on the flushed session Redis.
 
-Whatever a test leaves running is killed at its teardown, and again at the end of the session.
+Whatever a test leaves running is killed at its teardown, and again at the end of the session;
+a shared-memory segment leaked by any test fails the run. ``make test-parallel`` runs two
+pytest-xdist workers; the tests that must share one are grouped below.
 """
 
 from __future__ import annotations
@@ -34,18 +36,71 @@ from tests.procs import (
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _nothing_left_behind() -> Iterator[None]:
-    """After the whole suite: no process a test started is still running, and no
-    shared-memory segment was leaked (whatever is found is also cleaned up)."""
-    before = orphaned_shm_segments()
+def _nothing_left_running() -> Iterator[None]:
+    """After this process's tests: no process they started is still running."""
     yield
     running = ManagedProcess.still_running()
     ManagedProcess.kill_all()
-    leaked = orphaned_shm_segments() - before
-    for name in leaked:
-        Path("/dev/shm", name).unlink(missing_ok=True)
     assert not running, f"tests left processes running: {running}"
-    assert not leaked, f"tests leaked shared-memory segments: {sorted(leaked)}"
+
+
+# ---- the whole run: no shared memory leaked -----------------------------------------------------
+# Checked once, by the process that runs the session: with pytest-xdist the controller, after
+# every worker ended (a worker's own check would see the other's segments between a kill and its
+# sweep).
+
+_SHM_BEFORE = pytest.StashKey[set[str]]()
+
+
+def _is_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not _is_worker(session.config):
+        session.config.stash[_SHM_BEFORE] = orphaned_shm_segments()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _is_worker(session.config) or _SHM_BEFORE not in session.config.stash:
+        return
+    leaked = orphaned_shm_segments() - session.config.stash[_SHM_BEFORE]
+    for name in leaked:  # cleaned up, and the run fails
+        Path("/dev/shm", name).unlink(missing_ok=True)
+    if leaked:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"tests leaked shared-memory segments: {sorted(leaked)}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# ---- two workers (pytest-xdist: `make test-parallel`) -------------------------------------------
+#: Folders whose tests run in one worker: they share a deployment started once per worker (a
+#: session fixture: tiny-llm, the qwen3-omni topology) or a resource of the host (the network
+#: namespaces of tests/multihost). Every other test file is a unit of its own.
+FOLDER_GROUPS = {
+    "tests/engines/vllm": "vllm",
+    "tests/engines/qwen3_omni": "qwen3-omni",
+    "tests/multihost": "hosts",
+}
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _group(path: Path) -> str:
+    rel = path.resolve().relative_to(_ROOT).as_posix()
+    for folder, group in FOLDER_GROUPS.items():
+        if rel.startswith(folder + "/"):
+            return group
+    return rel
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist workers only: a plain run keeps its order and marks."""
+    if not _is_worker(config):
+        return
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_group(item.path)))
 
 
 @pytest.fixture(scope="session")

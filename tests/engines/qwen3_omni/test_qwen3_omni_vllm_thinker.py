@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -67,6 +68,16 @@ def vllm_thinker(**engine_args: Any) -> StageEngine:
     )
     ctx = EngineContext(QWEN3_OMNI, QWEN3_OMNI.stage(0), config)
     return EngineCore.build(ctx).engine
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _environment_kept() -> Iterator[None]:
+    """vLLM, imported in this process, sets variables for the processes it would start
+    (``LD_PRELOAD`` of torch's libgomp on CPU): every later test's children would inherit them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,16 @@
-"""qwen3-omni served 1:2:1 with ``async_chunk`` off (each stage hands its whole output on):
-chat's text and every PCM16 sample equal transformers' monolithic ``generate`` bit for bit, and
-so does ``/v1/run`` called stage by stage (thinker, talker, code2wav, each call's opaque
-``stage_input`` fed to the next)."""
+"""qwen3-omni served 1:2:1 with ``async_chunk`` off (each stage hands its whole output on) and
+its thinker on vLLM (``engine_extras.backend: vllm``: vLLM's own thinker, its hidden states
+tapped, issue 33): chat's text and every PCM16 sample, text or audio in, equal transformers'
+monolithic ``generate`` bit for bit through the ``openai`` SDK, and so does ``/v1/run`` called
+stage by stage (thinker, talker, code2wav, each call's opaque ``stage_input`` fed to the next);
+a talker's engine killed with -9 mid-request is replayed on the other talker with the same
+bytes. (The transformers thinker serves the streamed topology tests beside this module.)"""
 
 from __future__ import annotations
 
 import base64
 import json
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,8 +19,13 @@ import openai
 import pytest
 
 from omni_mesh.configs.loader import bundled_deploy_path
-from tests.engines.qwen3_omni.omni_reference import expected, wav_samples
-from tests.sidecar.topology import Topology, post_json
+from tests.engines.qwen3_omni.omni_reference import (
+    audio_messages,
+    expected,
+    sdk_chat,
+    wav_samples,
+)
+from tests.sidecar.topology import Topology, kill_a_busy_engine, post_json
 
 pytestmark = [
     pytest.mark.integration,
@@ -25,13 +34,27 @@ pytestmark = [
 ]
 
 PIPELINE = "qwen3-omni"
+TEXT = [{"role": "user", "content": "hello, who are you?"}]
+
+
+#: The bundled deploy config, whole hand-offs, the thinker on vLLM (fp32, a small KV cache).
+OVERLAY = """\
+base_config: {bundled}
+async_chunk: false
+stages:
+  - stage_id: 0
+    max_model_len: 1024
+    dtype: float32
+    engine_extras: {{model: tiny-qwen3-omni, max_tokens: 32, backend: vllm}}
+    engine_args: {{block_size: 32, kv_cache_memory_bytes: 268435456}}
+"""
 
 
 @pytest.fixture(scope="module")
-def topo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
+def topo(vllm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
     log_dir = tmp_path_factory.mktemp("qwen3-omni-whole")
     overlay = log_dir / "whole.yaml"
-    overlay.write_text(f"base_config: {bundled_deploy_path(PIPELINE)}\nasync_chunk: false\n")
+    overlay.write_text(OVERLAY.format(bundled=bundled_deploy_path(PIPELINE)))
     top = Topology(PIPELINE, [1, 2, 1], log_dir, extra_stage_args=["--deploy-config", str(overlay)])
     try:
         top.start()
@@ -42,23 +65,42 @@ def topo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
         top.close()
 
 
-def test_whole_answers_equal_the_monolithic_model_bit_for_bit(topo: Topology) -> None:
+@pytest.mark.parametrize("audio_in", [False, True], ids=["text-in", "audio-in"])
+def test_whole_answers_equal_the_monolithic_model_bit_for_bit(
+    topo: Topology, audio_in: bool
+) -> None:
+    messages = audio_messages() if audio_in else TEXT
     with openai.OpenAI(base_url=f"{topo.api_url}/v1", api_key="none", max_retries=0) as sdk:
-        messages = [{"role": "user", "content": "hello, who are you?"}]
         for seed in (3, 4):
-            out = sdk.chat.completions.create(
-                model=PIPELINE,
-                messages=messages,  # type: ignore[arg-type]
-                modalities=["text", "audio"],
-                audio={"voice": "ethan", "format": "wav"},
-                seed=seed,
-                max_tokens=6,
-            )
-            message = out.choices[0].message
-            assert message.audio is not None
-            text, samples = expected(messages, seed, max_tokens=6)
-            assert message.content == text
-            assert np.array_equal(wav_samples(base64.b64decode(message.audio.data)), samples)
+            text, samples = sdk_chat(sdk, messages, seed, max_tokens=6)
+            want_text, want_samples = expected(messages, seed, max_tokens=6)
+            assert text == want_text
+            assert np.array_equal(samples, want_samples)
+
+
+def test_a_talker_killed_mid_request_is_replayed_with_the_same_bytes(topo: Topology) -> None:
+    seeds = (5, 6, 7)
+    results: dict[int, Any] = {}
+    with openai.OpenAI(base_url=f"{topo.api_url}/v1", api_key="none", max_retries=0) as sdk:
+
+        def run(seed: int) -> None:
+            try:
+                results[seed] = sdk_chat(sdk, TEXT, seed, max_tokens=6)
+            except Exception as exc:  # reported below
+                results[seed] = exc
+
+        threads = [threading.Thread(target=run, args=(seed,)) for seed in seeds]
+        for t in threads:
+            t.start()
+        kill_a_busy_engine(topo, 1)  # a talker, mid-request
+        for t in threads:
+            t.join(180)
+    for seed in seeds:
+        got = results[seed]
+        assert not isinstance(got, Exception), got
+        want_text, want_samples = expected(TEXT, seed, max_tokens=6)
+        assert got[0] == want_text
+        assert np.array_equal(got[1], want_samples)
 
 
 def _run(url: str, body: dict[str, Any]) -> dict[str, Any]:
