@@ -8,11 +8,13 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from tests.procs import (
     LOCALHOST,
@@ -191,6 +193,29 @@ def kill_a_busy_engine(topo: Topology, stage_id: int, timeout: float = 60.0) -> 
     wait_until(busy, timeout, interval=0.01)
     os.kill(victim[0], signal.SIGKILL)
     return victim[0]
+
+
+def answers_while_killing(
+    topo: Topology, stage_id: int, call: Callable[[int], Any], seeds: Sequence[int]
+) -> dict[int, Any]:
+    """``call(seed)`` from a thread per seed while the engine of a replica of ``stage_id`` is
+    killed with -9 mid-request (:func:`kill_a_busy_engine`); each seed's answer, or the
+    exception its call raised."""
+    results: dict[int, Any] = {}
+
+    def run(seed: int) -> None:
+        try:
+            results[seed] = call(seed)
+        except Exception as exc:  # the caller's assertions report it
+            results[seed] = exc
+
+    threads = [threading.Thread(target=run, args=(seed,)) for seed in seeds]
+    for t in threads:
+        t.start()
+    kill_a_busy_engine(topo, stage_id)
+    for t in threads:
+        t.join(180)
+    return results
 
 
 def engine_tmp(pid: int) -> Path:

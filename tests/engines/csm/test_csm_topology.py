@@ -20,7 +20,7 @@ import pytest
 from omni_mesh.configs.loader import bundled_deploy_path
 from tests.engines.csm.csm_reference import TALKER_FRAMES, expected_pcm
 from tests.engines.qwen3_omni.omni_reference import wav_samples
-from tests.sidecar.topology import Topology, kill_a_busy_engine
+from tests.sidecar.topology import Topology, answers_while_killing
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -151,21 +151,9 @@ def test_a_bad_voice_is_a_400_naming_the_allowed_ones(topo: Topology) -> None:
 
 def test_kill_9_of_a_talker_engine_mid_request_is_replayed(topo: Topology) -> None:
     seeds = [31, 32, 33, 34]
-    results: dict[int, np.ndarray | Exception] = {}
     retries_before = topo.metric(topo.api_url, "omni_stage_hop_retries_total")
-
-    def run(seed: int) -> None:
-        try:
-            results[seed] = speech_pcm(topo, "1", seed)[0]
-        except Exception as exc:  # reported below
-            results[seed] = exc
-
-    threads = [threading.Thread(target=run, args=(seed,)) for seed in seeds]
-    for t in threads:
-        t.start()
-    kill_a_busy_engine(topo, 0)  # a talker, mid-request
-    for t in threads:
-        t.join(180)
+    # a talker, mid-request
+    results = answers_while_killing(topo, 0, lambda seed: speech_pcm(topo, "1", seed)[0], seeds)
     for seed in seeds:
         got = results[seed]
         assert not isinstance(got, Exception), got

@@ -8,7 +8,6 @@ is replayed on the other talker with the same bytes."""
 from __future__ import annotations
 
 import base64
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -23,7 +22,7 @@ from tests.engines.qwen3_omni.omni_reference import (
     expected,
     sdk_chat,
 )
-from tests.sidecar.topology import Topology, kill_a_busy_engine
+from tests.sidecar.topology import Topology, answers_while_killing
 
 pytestmark = [
     pytest.mark.integration,
@@ -140,22 +139,10 @@ def test_speech_streams_before_the_answer_ends(topo: Topology) -> None:
 def test_kill_9_of_a_talker_engine_mid_request_is_replayed(topo: Topology) -> None:
     seeds = [31, 32, 33, 34]
     want = {seed: expected(TEXT, seed, max_tokens=8) for seed in seeds}
-    results: dict[int, Any] = {}
     (thinker_url,) = topo.urls[0]
     retries_before = topo.metric(thinker_url, "omni_stage_hop_retries_total")
-
-    def run(seed: int) -> None:
-        try:
-            results[seed] = chat(topo, TEXT, seed)
-        except Exception as exc:  # reported below
-            results[seed] = exc
-
-    threads = [threading.Thread(target=run, args=(seed,)) for seed in seeds]
-    for t in threads:
-        t.start()
-    kill_a_busy_engine(topo, 1)  # a talker, mid-request
-    for t in threads:
-        t.join(180)
+    # a talker, mid-request
+    results = answers_while_killing(topo, 1, lambda seed: chat(topo, TEXT, seed), seeds)
     for seed in seeds:
         got = results[seed]
         assert not isinstance(got, Exception), got

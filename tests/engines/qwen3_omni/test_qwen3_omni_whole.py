@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import json
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,7 +24,7 @@ from tests.engines.qwen3_omni.omni_reference import (
     sdk_chat,
     wav_samples,
 )
-from tests.sidecar.topology import Topology, kill_a_busy_engine, post_json
+from tests.sidecar.topology import Topology, answers_while_killing, post_json
 
 pytestmark = [
     pytest.mark.integration,
@@ -80,21 +79,11 @@ def test_whole_answers_equal_the_monolithic_model_bit_for_bit(
 
 def test_a_talker_killed_mid_request_is_replayed_with_the_same_bytes(topo: Topology) -> None:
     seeds = (5, 6, 7)
-    results: dict[int, Any] = {}
     with openai.OpenAI(base_url=f"{topo.api_url}/v1", api_key="none", max_retries=0) as sdk:
-
-        def run(seed: int) -> None:
-            try:
-                results[seed] = sdk_chat(sdk, TEXT, seed, max_tokens=6)
-            except Exception as exc:  # reported below
-                results[seed] = exc
-
-        threads = [threading.Thread(target=run, args=(seed,)) for seed in seeds]
-        for t in threads:
-            t.start()
-        kill_a_busy_engine(topo, 1)  # a talker, mid-request
-        for t in threads:
-            t.join(180)
+        # a talker, mid-request
+        results = answers_while_killing(
+            topo, 1, lambda seed: sdk_chat(sdk, TEXT, seed, max_tokens=6), seeds
+        )
     for seed in seeds:
         got = results[seed]
         assert not isinstance(got, Exception), got

@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import json
 import signal
-import threading
 import time
 from collections.abc import Iterator
 
@@ -23,7 +22,7 @@ import pytest
 from omni_mesh.configs.loader import bundled_deploy_path
 from tests.procs import wait_until
 from tests.sidecar.realtime.sdk import until
-from tests.sidecar.topology import Topology, kill_a_busy_engine, post_json
+from tests.sidecar.topology import Topology, answers_while_killing, post_json
 
 # 600 s: the first test's timeout also covers the module's start-up (three vLLM engines on the
 # 2 cores, which on a loaded machine took more than 180 s to be all discovered).
@@ -212,21 +211,10 @@ def test_kill_9_of_a_talker_engine_mid_generation_is_replayed(topo: Topology) ->
     seeds = list(range(100, 106))
     expected = {seed: generate(topo, seed, max_tokens=48) for seed in seeds}
     retries_before = _hop_retries(topo)
-    results: dict[int, object] = {}
-
-    def client(seed: int) -> None:
-        try:
-            results[seed] = generate(topo, seed, max_tokens=48)
-        except AssertionError as exc:
-            results[seed] = exc
-
-    threads = [threading.Thread(target=client, args=(seed,)) for seed in seeds]
-    for t in threads:
-        t.start()
     # Kill the engine of a talker while it generates (hops in flight there).
-    kill_a_busy_engine(topo, 1)  # a talker, mid-request
-    for t in threads:
-        t.join(180)
+    results = answers_while_killing(
+        topo, 1, lambda seed: generate(topo, seed, max_tokens=48), seeds
+    )
     failed = {s: r for s, r in results.items() if r != expected[s]}
     assert len(results) == len(seeds) and not failed, failed
     assert _hop_retries(topo) > retries_before, "the kill hit no hop in flight"
