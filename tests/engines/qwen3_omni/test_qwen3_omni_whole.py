@@ -77,21 +77,6 @@ def test_whole_answers_equal_the_monolithic_model_bit_for_bit(
             assert np.array_equal(samples, want_samples)
 
 
-def test_a_talker_killed_mid_request_is_replayed_with_the_same_bytes(topo: Topology) -> None:
-    seeds = (5, 6, 7)
-    with openai.OpenAI(base_url=f"{topo.api_url}/v1", api_key="none", max_retries=0) as sdk:
-        # a talker, mid-request
-        results = answers_while_killing(
-            topo, 1, lambda seed: sdk_chat(sdk, TEXT, seed, max_tokens=6), seeds
-        )
-    for seed in seeds:
-        got = results[seed]
-        assert not isinstance(got, Exception), got
-        want_text, want_samples = expected(TEXT, seed, max_tokens=6)
-        assert got[0] == want_text
-        assert np.array_equal(got[1], want_samples)
-
-
 def _run(url: str, body: dict[str, Any]) -> dict[str, Any]:
     status, raw = post_json(url + "/v1/run", body, timeout=120)
     assert status == 200, raw[:500]
@@ -111,3 +96,19 @@ def test_v1_run_stage_by_stage_equals_the_monolithic_model(topo: Topology) -> No
     assert "stage_input" not in code2wav
     audio = wav_samples(base64.b64decode(code2wav["output"]["data"]))
     assert np.array_equal(audio, samples)
+
+
+# Last: the killed talker's pod is gone for the rest of the module (no supervisor restarts it).
+def test_a_talker_killed_mid_request_is_replayed_with_the_same_bytes(topo: Topology) -> None:
+    seeds = (5, 6, 7)
+    with openai.OpenAI(base_url=f"{topo.api_url}/v1", api_key="none", max_retries=0) as sdk:
+        # a talker, mid-request
+        results = answers_while_killing(
+            topo, 1, lambda seed: sdk_chat(sdk, TEXT, seed, max_tokens=6), seeds
+        )
+    for seed in seeds:
+        got = results[seed]
+        assert not isinstance(got, Exception), got
+        want_text, want_samples = expected(TEXT, seed, max_tokens=6)
+        assert got[0] == want_text
+        assert np.array_equal(got[1], want_samples)
