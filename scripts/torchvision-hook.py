@@ -14,4 +14,3 @@ LINE = (
 
 path = Path(sysconfig.get_paths()["purelib"], "omni_mesh_torchvision_cpu.pth")
 path.write_text(LINE)
-print(f"wrote {path}")
