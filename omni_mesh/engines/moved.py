@@ -59,10 +59,14 @@ def current_module(name: str) -> str:
     moved = MOVED.get(name.removeprefix(_OLD)) if name.startswith(_OLD) else None
     if moved is None:
         return name
-    message = f"{name} moved to {_OLD}{moved}; use the new path"
-    logger.warning("%s", message)  # an engine process hides DeprecationWarnings by default
-    warnings.warn(message, DeprecationWarning, stacklevel=3)
+    _say(f"{name} moved to {_OLD}{moved}; use the new path")
     return _OLD + moved
+
+
+def _say(message: str) -> None:
+    """A DeprecationWarning, and a log line: processes hide deprecations outside __main__."""
+    logger.warning("%s", message)
+    warnings.warn(message, DeprecationWarning, stacklevel=4)
 
 
 class OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -98,7 +102,5 @@ def moved_name(module: str, name: str, homes: dict[str, tuple[str, str]]) -> obj
     if home is None:
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
     new_module, new_name = home
-    message = f"{module}.{name} moved to {new_module}.{new_name}; use the new path"
-    logger.warning("%s", message)
-    warnings.warn(message, DeprecationWarning, stacklevel=3)
+    _say(f"{module}.{name} moved to {new_module}.{new_name}; use the new path")
     return getattr(importlib.import_module(new_module), new_name)

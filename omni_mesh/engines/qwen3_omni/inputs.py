@@ -159,6 +159,18 @@ def thinker_prompt(tokenizer: Any, feature_extractor: Any, conv: Conversation) -
     return ThinkerPrompt(encoded["input_ids"], encoded["attention_mask"], features, feature_mask)
 
 
+def request_conversation(fields: FieldReader, rate: int) -> Conversation:
+    """The conversation of a request's ``messages`` (JSON text) or ``prompt`` field."""
+    messages = fields.data.fields.get("messages")
+    prompt = fields.data.fields.get("prompt")
+    return conversation(
+        fields.where,
+        messages if isinstance(messages, str) else None,
+        prompt if isinstance(prompt, str) else None,
+        rate,
+    )
+
+
 def answer_tokens(
     fields: FieldReader, sampling: SamplingParams | None, default: int, limit: int
 ) -> int:

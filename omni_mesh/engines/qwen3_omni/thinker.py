@@ -68,10 +68,11 @@ from omni_mesh.engines.batching.kv_split import KvSplit
 from omni_mesh.engines.batching.row_sampling import Sampling, row_generator
 from omni_mesh.engines.extras import extra_int
 from omni_mesh.engines.hf.common import load_part, model_folder, parameter_count
+from omni_mesh.engines.qwen3_omni.answer import stable_text, thinker_answer
 from omni_mesh.engines.qwen3_omni.inputs import (
     ThinkerPrompt,
     answer_tokens,
-    conversation,
+    request_conversation,
     thinker_prompt,
 )
 from omni_mesh.engines.qwen3_omni.speakers import speaker_name
@@ -149,14 +150,7 @@ class Qwen3OmniThinkerEngine(FrameEngine[ThinkerInput]):
     def parse(self, request: EngineRequest) -> ThinkerInput:
         fields = self.reader(request)
         voice = speaker_name(fields, self.config.talker_config.speaker_id)
-        messages = fields.data.fields.get("messages")
-        prompt = fields.data.fields.get("prompt")
-        conv = conversation(
-            fields.where,
-            messages if isinstance(messages, str) else None,
-            prompt if isinstance(prompt, str) else None,
-            int(self.features.sampling_rate),
-        )
+        conv = request_conversation(fields, int(self.features.sampling_rate))
         max_tokens = answer_tokens(fields, request.sampling, self.max_tokens, self.max_tokens_limit)
         try:
             tensors = thinker_prompt(self.tokenizer, self.features, conv)
@@ -201,19 +195,12 @@ class Qwen3OmniThinkerEngine(FrameEngine[ThinkerInput]):
                 logger.warning("streamed text is not a prefix request_id=%s", request.request_id)
             result.final.fields["text"] = text[len(before) :]
             return result
-        text = self._stable_text(row.tokens[: len(frames)])
+        text = stable_text(self.tokenizer, row.tokens[: len(frames)])
         if len(text) <= len(before):
             return None
         delta = StageData(fields={"text": text[len(before) :]})
         row.sent_text = text
         return EngineResult(request.request_id, final=delta, last=False, forward=False)
-
-    def _stable_text(self, tokens: list[int]) -> str:
-        """The text of ``tokens`` that later tokens cannot change (no trailing partial
-        UTF-8 character)."""
-        if not tokens:
-            return ""
-        return str(self.tokenizer.decode(tokens, skip_special_tokens=True)).rstrip("\ufffd")
 
     def _result(self, request: EngineRequest, row: ThinkerRow) -> EngineResult:
         prompt = row.prompt
@@ -228,37 +215,19 @@ class Qwen3OmniThinkerEngine(FrameEngine[ThinkerInput]):
         )
         with torch.inference_mode():
             special_embeds = self.model.get_input_embeddings()(special)
-        prompt_ids = prompt.input_ids[0].cpu()
-        generated = torch.tensor(row.tokens, dtype=prompt_ids.dtype)
-        sequences = torch.cat((prompt_ids, generated))
-        prompt_tokens = int(prompt_ids.shape[0])
-        text = self.tokenizer.decode(generated, skip_special_tokens=True)
-        stopped = row.tokens[-1] == self.config.im_end_token_id
-        arrays = {
-            "sequences": sequences.numpy().astype(np.int64),
-            "thinker_embed": _f32(torch.cat(row.embeds)),
-            "thinker_hidden": _f32(torch.cat(row.hidden)),
-            "tts_special": _f32(special_embeds),
-        }
+        lengths = None
         if prompt.feature_attention_mask is not None:
-            lengths = prompt.feature_attention_mask.sum(-1)
-            arrays["audio_feature_lengths"] = lengths.numpy().astype(np.int64)
-        output = StageData(
-            fields={
-                "text": text,
-                "voice": row.voice,
-                "prompt_tokens": prompt_tokens,
-                "generated_tokens": len(generated),
-            },
-            arrays=arrays,
-        )
-        final = StageData(
-            {
-                "text": text,
-                "finish_reason": "stop" if stopped else "length",
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": len(generated),
-            }
+            lengths = prompt.feature_attention_mask.sum(-1).numpy()
+        output, final = thinker_answer(
+            tokenizer=self.tokenizer,
+            im_end=int(self.config.im_end_token_id),
+            prompt_ids=prompt.input_ids[0].cpu().numpy(),
+            answer=row.tokens,
+            embeds=_f32(torch.cat(row.embeds)),
+            hidden=_f32(torch.cat(row.hidden)),
+            tts_special=_f32(special_embeds),
+            audio_lengths=lengths,
+            voice=row.voice,
         )
         return EngineResult(request.request_id, output=output, final=final)
 

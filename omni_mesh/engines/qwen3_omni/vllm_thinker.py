@@ -45,7 +45,7 @@ from omni_mesh.engines.qwen3_omni.inputs import (
     answer_tokens,
     audio_features,
     check_audio_lengths,
-    conversation,
+    request_conversation,
 )
 from omni_mesh.engines.qwen3_omni.speakers import speaker_name
 from omni_mesh.engines.qwen3_omni.vllm_thinker_stream import ThinkerStream, ThinkerTexts
@@ -212,15 +212,8 @@ class Qwen3OmniVllmThinkerEngine(VllmEngine):
     def _parse(self, request: EngineRequest) -> ThinkerInputs:
         fields = FieldReader(f"{self.where} request {request.request_id!r}", request.data)
         voice = speaker_name(fields, self.hf.talker_config.speaker_id)
-        messages = request.data.fields.get("messages")
-        prompt = request.data.fields.get("prompt")
         rate = int(self.features.sampling_rate)
-        conv = conversation(
-            fields.where,
-            messages if isinstance(messages, str) else None,
-            prompt if isinstance(prompt, str) else None,
-            rate,
-        )
+        conv = request_conversation(fields, rate)
         max_tokens = answer_tokens(fields, request.sampling, self.max_tokens, self.max_tokens_limit)
         text = self._tokenizer.apply_chat_template(
             conv.messages, add_generation_prompt=True, tokenize=False

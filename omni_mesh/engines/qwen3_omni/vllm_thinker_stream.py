@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from omni_mesh.data_plane.messages import Scalar
 from omni_mesh.engines.base import EngineRequest, EngineResult, StageData
+from omni_mesh.engines.qwen3_omni.answer import stable_text, thinker_answer
 from omni_mesh.engines.vllm.stream import StreamOwner, VllmStream
 
 
@@ -91,18 +91,12 @@ class ThinkerStream(VllmStream):
     def _text_delta(self) -> EngineResult | None:
         """The text the client has not seen, for it alone; None while no new text is stable
         (a token may end inside a UTF-8 character)."""
-        text = self._stable_text(self.answer)
+        text = stable_text(self.texts.tokenizer, self.answer)
         if len(text) <= len(self.sent_text):
             return None
         delta = StageData(fields={"text": text[len(self.sent_text) :]})
         self.sent_text = text
         return EngineResult(self.request_id, final=delta, last=False, forward=False)
-
-    def _stable_text(self, tokens: list[int]) -> str:
-        if not tokens:
-            return ""
-        text = self.texts.tokenizer.decode(tokens, skip_special_tokens=True)
-        return str(text).rstrip("\ufffd")
 
     def _whole(self) -> EngineResult:
         prompt, answer = len(self.prompt_ids), len(self.answer)
@@ -114,31 +108,19 @@ class ThinkerStream(VllmStream):
                 error=f"vLLM thinker: {missing} of {ran} positions' hidden states never came "
                 "(prefix caching or a step without its rows)",
             )
-        text = str(self.texts.tokenizer.decode(self.answer, skip_special_tokens=True))
-        arrays: dict[str, np.ndarray] = {
-            "sequences": np.asarray(self.prompt_ids + self.answer, dtype=np.int64),
-            "thinker_embed": self.rows[0, :ran].copy(),
-            "thinker_hidden": self.rows[1, :ran].copy(),
-            "tts_special": self.texts.tts_special,
-        }
-        if self.audio_lengths is not None:
-            arrays["audio_feature_lengths"] = self.audio_lengths
-        fields: dict[str, Scalar] = {
-            "text": text,
-            "voice": self.voice,
-            "prompt_tokens": prompt,
-            "generated_tokens": answer,
-        }
+        output, final = thinker_answer(
+            tokenizer=self.texts.tokenizer,
+            im_end=self.texts.im_end,
+            prompt_ids=np.asarray(self.prompt_ids, dtype=np.int64),
+            answer=self.answer,
+            embeds=self.rows[0, :ran].copy(),
+            hidden=self.rows[1, :ran].copy(),
+            tts_special=self.texts.tts_special,
+            audio_lengths=self.audio_lengths,
+            voice=self.voice,
+        )
+        text = str(final.fields["text"])
         if not text.startswith(self.sent_text):  # a decode that changed its past
             self.sent_text = ""
-        final = StageData(
-            fields={
-                "text": text[len(self.sent_text) :],
-                "finish_reason": "stop" if self.answer[-1] == self.texts.im_end else "length",
-                "prompt_tokens": prompt,
-                "completion_tokens": answer,
-            }
-        )
-        return EngineResult(
-            self.request_id, output=StageData(fields=fields, arrays=arrays), final=final
-        )
+        final.fields["text"] = text[len(self.sent_text) :]
+        return EngineResult(self.request_id, output=output, final=final)
