@@ -74,6 +74,11 @@ class StageSpec(BaseModel):
     final_output: OutputKind | None = Field(
         default=None, description="Kind of output this stage adds to the final answer, if any."
     )
+    stream_input: bool = Field(
+        default=False,
+        description="Under async_chunk, the stage takes its source's chunks as one request "
+        "whose input grows (its engine starts on the first chunk), not one request per chunk.",
+    )
 
 
 class PipelineSpec(BaseModel):
@@ -112,6 +117,11 @@ class PipelineSpec(BaseModel):
                     f"pipeline {self.name!r}: stage {stage.stage_id} lists itself as a source"
                 )
             _check_join_sources(self, stage)
+            if stage.stream_input and len(stage.sources) != 1:
+                raise ValueError(
+                    f"pipeline {self.name!r}: stage {stage.stage_id} ({stage.name}) has "
+                    "stream_input, which needs exactly one source stage"
+                )
         entries = [s.stage_id for s in self.stages if not s.sources]
         if len(entries) != 1:
             raise ValueError(

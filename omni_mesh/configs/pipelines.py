@@ -163,6 +163,7 @@ QWEN3_OMNI = PipelineSpec(
             engine=f"{_QWEN3_OMNI}.talker:Qwen3OmniTalkerEngine",
             sources=(0,),
             processor=f"{_QWEN3_OMNI}.processors:thinker_to_talker",
+            stream_input=True,
         ),
         StageSpec(
             stage_id=2,

@@ -131,6 +131,10 @@ class StageInput(Struct, kw_only=True):
     # A split stage's KV hand-off (``data_plane/kv_transfer.py``): "" runs as ever; a prefill
     # request; or the params of a prefill answer, for the decode replica to pull the KV with.
     kv_transfer: str = ""
+    # A streamed input (a stage whose spec has ``stream_input``, under ``async_chunk``): set on
+    # its chunk 0 only, the address of the sender's sidecar, which holds the later chunks
+    # for the receiver to pull (``sidecar/hop/input_stream.py``); "" otherwise.
+    stream_from: str = ""
 
 
 def is_whole(si: StageInput) -> bool:
@@ -139,12 +143,24 @@ def is_whole(si: StageInput) -> bool:
     return si.chunk == 0 and si.last
 
 
+def opens_input_stream(si: StageInput) -> bool:
+    """Whether ``si`` is the first chunk of a streamed input: the receiver runs one request
+    whose input grows as the later chunks arrive (pulled from ``si.stream_from``)."""
+    return si.chunk == 0 and not si.last and bool(si.stream_from)
+
+
+def streams_out(si: StageInput) -> bool:
+    """Whether the answer to ``si`` may be a stream of chunks: a whole input, or the first
+    chunk of a streamed input. Any other chunk gets exactly one output."""
+    return is_whole(si) or opens_input_stream(si)
+
+
 def transfer_key(si: StageInput) -> str:
-    """What names one piece of work on a stage: the request for a whole input, the request
-    and the chunk for a chunk of an upstream stream (several chunks of one request may run on
-    one replica at once). The sidecar⇄engine messages and the engine's shared-memory slots are
-    keyed by it."""
-    return si.request_id if is_whole(si) else f"{si.request_id}/{si.chunk}"
+    """What names one piece of work on a stage: the request for a whole input (or a streamed
+    one), the request and the chunk for a chunk of an upstream stream (several chunks of one
+    request may run on one replica at once). The sidecar⇄engine messages and the engine's
+    shared-memory slots are keyed by it."""
+    return si.request_id if streams_out(si) else f"{si.request_id}/{si.chunk}"
 
 
 class StageTiming(Struct):
@@ -231,6 +247,15 @@ class Submit(Struct, tag="submit"):
     stage_input: StageInput
 
 
+class Feed(Struct, tag="feed"):
+    """Sidecar → engine: a later chunk of a streamed input (:func:`opens_input_stream`), for
+    the running work ``key``; its tensors travel inline (no reply: the engine merges it into
+    the request's input, or drops it when the work is gone)."""
+
+    key: str  # transfer_key of the work the input stream opened
+    stage_input: StageInput
+
+
 class Abort(Struct, tag="abort"):
     """Sidecar → engine: drop a piece of work (client gone, deadline passed)."""
 
@@ -295,7 +320,7 @@ class Fatal(Struct, tag="fatal"):
     config_error: bool = False  # its settings are unusable (not a transient failure)
 
 
-EngineMessage = Hello | Ready | Submit | Abort | Release | Result | Stats | Shutdown | Fatal
+EngineMessage = Hello | Ready | Submit | Feed | Abort | Release | Result | Stats | Shutdown | Fatal
 
 
 # ---- /v1/run (client ⇄ sidecar) --------------------------------------------------------------

@@ -20,7 +20,9 @@ of streams it is about to advance, then ``next()`` once on each, and closes a st
 lazily in each ``next()`` (the reference engines), where an exception fails only its request.
 
 An engine should stream only when ``ctx.async_chunk`` is on and the request's input is whole
-(:attr:`EngineRequest.whole`); for a chunk of an upstream stream it gives exactly one result.
+(:attr:`EngineRequest.whole`) or streamed (:attr:`EngineRequest.streamed_input`: a stage whose
+spec has ``stream_input`` takes its source's chunks as one request whose ``data`` grows; see
+``engines/fed.py``); for a chunk of an upstream stream it gives exactly one result.
 The core numbers the outputs (see ``engines/core.py``), so results carry no chunk index.
 Several chunks of one request may sit in one batch: ``request_id`` is then not unique, and
 ``execute`` must return their results in the batch's order.
@@ -85,11 +87,20 @@ class EngineRequest:
     chunk: int = 0
     last: bool = True
     kv_transfer: str = ""  # a split stage's KV hand-off (data_plane/kv_transfer.py)
+    #: A streamed input (the stage's spec has ``stream_input``): the request was opened on its
+    #: first chunk, ``data`` grows in place as later chunks arrive (``engines/fed.py``) and
+    #: ``last`` turns True with the final one. Its engine may stream, as for a whole input.
+    streamed_input: bool = False
 
     @property
     def whole(self) -> bool:
         """The input is complete (not one chunk of an upstream stream): the engine may stream."""
         return self.chunk == 0 and self.last
+
+    @property
+    def streams_out(self) -> bool:
+        """The engine may answer with a stream of chunks: a whole input, or a streamed one."""
+        return self.whole or self.streamed_input
 
 
 @dataclass
@@ -182,6 +193,12 @@ class StageEngine(ABC):
         """Called once per core step, just before ``streams`` streams are advanced by one
         ``next()`` each. An engine that models a per-step cost (the synthetic one) spends it
         here."""
+
+    def waits_for_input(self) -> bool:
+        """True when no running request can go on before more of a streamed input arrives
+        (``EngineRequest.streamed_input``): the engine process then waits on its channel
+        instead of stepping in a busy loop."""
+        return False
 
     def holds_work(self) -> bool:
         """True while the engine keeps something others will still fetch though no request

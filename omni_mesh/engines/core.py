@@ -21,6 +21,11 @@ every running stream by one chunk. Chunk numbering rule:
   that forwards only its last result hands the next stage one whole input (``forward`` applies
   to the stream of a whole input; a chunk's one result always goes on).
 
+A streamed input (a stage whose spec has ``stream_input``; its first chunk names the sender's
+sidecar in ``stream_from``) is one request: its first chunk opens a stream as a whole input
+does (numbered as one), and :meth:`EngineCore.feed` merges each later chunk into the request's
+data (``engines/fed.py``) between steps; the engine sees ``last`` turn True with the final one.
+
 A stream that stops without a ``last`` result, or raises in ``next()``, fails its request alone
 (``engine_error``); an error output always ends the stream. Running streams whose deadline
 passes are closed and answered with a ``deadline`` error; :meth:`EngineCore.abort` closes one.
@@ -49,7 +54,8 @@ from omni_mesh.data_plane.messages import (
     StageInput,
     StageOutput,
     Tensor,
-    is_whole,
+    opens_input_stream,
+    streams_out,
     transfer_key,
 )
 from omni_mesh.engines.base import (
@@ -63,9 +69,13 @@ from omni_mesh.engines.base import (
     StageEngine,
     import_object,
 )
+from omni_mesh.engines.fed import FedInput
 from omni_mesh.engines.joins import JoinProcessorError, join_assembler
 
 logger = logging.getLogger(__name__)
+
+#: Later chunks of one streamed input kept while its first chunk waits for admission.
+MAX_EARLY_CHUNKS = 4096
 
 #: Resolves a payload tensor into a numpy array (zero-copy view where possible).
 ArrayReader = Callable[[Tensor], np.ndarray]
@@ -82,10 +92,14 @@ class _Stream:
     queue_ms: float  # the input's wait before admission, reported on its first output
     emitted: int = 0  # results turned into outputs so far
     forwarded: int = 0  # of which built next-stage inputs (``EngineResult.forward``)
+    request: EngineRequest | None = None  # a streamed input's request (its data grows)
+    fed: FedInput | None = None  # a streamed input's later chunks, merged as they arrive
+    fed_error: str = ""  # a later chunk that could not be merged: the request fails
 
     @property
     def whole(self) -> bool:
-        return is_whole(self.si)
+        """Its answer may stream (a whole input, or a streamed one)."""
+        return streams_out(self.si)
 
     @property
     def next_chunk(self) -> int:
@@ -123,6 +137,8 @@ class EngineCore:
         # Each downstream stage and every stage after it (StageInput.final_stages).
         self._leads_to = {s.stage_id: _reachable(pipeline, s.stage_id) for s in self.downstream}
         self._running: list[_Stream] = []
+        # Later chunks of streamed inputs that came before their first chunk was admitted.
+        self._early: dict[str, list[StageInput]] = {}
 
     @classmethod
     def build(cls, ctx: EngineContext) -> EngineCore:
@@ -142,11 +158,45 @@ class EngineCore:
     def abort(self, key: str) -> StageInput | None:
         """Close the running stream of the work ``key`` names (its input's ``transfer_key``:
         the request id, as only whole inputs stream); its input, or None when none runs."""
+        self._early.pop(key, None)
         hit = [s for s in self._running if transfer_key(s.si) == key]
         self._running = [s for s in self._running if transfer_key(s.si) != key]
         for stream in hit:
             stream.close()
         return hit[0].si if hit else None
+
+    def forget(self, key: str) -> None:
+        """The work ``key`` was dropped before admission: its early chunks go too."""
+        self._early.pop(key, None)
+
+    def feed(self, key: str, si: StageInput, read: ArrayReader) -> None:
+        """A later chunk of the streamed input of the work ``key``: merged into its running
+        request (``engines/fed.py``), kept until the request is admitted, or dropped when a
+        chunk of it was seen already. A chunk that cannot be merged fails the request."""
+        stream = next((s for s in self._running if transfer_key(s.si) == key), None)
+        if stream is None:
+            early = self._early.setdefault(key, [])
+            if len(early) < MAX_EARLY_CHUNKS:
+                early.append(si)
+            return
+        self._merge(stream, si, read)
+
+    def _merge(self, stream: _Stream, si: StageInput, read: ArrayReader) -> None:
+        if stream.fed is None or stream.request is None or stream.fed_error:
+            return
+        if si.chunk < stream.fed.chunks:
+            return  # pulled again after a broken pull: seen already
+        try:
+            if si.chunk != stream.fed.chunks:
+                raise EngineInputError(
+                    f"streamed input: chunk {si.chunk} came where chunk {stream.fed.chunks} was due"
+                )
+            stream.fed.append(self._to_request(si, read).data)
+        except (EngineInputError, ValueError) as exc:
+            stream.fed_error = str(exc)
+            return
+        if si.last:
+            stream.request.last = True
 
     def advance(
         self,
@@ -179,7 +229,7 @@ class EngineCore:
             resolved.append(None)
             fresh.append((si, request, max(0.0, (t0 - t_enqueued) * 1000.0)))
         # 2) Open the new streams, then advance every stream by one chunk.
-        opened = iter(self._open(fresh))
+        opened = iter(self._open(fresh, read))
         slots = [next(opened) if slot is None else slot for slot in resolved]
         earlier = self._running
         streams = earlier + [s for s in slots if isinstance(s, _Stream)]
@@ -224,7 +274,7 @@ class EngineCore:
         return outputs
 
     def _open(
-        self, fresh: list[tuple[StageInput, EngineRequest, float]]
+        self, fresh: list[tuple[StageInput, EngineRequest, float]], read: ArrayReader
     ) -> list[tuple[StageInput, StageOutput] | _Stream]:
         """One stream per request (or, when the engine refuses the batch, one error each)."""
         if not fresh:
@@ -245,10 +295,15 @@ class EngineCore:
             )
             message = f"{type(exc).__name__}: {exc}"
             return [(si, self._error(si, "engine_error", message)) for si, _, _ in fresh]
-        return [
-            _Stream(si, it, queue_ms)
-            for (si, _, queue_ms), it in zip(fresh, iterators, strict=True)
-        ]
+        streams: list[tuple[StageInput, StageOutput] | _Stream] = []
+        for (si, request, queue_ms), it in zip(fresh, iterators, strict=True):
+            stream = _Stream(si, it, queue_ms)
+            if request.streamed_input:
+                stream.request, stream.fed = request, FedInput(request.data)
+                for early in self._early.pop(transfer_key(si), []):
+                    self._merge(stream, early, read)
+            streams.append(stream)
+        return streams
 
     def _advance_all(self, streams: list[_Stream]) -> list[EngineResult | StageOutput | None]:
         if not streams:
@@ -265,6 +320,8 @@ class EngineCore:
         """The stream's next result (None: none this step), or the error that ends it (as
         data, for it alone)."""
         si, chunk = stream.si, stream.next_chunk
+        if stream.fed_error:
+            return self._error(si, "bad_input", stream.fed_error, chunk)
         try:
             result = next(stream.results)
         except StopIteration:
@@ -314,6 +371,11 @@ class EngineCore:
             return self._error(si, "unavailable", str(exc), chunk)
 
     def _to_request(self, si: StageInput, read: ArrayReader) -> EngineRequest:
+        streamed = opens_input_stream(si)
+        if streamed and not self.stage.stream_input:
+            raise EngineInputError(
+                f"stage {self.stage.stage_id} ({self.stage.name}) takes no streamed input"
+            )
         arrays = {}
         for name, t in si.payload.tensors.items():
             try:
@@ -333,6 +395,7 @@ class EngineCore:
             chunk=si.chunk,
             last=si.last,
             kv_transfer=si.kv_transfer,
+            streamed_input=streamed,
         )
 
     def _to_output(

@@ -37,6 +37,7 @@ from omni_mesh.data_plane.messages import (
     Abort,
     EngineMessage,
     Fatal,
+    Feed,
     Hello,
     Ready,
     Release,
@@ -64,6 +65,9 @@ from omni_mesh.engines.core import EngineCore
 logger = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.5
+#: The longest wait on the channel while every running stream waits for its streamed input
+#: (a Feed wakes the loop at once; the bound keeps deadlines and stats on time).
+STARVED_POLL_S = 0.05
 
 
 def _limit_torch_threads(engine: object, threads: int) -> None:
@@ -188,6 +192,9 @@ class EngineProc:
     def _handle(self, msg: EngineMessage) -> None:
         if isinstance(msg, Submit):
             self._waiting.append((msg.stage_input, time.monotonic()))
+        elif isinstance(msg, Feed):
+            if self._core is not None:
+                self._core.feed(msg.key, msg.stage_input, self._read)
         elif isinstance(msg, Abort):
             # Waiting work is dropped and a running stream closed, each answered with a last
             # "aborted" Result: only then does the sidecar reuse the work's input slots. Work
@@ -195,6 +202,8 @@ class EngineProc:
             # so a later resubmission is not swallowed.
             dropped = [w[0] for w in self._waiting if transfer_key(w[0]) == msg.key]
             self._waiting = deque(w for w in self._waiting if transfer_key(w[0]) != msg.key)
+            if self._core is not None and dropped:
+                self._core.forget(msg.key)
             closed = self._core.abort(msg.key) if self._core is not None else None
             for si in [*dropped, *([closed] if closed is not None else [])]:
                 logger.info("aborted key=%s stage=%d", msg.key, self.stage_id)
@@ -212,8 +221,9 @@ class EngineProc:
         """One thread, no queue hand-offs: the channel is polled between steps."""
         last_stats = 0.0
         while self.state is not State.STOPPED:
-            # 1) Poll the channel: block while idle, only peek while work waits or streams run.
-            self._poll(0.0 if self._waiting or core.running else STATS_INTERVAL_S)
+            # 1) Poll the channel: block while idle, only peek while work waits or streams run
+            #    (and wait a little while every running stream waits for its streamed input).
+            self._poll(self._poll_timeout(core))
             # 2) Take a batch (room left beside the running streams), answering what expired.
             batch = self._next_batch(self.max_num_seqs - core.running)
             # 3) Step the engine core (new batch + one chunk of every stream), emit the outputs.
@@ -251,6 +261,13 @@ class EngineProc:
             ):
                 self.state = State.STOPPED
 
+    def _poll_timeout(self, core: EngineCore) -> float:
+        if self._waiting:
+            return 0.0
+        if core.running:
+            return STARVED_POLL_S if core.engine.waits_for_input() else 0.0
+        return STATS_INTERVAL_S
+
     def _next_batch(self, room: int) -> list[tuple[StageInput, float]]:
         """Up to ``room`` waiting inputs, oldest first; expired ones are answered instead."""
         now_ms = time.time() * 1000.0
@@ -259,6 +276,8 @@ class EngineProc:
             si, t = self._waiting.popleft()
             if si.deadline_ms < now_ms:  # the sidecar waits: answer with the reason
                 logger.info("deadline passed request_id=%s stage=%d", si.request_id, self.stage_id)
+                if self._core is not None:
+                    self._core.forget(transfer_key(si))
                 self.channel.send(Result(output=self._deadline_error(si), key=transfer_key(si)))
             else:
                 batch.append((si, t))

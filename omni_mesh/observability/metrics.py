@@ -268,6 +268,7 @@ SC_API_REQUESTS = "omni_api_requests"
 SC_API_DURATION = "omni_api_request_duration_seconds"
 SC_CHUNKS = "omni_stage_output_chunks"
 SC_HOP_FRAMES = "omni_stage_hop_frames"
+SC_INPUT_CHUNKS = "omni_stage_input_chunks"
 SC_API_FIRST_CHUNK = "omni_api_first_chunk_seconds"
 # Admission queue (overload): per stage and priority class.
 SC_QUEUE_LENGTH = "omni_stage_queue_length"
@@ -412,6 +413,13 @@ class SidecarMetrics:
         self.hop_frames = Counter(
             SC_HOP_FRAMES,
             "Frames sent in streamed hop answers (async_chunk).",
+            ["pipeline", "stage"],
+            registry=registry,
+        )
+        self.input_chunks = Counter(
+            SC_INPUT_CHUNKS,
+            "Later chunks of streamed inputs (a stage with stream_input) this stage pulled from "
+            "its source and fed to its engine while the request ran.",
             ["pipeline", "stage"],
             registry=registry,
         )

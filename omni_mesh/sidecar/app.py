@@ -41,6 +41,7 @@ from omni_mesh.observability.metrics import SidecarMetrics
 from omni_mesh.sidecar.admission.early_shed import SHEDDABLE_ROUTES, EarlyShed
 from omni_mesh.sidecar.admission.load_report import load_report
 from omni_mesh.sidecar.api import hop_route as routes_hop
+from omni_mesh.sidecar.api import input_route as routes_input
 from omni_mesh.sidecar.api import routes as routes_api
 from omni_mesh.sidecar.api import run as routes_run
 from omni_mesh.sidecar.api.hop_server import HopSite
@@ -58,7 +59,7 @@ from omni_mesh.sidecar.hop.router import Replica, Router
 from omni_mesh.sidecar.hop.waker import StageWaker
 from omni_mesh.sidecar.middleware import api_metrics_middleware, error_middleware
 from omni_mesh.sidecar.pod import Pod, resolve_secret
-from omni_mesh.sidecar.runner import StageRunner
+from omni_mesh.sidecar.runner import InputFeeds, StageRunner
 
 logger = logging.getLogger(__name__)
 
@@ -235,8 +236,15 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     pod.engine = engine
     pod.hop.reader = engine.reader
     chunks = pod.metrics.output_chunks.labels(pod.pipeline.name, str(pod.stage_id))
+    fed = pod.metrics.input_chunks.labels(pod.pipeline.name, str(pod.stage_id))
     pod.runner = StageRunner(
-        pod.pipeline, pod.stage_id, engine, pod.hop, lambda: pod.instance_id, on_chunk=chunks.inc
+        pod.pipeline,
+        pod.stage_id,
+        engine,
+        pod.hop,
+        lambda: pod.instance_id,
+        on_chunk=chunks.inc,
+        inputs=InputFeeds(pod.input_streams, pod.settings.address, on_fed=fed.inc),
     )
     yield
     await engine.stop(timeout_s=max(5.0, pod.settings.drain_timeout_s))
@@ -308,6 +316,7 @@ def make_app(pod: Pod) -> web.Application:
     routes_api.add_routes(app, client_api=pod.serves_api)
     routes_run.add_routes(app)
     routes_hop.add_routes(app)
+    routes_input.add_routes(app)
     return app
 
 

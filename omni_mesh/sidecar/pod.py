@@ -21,6 +21,7 @@ from omni_mesh.observability.metrics import SidecarMetrics
 from omni_mesh.sidecar.engine_link.client import EngineClient
 from omni_mesh.sidecar.hop.client import HopClient
 from omni_mesh.sidecar.hop.http import HopHttpClient
+from omni_mesh.sidecar.hop.input_stream import InputStreams
 from omni_mesh.sidecar.hop.router import Router
 from omni_mesh.sidecar.runner import StageRunner
 
@@ -50,6 +51,8 @@ class Pod:
     admitted: int = 0  # requests admitted since start (the GC pacer's sign of activity)
     gate: AdmissionGate | None = None  # the admission queue (admission.admit.gate_of)
     exit_code: int = 0
+    # The streamed inputs this pod's runner holds for the replicas that pull them.
+    input_streams: InputStreams = field(default_factory=InputStreams)
     stop_event: asyncio.Event = field(default_factory=asyncio.Event)
 
     @functools.cached_property

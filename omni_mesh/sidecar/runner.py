@@ -17,6 +17,13 @@ every runner on the way, to the runner executing the join's collector stage for 
 (which spawned the branches). That runner holds one input per source until it has them all,
 then hands the join off once, like any hop (custody, replay, deadline). Pipelines without joins
 pay one set lookup per hop for this.
+
+Streamed inputs (a next stage whose spec has ``stream_input``, ``sidecar/hop/input_stream.py``):
+the first chunk for it hops as any input does, naming this sidecar in ``stream_from``; the
+later chunks stay here (:class:`InputFeeds`) until the request's run ends, and the replica
+that runs it pulls them. On the receiving side, :class:`InputFeeds` pulls the chunks of a
+streamed input this stage runs and feeds them to the engine. ``/v1/run`` hands such a stage
+its input in one piece (:func:`~omni_mesh.data_plane.chunk_merge.merged_input`).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from typing import Any
 import msgspec
 
 from omni_mesh.configs.pipeline_spec import PipelineSpec
+from omni_mesh.data_plane.chunk_merge import merged_input
 from omni_mesh.data_plane.joins import JoinInputError, join_input
 from omni_mesh.data_plane.messages import (
     HopResult,
@@ -41,13 +49,17 @@ from omni_mesh.data_plane.messages import (
     StageTiming,
     Tensor,
     is_whole,
+    opens_input_stream,
+    streams_out,
+    transfer_key,
 )
 from omni_mesh.data_plane.shm import ShmReader, inline
 from omni_mesh.data_plane.tensors import payload_nbytes
-from omni_mesh.sidecar.engine_link.client import EngineClient
+from omni_mesh.sidecar.engine_link.client import EngineClient, EngineDeadError
 from omni_mesh.sidecar.engine_link.outputs import EngineOutputs
 from omni_mesh.sidecar.hop.budget import HopUnavailable
 from omni_mesh.sidecar.hop.client import HopClient
+from omni_mesh.sidecar.hop.input_stream import InputPullError, InputStreams, OutStream, pull_input
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +84,10 @@ class StageRunner:
         hop: HopClient,
         instance_id: Callable[[], str],
         on_chunk: Callable[[], None] | None = None,
+        inputs: InputFeeds | None = None,
     ) -> None:
         self.pipeline = pipeline
+        self.inputs = inputs  # streamed inputs: held for the next stage, fed to this engine
         self.stage_id = stage_id
         self.engine = engine
         self.hop = hop
@@ -85,6 +99,10 @@ class StageRunner:
         self._collects = frozenset(
             j for j, c in pipeline.join_collectors().items() if c == stage_id
         )
+        # Next stages that take their input as a stream (spec ``stream_input``).
+        self._streamed = frozenset(
+            j for j in pipeline.downstream(stage_id) if pipeline.stage(j).stream_input
+        )
 
     def _engine_outputs(self, si: StageInput) -> EngineOutputs:
         """The local engine's outputs for ``si`` (``async with``, then iterate)."""
@@ -95,7 +113,35 @@ class StageRunner:
         """Run the local stage only: every output chunk, in order (a whole output is a list
         of one; a failed chunk ends the list). Tensors stay valid inside the block."""
         async with self._engine_outputs(si) as stream:
-            yield [out async for out in stream]
+            outputs = [out async for out in stream]
+            yield self._whole_inputs(outputs) if self._streamed else outputs
+
+    def start_feeding(self, si: StageInput) -> asyncio.Task[None] | None:
+        """For the first chunk of a streamed input this stage runs: a task that pulls the
+        later chunks and feeds them to the engine (None for any other input)."""
+        if not opens_input_stream(si) or self.inputs is None:
+            return None
+        return asyncio.get_running_loop().create_task(
+            self.inputs.feed_engine(self.engine, self.hop, si)
+        )
+
+    def _whole_inputs(self, outputs: list[StageOutput]) -> list[StageOutput]:
+        """``outputs`` with the chunks for each streamed-input next stage merged into one
+        whole input, on the last output (``/v1/run`` hands on whole inputs only)."""
+        chunks: dict[int, list[StageInput]] = {}
+        for out in outputs:
+            keep = []
+            for n in out.next:
+                if n.stage_id in self._streamed and not is_whole(n):
+                    chunks.setdefault(n.stage_id, []).append(n)
+                else:
+                    keep.append(n)
+            out.next = keep
+        if chunks and outputs and outputs[-1].error is None:
+            last = outputs[-1]
+            reader = self.engine.reader
+            last.next = [*last.next, *(merged_input(c, reader) for c in chunks.values())]
+        return outputs
 
     async def prefill(self, si: StageInput) -> AsyncGenerator[HopResult, None]:
         """A split stage's prefill request (``data_plane/kv_transfer.py``): run the local
@@ -112,7 +158,7 @@ class StageRunner:
         timing = StageTiming(self.stage_id, self.instance_id(), 0.0, 0.0, 0.0)
         async with self._engine_outputs(si) as outputs:
             first = await anext(outputs)
-            if (first.last or not is_whole(si)) and len(first.next) <= 1:  # one output
+            if (first.last or not streams_out(si)) and len(first.next) <= 1:  # one output
                 # The straight path (a whole output, at most one next stage), inline: one
                 # async generator less on every hop.
                 if first.error is not None:
@@ -157,8 +203,27 @@ class StageRunner:
     ) -> AsyncGenerator[HopResult, None]:
         """The frames of an engine stream (or of an output with several next stages), as
         they come: each output's own part, and every branch's frames, merged."""
+        held: dict[int, OutStream] = {}  # next stage -> its streamed input's later chunks
+        try:
+            async with contextlib.aclosing(self._frames(si, first, outputs, timing, t0, held)) as f:
+                async for frame in f:
+                    yield frame
+        finally:
+            for stage_id, stream in held.items():
+                assert self.inputs is not None
+                self.inputs.streams.close(si.request_id, stage_id, stream)
+
+    async def _frames(
+        self,
+        si: StageInput,
+        first: StageOutput,
+        outputs: AsyncIterator[StageOutput],
+        timing: StageTiming,
+        t0: float,
+        streamed: dict[int, OutStream],
+    ) -> AsyncGenerator[HopResult, None]:
         async with FrameMerger(si.request_id) as merger:
-            merger.spawn(self._feed(si, first, outputs, timing, merger))
+            merger.spawn(self._feed(si, first, outputs, timing, merger, streamed))
             held: dict[int, dict[int, StageInput] | None] = {}  # join -> source -> input
             async with contextlib.aclosing(merger.frames()) as frames:
                 async for frame in frames:
@@ -184,9 +249,10 @@ class StageRunner:
         outputs: AsyncIterator[StageOutput],
         timing: StageTiming,
         merger: FrameMerger,
+        streamed: dict[int, OutStream],
     ) -> None:
         """Pass each engine output on as it comes: our final part as a frame, each next-stage
-        input to a relay task of its own."""
+        input to a relay task of its own (a streamed input's later chunks: to ``streamed``)."""
         while True:
             if out.error is not None:
                 merger.put(HopResult(request_id=si.request_id, error=out.error))
@@ -198,12 +264,29 @@ class StageRunner:
                 if n.stage_id in self._to_joins:
                     joins = [self._owned_input(n)]
                     merger.put(HopResult(request_id=si.request_id, joins=joins, more=True))
+                elif n.stage_id in self._streamed and not is_whole(n) and self.inputs is not None:
+                    self._hand_on_streamed(n, merger, streamed)
                 else:
                     merger.spawn(self._relay(n, merger))
             nxt = await anext(outputs, None)  # the engine stream ends after its last output
             if nxt is None:
                 return
             out = nxt
+
+    def _hand_on_streamed(
+        self, n: StageInput, merger: FrameMerger, streamed: dict[int, OutStream]
+    ) -> None:
+        """A chunk of a streamed input: the first hops (naming this sidecar), the later ones
+        wait here for the replica that runs it to pull them."""
+        assert self.inputs is not None
+        if n.chunk == 0:
+            streamed[n.stage_id] = self.inputs.streams.open(n.request_id, n.stage_id)
+            n = msgspec.structs.replace(n, stream_from=self.inputs.address)
+            merger.spawn(self._relay(n, merger))
+            return
+        held = streamed.get(n.stage_id)
+        if held is not None:
+            held.put(self._owned_input(n))
 
     async def _relay(self, n: StageInput, merger: FrameMerger) -> None:
         try:
@@ -367,3 +450,34 @@ def _unavailable(si: StageInput, exc: HopUnavailable) -> HopResult:
         request_id=si.request_id,
         error=StageError(code=exc.code, message=str(exc), stage_id=exc.stage_id),
     )
+
+
+class InputFeeds:
+    """Streamed inputs in a stage pod (module docstring): those its runner holds for the next
+    stage (``streams``, served by ``POST /v1/hop/input``) and the pulls that feed its engine."""
+
+    def __init__(
+        self, streams: InputStreams, address: str, on_fed: Callable[[], None] | None = None
+    ) -> None:
+        self.streams = streams
+        self.address = address  # this sidecar, as the replicas that pull reach it
+        self.on_fed = on_fed  # called for every chunk fed to the engine
+
+    async def feed_engine(self, engine: EngineClient, hop: HopClient, si: StageInput) -> None:
+        """Pull the later chunks of the streamed input ``si`` opened and hand each to the
+        engine; a pull that fails ends the request with the reason."""
+        key = transfer_key(si)
+        timeout_s = max(0.1, si.deadline_ms / 1000.0 - time.time())
+        try:
+            async with contextlib.aclosing(
+                pull_input(hop.http, si.stream_from, hop.auth_header, si, timeout_s)
+            ) as chunks:
+                async for chunk in chunks:
+                    await engine.feed(key, chunk)
+                    if self.on_fed is not None:
+                        self.on_fed()
+        except InputPullError as exc:
+            logger.warning("request_id=%s: %s", si.request_id, exc)
+            engine.fail(key, "unavailable", str(exc))
+        except EngineDeadError:
+            pass  # the request fails with the engine

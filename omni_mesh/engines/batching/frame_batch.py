@@ -19,6 +19,11 @@ the rows that fail on their own fail.
 Rows draw their samples from their own generators and the decode keeps each row's positions,
 so a request's frames depend on its seed alone, never on its batchmates.
 
+A row whose next frame needs input that has not come yet (a talker ahead of the streamed
+thinker text it reads: :meth:`Row.ready`) is *parked*: its cache leaves the batch and the
+others decode on; it rejoins (left-padded, as any row joins) at the first step it is ready
+again, so its frames are those it would have made without the wait.
+
 A split stage's decode replica gets a row's prefill from elsewhere (``row.remote``: a pull of
 what a prefill replica held, ``kv/exchange.py``): the row waits, polled once per step, until
 its state arrives (:meth:`FrameBatch.restore` turns it into the row's cache and fields); it
@@ -72,6 +77,10 @@ class Row:
         self.error = exc
         self.done = True
 
+    def ready(self) -> bool:
+        """Whether its next frame can be made now (module docstring: parked rows)."""
+        return True
+
 
 RowT = TypeVar("RowT", bound=Row)
 
@@ -87,6 +96,7 @@ class FrameBatch(ABC, Generic[RowT]):
         self.running: list[RowT] = []  # in the cache's row order
         self.pending: list[RowT] = []  # joined since the last step, not prefilled yet
         self.waiting: list[RowT] = []  # their prefill comes from elsewhere (``row.remote``)
+        self.parked: list[tuple[RowT, Any]] = []  # not ready (module docstring), own caches
         self.frames_made = 0  # by the batched decodes, since the start
 
     def add(self, row: RowT) -> None:
@@ -105,10 +115,24 @@ class FrameBatch(ABC, Generic[RowT]):
             index = self.running.index(row)
             self.running.pop(index)
             self.cache.drop(index)
+        else:
+            self.parked = [(r, c) for r, c in self.parked if r is not row]
 
     @property
     def busy(self) -> bool:
-        return bool(self.running or self.pending or self.waiting)
+        return bool(self.running or self.pending or self.waiting or self.parked)
+
+    @property
+    def starved(self) -> bool:
+        """Every row is parked, and none is ready yet: a step would do nothing."""
+        return (
+            bool(self.parked)
+            and not (self.running or self.pending or self.waiting)
+            and not any(row.ready() for row, _ in self.parked)
+        )
+
+    def is_parked(self, row: RowT) -> bool:
+        return any(r is row for r, _ in self.parked)
 
     def step(self) -> None:
         """Every new row prefilled (or its prefill arrived), then one frame for every running
@@ -122,6 +146,8 @@ class FrameBatch(ABC, Generic[RowT]):
             self._prefill(row)
         for row, row_cache in early:
             self._join(row, row_cache)
+        self._unpark()
+        self._park_unready()
         if self.running:
             self._decode_all()
             self.frames_made += len(self.running)
@@ -202,6 +228,25 @@ class FrameBatch(ABC, Generic[RowT]):
                 row.fail(exc)
                 return
             self.running.append(row)
+
+    def _unpark(self) -> None:
+        """The parked rows that are ready rejoin the batch."""
+        if not self.parked:
+            return
+        parked, self.parked = self.parked, []
+        for row, row_cache in parked:
+            if row.ready():
+                self._join(row, row_cache)
+            else:
+                self.parked.append((row, row_cache))
+
+    def _park_unready(self) -> None:
+        """The running rows that are not ready leave the batch, each with its cache."""
+        for index in reversed(range(len(self.running))):
+            row = self.running[index]
+            if not row.done and not row.ready():
+                self.running.pop(index)
+                self.parked.append((row, self.cache.take(index)))
 
     def _decode_all(self) -> None:
         rows = list(self.running)

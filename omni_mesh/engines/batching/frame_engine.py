@@ -92,6 +92,10 @@ class FrameEngine(TorchEngine[InputT]):
         if self.kv is not None:
             self.kv.tick()  # frees what was pulled or expired
 
+    def waits_for_input(self) -> bool:
+        """Every row waits for more of its streamed input (``FrameBatch.starved``)."""
+        return self.batch.starved
+
     def holds_work(self) -> bool:
         """A prefill replica's states not pulled yet (until their lease): a drain waits."""
         return self.kv is not None and self.kv.exchange.held > 0
@@ -143,7 +147,7 @@ class FrameEngine(TorchEngine[InputT]):
             self.batch,
             row,
             self.chunker(request, row),
-            streaming=streaming and request.whole,
+            streaming=streaming and request.streams_out,
             first_chunk_frames=self.first_chunk_frames,
             chunk_frames=self.chunk_frames,
         )

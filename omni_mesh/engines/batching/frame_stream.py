@@ -58,8 +58,13 @@ class FrameStream:
         if self._closed:
             raise StopIteration
         row = self.row
-        if self._seen == len(row.frames) and not row.done and row.remote is None:
-            with torch.inference_mode():  # (a row waiting for its state: before_step polls it)
+        if (
+            self._seen == len(row.frames)
+            and not row.done
+            and row.remote is None
+            and not self.batch.is_parked(row)
+        ):  # (a row waiting for its state or its input: before_step polls it)
+            with torch.inference_mode():
                 self.batch.step()
         if row.error is not None:
             self.close()

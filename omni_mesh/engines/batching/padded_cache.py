@@ -68,6 +68,18 @@ class PaddedCache:
             mask[:, first:],
         )
 
+    def take(self, index: int) -> Any:
+        """Row ``index``'s own unpadded cache (a copy), the row removed from the batch."""
+        from transformers import DynamicCache
+
+        first = int(torch.nonzero(self.mask[index]).flatten()[0])
+        data = [
+            tuple(t[index : index + 1, ..., first:, :].clone() for t in kv)
+            for kv in _layers(self.cache)
+        ]
+        self.drop(index)
+        return DynamicCache(ddp_cache_data=data)
+
     def split(self) -> list[Any]:
         """Every row's own unpadded cache, in row order (the batch is left as it was)."""
         from transformers import DynamicCache

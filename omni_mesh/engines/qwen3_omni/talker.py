@@ -24,6 +24,12 @@ every ``chunk_frames`` frames (default 10): the new frames' ``codes`` with the
 ``context_codes`` (up to ``context_frames``, default 25: Code2Wav's left context) before them.
 Not streaming, a request still runs in the batch and yields one whole result when it ends.
 
+Streamed input (the stage's spec has ``stream_input``; under ``async_chunk`` the thinker hands
+its positions on in chunks as it makes them): the request opens on the first chunk (the prompt
+and the first answer tokens), prefills, and takes each later text entry when its frame needs it
+(``talker_text``); a row ahead of the thinker waits, parked, while the others decode. Its codes
+are those of the whole-answer hand-off.
+
 Output: array ``codes`` int64 [F, G] (frame-major), fields ``num_frames``, ``frame_offset``;
 ``context_codes`` int64 [M, G] on every chunk but the first.
 """
@@ -46,6 +52,7 @@ from omni_mesh.engines.hf.common import load_part, model_folder, parameter_count
 from omni_mesh.engines.qwen3_omni.speakers import speaker_name
 from omni_mesh.engines.qwen3_omni.talker_batch import TalkerBatch, TalkerRow
 from omni_mesh.engines.qwen3_omni.talker_prompt import TalkerPrompt, talker_prompt
+from omni_mesh.engines.qwen3_omni.talker_text import StreamedText
 from omni_mesh.engines.qwen3_omni.thinker import DEFAULT_MODEL
 
 MAX_POSITIONS = 1 << 16
@@ -128,13 +135,22 @@ class Qwen3OmniTalkerEngine(FrameEngine[TalkerInput]):
         return TalkerInput(sequences, prompt, embed, hidden, special, speakers[voice], lengths)
 
     def row(self, request: EngineRequest, inputs: TalkerInput) -> TalkerRow | EngineResult:
-        if _too_short(inputs):
+        if request.last and _too_short(inputs):
             return self.chunk(request, [], 0, last=True)
-        return TalkerRow(
+        row = TalkerRow(
             request.request_id,
             row_generator(request.seed, self.model.device),
             build=functools.partial(self._prompt, inputs),
         )
+        if not request.last:  # a streamed answer: the thinker's later positions are to come
+            row.text = StreamedText(
+                self.model,
+                request,
+                inputs.prompt_tokens,
+                int(self.config.im_end_token_id),
+                functools.partial(self._whole_text, request),
+            )
+        return row
 
     def chunk(
         self, request: EngineRequest, frames: list[np.ndarray], sent: int, last: bool
@@ -155,6 +171,16 @@ class Qwen3OmniTalkerEngine(FrameEngine[TalkerInput]):
             inputs.speaker_id,
             None if lengths is None else torch.from_numpy(np.array(lengths)),
         )
+
+    def _whole_text(self, request: EngineRequest) -> tuple[torch.Tensor, torch.Tensor]:
+        """A streamed answer's trailing text and tts_pad once all of it is in, as the whole
+        hand-off's prompt has them (an answer too short to speak: no text, only tts_pad)."""
+        inputs = self.parse(request)
+        prompt = self._prompt(inputs)
+        trailing = prompt.trailing_text_hidden
+        if _too_short(inputs):
+            trailing = trailing[:, :0]
+        return trailing, prompt.tts_pad_embed
 
 
 def _too_short(inputs: TalkerInput) -> bool:

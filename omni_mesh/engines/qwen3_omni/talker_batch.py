@@ -44,6 +44,7 @@ from omni_mesh.engines.batching.frame_batch import FrameBatch, Row
 from omni_mesh.engines.batching.padded_cache import PaddedCache
 from omni_mesh.engines.batching.row_sampling import RowPicker, Sampling
 from omni_mesh.engines.qwen3_omni.talker_prompt import TalkerPrompt
+from omni_mesh.engines.qwen3_omni.talker_text import StreamedText
 
 #: The code predictor's own sampling inside the talker's generate (``prepare_inputs_for_
 #: generation``): top-k 50 and top-p 0.8 whenever the talker samples.
@@ -61,10 +62,19 @@ class TalkerRow(Row):
     hidden: Tensor | None = None  # [1, 1, H]: the talker's last hidden state at the newest token
     position: Tensor | None = None  # [4, 1, 1]: the newest token's position ids
     step: int = 0  # entries of trailing_text_hidden consumed
+    text: StreamedText | None = None  # a streamed answer's entries (else the prompt's)
+
+    def ready(self) -> bool:
+        """A streamed answer's row waits until the thinker has fed its next entry."""
+        return self.text is None or self.prompt is None or self.text.entry(self.step) is not None
 
     def text_embed(self) -> Tensor:
         """What the next talker input adds to the codec embeddings: the next text entry."""
         assert self.prompt is not None
+        if self.text is not None:
+            entry = self.text.entry(self.step)
+            assert entry is not None  # (parked until it is)
+            return entry
         trailing = self.prompt.trailing_text_hidden
         if self.step < trailing.shape[1]:
             return trailing[:, self.step].unsqueeze(1)

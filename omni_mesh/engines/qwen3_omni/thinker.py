@@ -28,9 +28,12 @@ audio, ``audio_feature_lengths`` int64 [A]; fields ``prompt_tokens`` (P), ``gene
 
 Streaming (``async_chunk``): the text goes to the client as it is generated, every
 ``engine_extras.chunk_tokens`` tokens (default 1; later when those tokens end inside a UTF-8
-character), in results with ``forward=False`` (for the client alone: the talker needs the whole
-answer's hidden states, it gets them with the last result as one whole input). The chunks'
-texts concatenated are the whole text. Not streaming, a request still runs in the batch and
+character), in results with ``forward=False`` (for the client alone). The talker takes its input
+as a stream (its spec's ``stream_input``): the answer's positions go on in chunks as they are
+made (``answer.AnswerChunks``: the first once the first answer token was fed, then every
+``engine_extras.talker_chunk_tokens``, default 2; 0 hands the whole answer on with the last
+result). The chunks' texts concatenated are the whole text, their arrays the whole output.
+Not streaming, a request still runs in the batch and
 yields one whole result when it ends.
 
 Split (deploy ``prefill:``): prefill and decode replicas, the prompt's KV cache, first token,
@@ -68,7 +71,13 @@ from omni_mesh.engines.batching.kv_split import KvSplit
 from omni_mesh.engines.batching.row_sampling import Sampling, row_generator
 from omni_mesh.engines.extras import extra_int
 from omni_mesh.engines.hf.common import load_part, model_folder, parameter_count
-from omni_mesh.engines.qwen3_omni.answer import stable_text, thinker_answer
+from omni_mesh.engines.qwen3_omni.answer import (
+    AnswerChunks,
+    no_text,
+    stable_text,
+    talker_chunk_tokens,
+    thinker_answer,
+)
 from omni_mesh.engines.qwen3_omni.inputs import (
     ThinkerPrompt,
     answer_tokens,
@@ -141,6 +150,7 @@ class Qwen3OmniThinkerEngine(FrameEngine[ThinkerInput]):
         )
         self.device = self.model.device
         self.first_chunk_frames = self.chunk_frames = self.chunk_tokens
+        self.talker_chunk_tokens = talker_chunk_tokens(self.ctx)
         layer = self.config.talker_config.accept_hidden_layer
         self.batch = ThinkerBatch(self.model, self.config.im_end_token_id, layer)
         if self.ctx.config.prefill is not None:
@@ -163,6 +173,7 @@ class Qwen3OmniThinkerEngine(FrameEngine[ThinkerInput]):
         return ThinkerInput(tensors, voice, max_tokens, _sampling(request))
 
     def row(self, request: EngineRequest, inputs: ThinkerInput) -> ThinkerRow:
+        streamed = self.talker_chunk_tokens and request.whole and not request.kv_transfer
         return ThinkerRow(
             request.request_id,
             row_generator(request.seed, self.device),
@@ -170,6 +181,7 @@ class Qwen3OmniThinkerEngine(FrameEngine[ThinkerInput]):
             sampling=inputs.sampling,
             max_tokens=inputs.max_tokens,
             voice=inputs.voice,
+            handoff=AnswerChunks(self.talker_chunk_tokens) if streamed else None,
         )
 
     def chunker(self, request: EngineRequest, row: Row) -> Chunker:
@@ -184,11 +196,15 @@ class Qwen3OmniThinkerEngine(FrameEngine[ThinkerInput]):
         sent: int,
         last: bool,
     ) -> EngineResult | None:
-        """The text of ``frames[sent:]`` (its tokens) for the client alone, or None while it
-        is no new text; the last: the whole output, its final text what was not sent yet."""
+        """The text of ``frames[sent:]`` (its tokens) for the client, or None while it is no
+        new text, with the answer's next chunk for the talker when one is due (a streamed
+        hand-off: ``AnswerChunks``); the last: the whole output (or its last chunk), its final
+        text what was not sent yet."""
         before = row.sent_text  # the text of tokens[:sent], as the last delta left it
         if last:
             result = self._result(request, row)
+            if row.handoff is not None:
+                result.output = row.handoff.last(result.output)
             assert result.final is not None
             text = str(result.final.fields["text"])
             if not text.startswith(before):  # a decode that changed its past: should not happen
@@ -196,15 +212,44 @@ class Qwen3OmniThinkerEngine(FrameEngine[ThinkerInput]):
             result.final.fields["text"] = text[len(before) :]
             return result
         text = stable_text(self.tokenizer, row.tokens[: len(frames)])
-        if len(text) <= len(before):
+        delta = None
+        if len(text) > len(before):
+            delta = StageData(fields={"text": text[len(before) :]})
+            row.sent_text = text
+        handed = self._handoff(row)
+        if handed is not None:
+            return EngineResult(
+                request.request_id, output=handed, final=delta or no_text(), last=False
+            )
+        if delta is None:
             return None
-        delta = StageData(fields={"text": text[len(before) :]})
-        row.sent_text = text
         return EngineResult(request.request_id, final=delta, last=False, forward=False)
 
-    def _result(self, request: EngineRequest, row: ThinkerRow) -> EngineResult:
-        prompt = row.prompt
-        assert prompt is not None
+    def _handoff(self, row: ThinkerRow) -> StageData | None:
+        """The answer's next chunk for the talker, when one is due."""
+        handoff, prompt = row.handoff, row.prompt
+        if handoff is None or prompt is None:
+            return None
+        rows = sum(int(e.shape[0]) for e in row.embeds)
+        if not handoff.due(int(prompt.input_ids.shape[1]), rows):
+            return None
+        items = row.handoff_items
+        row.handoff_items = len(row.embeds)
+        lengths = None
+        if prompt.feature_attention_mask is not None:
+            lengths = prompt.feature_attention_mask.sum(-1).numpy()
+        return handoff.chunk(
+            prompt_ids=prompt.input_ids[0].cpu().numpy(),
+            answer=row.tokens,
+            embeds=_f32(torch.cat(row.embeds[items:])),
+            hidden=_f32(torch.cat(row.hidden[items:])),
+            tts_special=self._special_embeds(),
+            audio_lengths=lengths,
+            voice=row.voice,
+        )
+
+    def _special_embeds(self) -> np.ndarray:
+        """The input embeddings of tts_bos, tts_eos, tts_pad, float32 [3, D]."""
         special = torch.tensor(
             [
                 self.config.tts_bos_token_id,
@@ -214,7 +259,11 @@ class Qwen3OmniThinkerEngine(FrameEngine[ThinkerInput]):
             device=self.device,
         )
         with torch.inference_mode():
-            special_embeds = self.model.get_input_embeddings()(special)
+            return _f32(self.model.get_input_embeddings()(special))
+
+    def _result(self, request: EngineRequest, row: ThinkerRow) -> EngineResult:
+        prompt = row.prompt
+        assert prompt is not None
         lengths = None
         if prompt.feature_attention_mask is not None:
             lengths = prompt.feature_attention_mask.sum(-1).numpy()
@@ -225,7 +274,7 @@ class Qwen3OmniThinkerEngine(FrameEngine[ThinkerInput]):
             answer=row.tokens,
             embeds=_f32(torch.cat(row.embeds)),
             hidden=_f32(torch.cat(row.hidden)),
-            tts_special=_f32(special_embeds),
+            tts_special=self._special_embeds(),
             audio_lengths=lengths,
             voice=row.voice,
         )

@@ -38,6 +38,7 @@ from torch import Tensor
 from omni_mesh.engines.batching.frame_batch import FrameBatch, Row
 from omni_mesh.engines.batching.padded_cache import PaddedCache
 from omni_mesh.engines.batching.row_sampling import RowPicker, Sampling
+from omni_mesh.engines.qwen3_omni.answer import AnswerChunks
 from omni_mesh.engines.qwen3_omni.inputs import ThinkerPrompt
 
 GREEDY = Sampling(False)
@@ -57,6 +58,8 @@ class ThinkerRow(Row):
     embeds: list[Tensor] = field(default_factory=list)  # [L, D] per forward: hidden_states[0]
     hidden: list[Tensor] = field(default_factory=list)  # [L, D]: the accept layer's
     position: Tensor | None = None  # [4, 1, 1]: the newest forward's last position ids
+    handoff: AnswerChunks | None = None  # the answer handed on as it is made (streamed input)
+    handoff_items: int = 0  # entries of ``embeds``/``hidden`` handed on so far
 
 
 class ThinkerBatch(FrameBatch[ThinkerRow]):

@@ -13,8 +13,10 @@ Input and output are those of the transformers thinker (``thinker.py``): fields 
 ``thinker_hidden``, ``tts_special`` (and ``audio_feature_lengths`` with audio), fields ``text``,
 ``voice``, ``prompt_tokens``, ``generated_tokens``; the final text with ``finish_reason`` and
 usage; under ``async_chunk`` the text streams to the client (``forward=False`` chunks) and the
-whole output goes on with the last result. Greedy unless the request asks for a temperature;
-sampled tokens are vLLM's (seeded per request), not transformers'.
+answer goes on to the talker in chunks as it is made (``answer.AnswerChunks``,
+``engine_extras.talker_chunk_tokens``), as the transformers thinker hands it on. Greedy
+unless the request asks for a temperature; sampled tokens are vLLM's (seeded per request), not
+transformers'.
 
 What the tap needs of vLLM is checked at start, each a config error naming the setting (exit 2):
 one model in the engine's process (``tensor_parallel_size`` and the other parallel sizes 1), no
@@ -41,6 +43,7 @@ from omni_mesh.engines.base import (
 from omni_mesh.engines.extras import extra_int
 from omni_mesh.engines.fields import FieldReader
 from omni_mesh.engines.hf.common import model_folder
+from omni_mesh.engines.qwen3_omni.answer import AnswerChunks, talker_chunk_tokens
 from omni_mesh.engines.qwen3_omni.inputs import (
     answer_tokens,
     audio_features,
@@ -141,6 +144,7 @@ class Qwen3OmniVllmThinkerEngine(VllmEngine):
         self.max_tokens = extra_int(ctx, "max_tokens", 64, 1, 8192)
         self.max_tokens_limit = extra_int(ctx, "max_tokens_limit", 1024, 1, 32768)
         self.max_audios = extra_int(ctx, "max_audios", 4, 1, 64)
+        self.talker_chunk_tokens = talker_chunk_tokens(ctx)
         self.where = f"stage {ctx.stage.name!r} ({ctx.pipeline.name} stage {ctx.stage.stage_id})"
         self._owners: dict[str, ThinkerStream | None] = {}  # scheduler id -> its stream
         self.folder = Path()
@@ -205,6 +209,11 @@ class Qwen3OmniVllmThinkerEngine(VllmEngine):
             texts=self.texts,
             voice=inputs.voice,
             audio_lengths=inputs.audio_lengths,
+            handoff=(
+                AnswerChunks(self.talker_chunk_tokens)
+                if self.talker_chunk_tokens and request.whole and not request.kv_transfer
+                else None
+            ),
         )
         self._streams[vid] = stream
         return stream

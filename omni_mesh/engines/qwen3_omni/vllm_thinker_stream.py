@@ -9,7 +9,12 @@ from typing import Any
 import numpy as np
 
 from omni_mesh.engines.base import EngineRequest, EngineResult, StageData
-from omni_mesh.engines.qwen3_omni.answer import stable_text, thinker_answer
+from omni_mesh.engines.qwen3_omni.answer import (
+    AnswerChunks,
+    no_text,
+    stable_text,
+    thinker_answer,
+)
 from omni_mesh.engines.vllm.stream import StreamOwner, VllmStream
 
 
@@ -38,6 +43,7 @@ class ThinkerStream(VllmStream):
         texts: ThinkerTexts,
         voice: str,
         audio_lengths: np.ndarray | None,
+        handoff: AnswerChunks | None = None,
     ) -> None:
         super().__init__(
             engine=engine,
@@ -51,6 +57,7 @@ class ThinkerStream(VllmStream):
             fields={},
         )
         self.texts = texts
+        self.handoff = handoff  # the answer handed on as it is made (a streamed input)
         self.voice = voice
         self.audio_lengths = audio_lengths
         self.prompt_ids: list[int] = []
@@ -86,17 +93,50 @@ class ThinkerStream(VllmStream):
         self._ids = []  # the chunk count restarts (VllmStream.__next__)
         if not last:
             return self._text_delta()
-        return self._whole()
+        result = self._whole()
+        if self.handoff is not None and result.error is None:
+            result.output = self.handoff.last(result.output)
+        return result
 
     def _text_delta(self) -> EngineResult | None:
-        """The text the client has not seen, for it alone; None while no new text is stable
-        (a token may end inside a UTF-8 character)."""
+        """The text the client has not seen (None while no new text is stable: a token may
+        end inside a UTF-8 character), with the answer's next chunk for the talker when one is
+        due (``AnswerChunks``); for the client alone without one."""
         text = stable_text(self.texts.tokenizer, self.answer)
-        if len(text) <= len(self.sent_text):
+        delta = None
+        if len(text) > len(self.sent_text):
+            delta = StageData(fields={"text": text[len(self.sent_text) :]})
+            self.sent_text = text
+        handed = self._handoff()
+        if handed is not None:
+            return EngineResult(
+                self.request_id, output=handed, final=delta or no_text(), last=False
+            )
+        if delta is None:
             return None
-        delta = StageData(fields={"text": text[len(self.sent_text) :]})
-        self.sent_text = text
         return EngineResult(self.request_id, final=delta, last=False, forward=False)
+
+    def _handoff(self) -> StageData | None:
+        """The answer's next chunk for the talker: the rows from the last chunk's end up to
+        the first position whose rows have not come (at most every position ran)."""
+        handoff = self.handoff
+        if handoff is None or not self.prompt_ids:
+            return None
+        ran = len(self.prompt_ids) + len(self.answer) - 1
+        missing = np.flatnonzero(~self.have[:ran])
+        rows = int(missing[0]) if missing.size else min(ran, int(self.have.shape[0]))
+        if not handoff.due(len(self.prompt_ids), rows):
+            return None
+        start = handoff.rows_sent
+        return handoff.chunk(
+            prompt_ids=np.asarray(self.prompt_ids, dtype=np.int64),
+            answer=self.answer,
+            embeds=self.rows[0, start:rows].copy(),
+            hidden=self.rows[1, start:rows].copy(),
+            tts_special=self.texts.tts_special,
+            audio_lengths=self.audio_lengths,
+            voice=self.voice,
+        )
 
     def _whole(self) -> EngineResult:
         prompt, answer = len(self.prompt_ids), len(self.answer)

@@ -27,16 +27,18 @@ from omni_mesh.data_plane.constants import ENGINE_TMP_ENV, INLINE_MAX, VISIBLE_D
 from omni_mesh.data_plane.messages import (
     Abort,
     Fatal,
+    Feed,
     Hello,
     Ready,
     Release,
     Result,
     Shutdown,
+    StageError,
     StageInput,
     StageOutput,
     Stats,
     Submit,
-    is_whole,
+    streams_out,
     transfer_key,
 )
 from omni_mesh.data_plane.shm import (
@@ -366,7 +368,7 @@ class EngineClient:
         except ShmArenaFull as exc:
             raise EngineBusyError(f"stage {self.stage_id}: shared memory full: {exc}") from None
         si = msgspec.structs.replace(si, payload=payload)
-        work = Work(whole=is_whole(si))
+        work = Work(whole=streams_out(si))
         self._pending[key] = work
         try:
             await self._chan.send(Submit(stage_input=si))
@@ -380,6 +382,24 @@ class EngineClient:
             self.leave(key, work)
             raise
         return key, work
+
+    async def feed(self, key: str, si: StageInput) -> None:
+        """Hand the engine a later chunk of the streamed input of the work ``key`` (its
+        tensors inline: chunks are a few positions each)."""
+        if self.dead.is_set() or self._chan is None:
+            raise EngineDeadError(f"stage {self.stage_id}: {self.death_reason or 'not started'}")
+        await self._chan.send(Feed(key=key, stage_input=si))
+
+    def fail(self, key: str, code: str, message: str) -> None:
+        """End the running work ``key`` with an error output (its reader then leaves, which
+        aborts it on the engine): what a streamed input that cannot be pulled comes to."""
+        work = self._pending.get(key)
+        if work is None:
+            return
+        error = StageError(code=code, message=message, stage_id=self.stage_id)  # type: ignore[arg-type]
+        work.mailbox.put_nowait(
+            StageOutput(request_id=key, stage_id=self.stage_id, chunk=0, error=error)
+        )
 
     def leave(self, key: str, work: Work) -> None:
         """The caller left before the last output (client gone, deadline, a failed branch)."""

@@ -10,6 +10,7 @@ the span ends then, so every stage's part of a cancel is in the request's trace.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from types import TracebackType
@@ -33,6 +34,8 @@ class StageOfPod(Protocol):
 
     def instance_id(self) -> str: ...
 
+    def start_feeding(self, si: StageInput) -> asyncio.Task[None] | None: ...
+
 
 class EngineOutputs:
     """The local engine's outputs for one input, inside this stage's span: ``async with`` it,
@@ -47,8 +50,10 @@ class EngineOutputs:
         self._span: StageSpan | None = None
         self._traceparent = si.traceparent
         self._holds_slots = False
+        self._feeding: asyncio.Task[None] | None = None  # a streamed input's pulls
 
     async def __aenter__(self) -> EngineOutputs:
+        self._feeding = self._runner.start_feeding(self._si)
         if not tracing_on():  # no span: next stages keep the parent's traceparent
             return self
         runner, si = self._runner, self._si
@@ -86,6 +91,10 @@ class EngineOutputs:
         tb: TracebackType | None,
     ) -> None:
         try:
+            if self._feeding is not None:
+                self._feeding.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._feeding
             await self._stream.aclose()  # left early: the engine aborts the work
             if self._holds_slots:
                 self._runner.engine.release(transfer_key(self._si))  # one IPC message

@@ -1,9 +1,10 @@
-"""qwen3-omni served 1:2:1 (stage pods over shared memory, ``async_chunk`` on: the talker streams
-codes to code2wav) through the official ``openai`` SDK: chat with text and audio out (and audio
-in) equals transformers' monolithic ``generate`` for the same seed (the text exactly, every PCM16
-sample within one step of rounding: the streamed decode differs from the whole one by ~1e-14);
-speech streams its first audio before the answer ends; a kill -9 of a talker engine mid-request
-is replayed on the other talker with the same bytes."""
+"""qwen3-omni served 1:2:1 (stage pods over shared memory, ``async_chunk`` on: the thinker hands
+its answer to the talker in chunks as it makes it, the talker streams codes to code2wav) through
+the official ``openai`` SDK: chat with text and audio out (and audio in) equals transformers'
+monolithic ``generate`` for the same seed (the text exactly, every PCM16 sample within one step
+of rounding: the streamed decode differs from the whole one by ~1e-14); speech streams its first
+audio before the answer ends; a kill -9 of a talker engine mid-request is replayed on the other
+talker (which pulls the thinker's chunks again) with the same bytes."""
 
 from __future__ import annotations
 
@@ -63,11 +64,19 @@ def chat(topo: Topology, messages: list[dict[str, Any]], seed: int, max_tokens: 
 @pytest.mark.parametrize("audio_in", [False, True], ids=["text-in", "audio-in"])
 def test_chat_equals_the_monolithic_model(topo: Topology, audio_in: bool) -> None:
     messages = audio_messages() if audio_in else TEXT
+    before = fed_chunks(topo)
     text, samples = chat(topo, messages, seed=7)
     want_text, want_samples = expected(messages, seed=7, max_tokens=8)
     assert text == want_text
     assert_same_audio(samples, want_samples)
     assert len(samples) > 1920 * 60  # 63 frames of 80 ms
+    # the thinker handed its answer on in chunks while it ran (the talker's stream_input)
+    assert fed_chunks(topo) >= before + 3
+
+
+def fed_chunks(topo: Topology) -> float:
+    """Later chunks of streamed inputs the talkers pulled and fed to their engines."""
+    return sum(topo.metric(url, "omni_stage_input_chunks_total") for url in topo.urls[1])
 
 
 def test_a_text_only_chat_runs_the_thinker_alone(topo: Topology) -> None:

@@ -233,6 +233,42 @@ def test_streamed_text_then_the_whole_output_for_the_talker(
     assert np.array_equal(whole.output.arrays["sequences"], sequences)
 
 
+def run_streamed(engine: StageEngine, data: StageData, every: int) -> list[EngineResult]:
+    """One request's results under ``async_chunk``, its answer handed on every ``every``
+    positions (0: whole)."""
+    assert isinstance(engine, Qwen3OmniVllmThinkerEngine)
+    engine.ctx = dataclasses.replace(engine.ctx, async_chunk=True)
+    engine.talker_chunk_tokens = every
+    try:
+        (stream,) = engine.open([EngineRequest("r1", 5, data)])
+        results: list[EngineResult] = []
+        while not results or results[-1].last is False:
+            engine.before_step(1)
+            result = next(stream)
+            if result is not None:
+                results.append(result)
+    finally:
+        engine.ctx = dataclasses.replace(engine.ctx, async_chunk=False)
+        engine.talker_chunk_tokens = 0
+    return results
+
+
+@pytest.mark.parametrize("messages", [LONG, audio_messages()], ids=["text", "audio"])
+def test_the_answer_handed_on_in_chunks_joins_into_the_whole_output(
+    engine: StageEngine, messages: list[dict[str, Any]]
+) -> None:
+    (whole,) = [r for r in run_streamed(engine, chat(messages), 0) if r.forward]
+    results = run_streamed(engine, chat(messages), 2)
+    chunks = [thinker_to_talker(r.output) for r in results if r.forward]
+    assert len(chunks) > 3 and all(r.final is not None for r in results)  # the client's too
+    assert chunks[0].arrays["thinker_embed"].shape[0] > chunks[1].arrays["thinker_embed"].shape[0]
+    want = thinker_to_talker(whole.output)
+    assert chunks[-1].fields == want.fields
+    for name, array in want.arrays.items():
+        joined = np.concatenate([c.arrays[name] for c in chunks if name in c.arrays])
+        assert joined.dtype == array.dtype and np.array_equal(joined, array), name
+
+
 def test_a_closed_stream_is_aborted_inside_vllm(engine: StageEngine) -> None:
     scheduler = engine._llm.engine_core.engine_core.scheduler  # type: ignore[attr-defined]
     (stream,) = engine.open([EngineRequest("r1", 5, chat(LONG, max_tokens=200))])
