@@ -3,8 +3,11 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# pytest-xdist workers for `make test`: two where the machine has two cores or more, none (one
+# process) on one core; `make test TEST_WORKERS=0` runs the suite in one process anywhere.
+TEST_WORKERS ?= $(shell [ "$$(nproc 2>/dev/null || echo 1)" -ge 2 ] && echo 2 || echo 0)
 
-.PHONY: install lint typecheck test test-parallel test-tools check run bench bench-quick clean
+.PHONY: install lint typecheck test test-tools check run bench bench-quick clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -52,17 +55,13 @@ test-tools:
 # Byte-compile our own code first: where PYTHONDONTWRITEBYTECODE is set (as on CI machines) every
 # process a test starts would otherwise compile omni_mesh from source (~0.5 s of CPU each, minutes
 # over the suite); pip already compiled the installed packages.
+# Two workers (TEST_WORKERS): tests/conftest.py keeps on one worker the tests that share a
+# deployment (a folder's session fixture) or a module's, and those of the test hosts' network
+# namespaces; every test holds its bounds under the other worker's load. About 11 min of pytest
+# on 2 cores, where one process takes 14 to 15.
 test: install test-tools
 	$(BIN)/python -m compileall -q omni_mesh tests benchmarks examples >/dev/null
-	$(BIN)/pytest -q -p no:cacheprovider --durations=15
-
-# Two workers (pytest-xdist; tests/conftest.py groups the tests that share a worker): 650 s where
-# `test` takes 830 on 2 cores, but not what CI runs yet: timing-bound tests (a realtime cancel,
-# the silent-host replays, a standby's retirement) failed under the other worker's load once in
-# two runs.
-test-parallel: install test-tools
-	$(BIN)/python -m compileall -q omni_mesh tests benchmarks examples >/dev/null
-	$(BIN)/pytest -q -p no:cacheprovider -n 2 --dist loadgroup --durations=15
+	$(BIN)/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
 check: lint typecheck test
 

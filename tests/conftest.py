@@ -13,8 +13,8 @@ Fixtures (see ``tests/procs.py`` for the helpers behind them):
 - ``control_plane``: one omni-cp with default timings on the flushed session Redis.
 
 Whatever a test leaves running is killed at its teardown, and again at the end of the session;
-a shared-memory segment leaked by any test fails the run. ``make test-parallel`` runs two
-pytest-xdist workers; the tests that must share one are grouped below.
+a shared-memory segment leaked by any test fails the run. ``make test`` runs two pytest-xdist
+workers (where there are two cores); the tests that must share one are grouped below.
 """
 
 from __future__ import annotations
@@ -74,10 +74,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-# ---- two workers (pytest-xdist: `make test-parallel`) -------------------------------------------
+# ---- two workers (pytest-xdist: `make test`) ----------------------------------------------------
 #: Folders whose tests run in one worker: they share a deployment started once per worker (a
-#: session fixture: tiny-llm, the qwen3-omni topology) or a resource of the host (the network
-#: namespaces of tests/multihost). Every other test file is a unit of its own.
+#: session or package fixture: tiny-llm, the qwen3-omni topology, the multi-host fabric). Every
+#: other test file is a unit of its own (its module fixtures, and tests that build on the one
+#: before, stay together). Test hosts of two workers coexist (tests/multihost/hosts.py: owners).
 FOLDER_GROUPS = {
     "tests/engines/vllm": "vllm",
     "tests/engines/qwen3_omni": "qwen3-omni",

@@ -179,6 +179,10 @@ def test_a_request_is_served_by_promoting_the_standby(up: Up) -> None:
 
 
 def test_idle_again_the_promoted_replica_leaves_and_a_standby_stays(up: Up) -> None:
+    # The module's omni-up, after the test before promoted a standby (a fresh one has promoted
+    # nothing, and nothing would have to leave: the module is one unit under pytest-xdist).
+    promotions = f'omni_cp_standby_promotions_total{{pipeline="{PIPELINE}",stage="1"}}'
+    assert (up.cp_metric(promotions) or 0.0) >= 1.0, "no standby was promoted before"
     wait_until(lambda: up.scale()["desired"] == 0 and standby_only(up), 60, interval=0.2,
                message=lambda: seen(up))  # fmt: skip
     wait_until(lambda: len(up.stage1_pods()) == 1, 30, interval=0.2,

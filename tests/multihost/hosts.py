@@ -14,12 +14,17 @@
 - :meth:`TestHosts.close` stops every process started on the hosts and deletes the namespaces,
   veths and bridge, on failure too; :func:`sweep_leftovers` removes whatever a killed test
   session left (names with :data:`PREFIX`), and runs at the start of every session.
+- Every set of hosts has an owner: its tag's lock file in :data:`OWNERS`, created locked (flock)
+  and held until :meth:`TestHosts.close`. The sweep removes only what no live process owns, so
+  sessions (pytest-xdist workers, or runs of their own) that overlap leave each other's hosts
+  alone: a sweep that removed every ``PREFIX`` name killed the pods of another session's hosts.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import os
 import secrets
 import shutil
@@ -35,6 +40,9 @@ from tests.procs import ManagedProcess, clean_env
 
 #: Every namespace, bridge and veth made here starts with this (the leftover sweep's key).
 PREFIX = "omt"
+#: One lock file per set of hosts (``<tag>.lock``), locked by its owner while the hosts exist.
+OWNERS = Path("/run/omt-owners")
+_TAG_HEX = 4  # the tag's length: interface names hold at most 15 characters
 #: A locally administered MAC that no test host has (see :meth:`Host.drop_to`).
 _NOBODY_MAC = "02:00:5e:00:de:ad"
 _CLONE_NEWNET = 0x40000000
@@ -57,20 +65,84 @@ def available() -> str | None:
 
 
 def sweep_leftovers() -> list[str]:
-    """Delete namespaces, bridges and veths named ``PREFIX*`` (a killed session's); names."""
-    removed = []
+    """Delete the namespaces, bridges and veths named ``PREFIX*`` that no live process owns (a
+    killed session's); their names. Another session's hosts stay: their owner holds their lock."""
+    by_tag: dict[str, list[tuple[str, str]]] = {}
     for line in ip("netns", "list", check=False).stdout.splitlines():
         name = line.split()[0] if line.strip() else ""
         if name.startswith(f"{PREFIX}-"):
-            _kill_netns_pids(name)
-            ip("netns", "delete", name, check=False)
-            removed.append(name)
+            by_tag.setdefault(_tag_of(name), []).append(("netns", name))
     for line in ip("-o", "link", "show", check=False).stdout.splitlines():
         name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
         if name.startswith(PREFIX):
-            ip("link", "delete", name, check=False)
-            removed.append(name)
+            by_tag.setdefault(_tag_of(name), []).append(("link", name))
+    if OWNERS.is_dir():  # stale lock files whose hosts are gone
+        for lock in OWNERS.glob("*.lock"):
+            by_tag.setdefault(lock.stem, [])
+    removed = []
+    for tag, names in by_tag.items():
+        owner = _claim(tag, fresh=False)
+        if owner is None:
+            continue  # a live session's hosts
+        try:
+            for kind, name in sorted(names, key=lambda kn: kn[0] != "netns"):  # netns first
+                if kind == "netns":
+                    _kill_netns_pids(name)
+                    ip("netns", "delete", name, check=False)
+                else:
+                    ip("link", "delete", name, check=False)
+                removed.append(name)
+        finally:
+            _release(tag, owner)
     return removed
+
+
+def _tag_of(name: str) -> str:
+    """The tag in a name made here: ``omt-<tag>-<host>``, ``omtbr<tag>``, ``omt<tag>v<i>``."""
+    if name.startswith(f"{PREFIX}-"):
+        return name.split("-")[1]
+    rest = name.removeprefix(PREFIX).removeprefix("br")
+    return rest[:_TAG_HEX]
+
+
+def _claim(tag: str, *, fresh: bool) -> int | None:
+    """Own ``tag``: a descriptor holding its lock file's flock, or None where a live process
+    holds it (or, with ``fresh``, where the file exists at all). The file appears locked: it is
+    made and locked under a temporary name, then linked into place."""
+    OWNERS.mkdir(mode=0o700, exist_ok=True)
+    path = OWNERS / f"{tag}.lock"
+    tmp = OWNERS / f".{tag}.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.link(tmp, path)
+        return fd
+    except FileExistsError:
+        os.close(fd)
+    finally:
+        tmp.unlink()
+    if fresh:
+        return None
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:  # released meanwhile: nothing left to own
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # its owner lives
+        os.close(fd)
+        return None
+    if not os.path.exists(path) or os.stat(path).st_ino != os.fstat(fd).st_ino:
+        os.close(fd)  # released and unlinked by the sweep or owner we raced
+        return None
+    return fd
+
+
+def _release(tag: str, fd: int) -> None:
+    """Give ``tag`` up (what it named is deleted): unlink its lock file, then unlock it."""
+    with contextlib.suppress(FileNotFoundError):
+        (OWNERS / f"{tag}.lock").unlink()
+    os.close(fd)
 
 
 def _kill_netns_pids(name: str) -> None:
@@ -196,7 +268,8 @@ class TestHosts:
         problem = available()
         if problem is not None:
             pytest.skip(problem)
-        self.tag = secrets.token_hex(2)
+        self.tag, owner = _new_tag()
+        self._owner: int | None = owner
         self.log_dir = log_dir
         self.bridge = f"{PREFIX}br{self.tag}"
         subnet = 10 + os.getpid() % 240
@@ -237,3 +310,16 @@ class TestHosts:
             ip("netns", "delete", host.netns, check=False)
             ip("link", "delete", host.veth, check=False)
         ip("link", "delete", self.bridge, check=False)
+        if self._owner is not None:
+            _release(self.tag, self._owner)
+            self._owner = None
+
+
+def _new_tag() -> tuple[str, int]:
+    """A tag no other set of hosts holds, and the descriptor that owns it."""
+    for _ in range(100):
+        tag = secrets.token_hex(_TAG_HEX // 2)
+        owner = _claim(tag, fresh=True)
+        if owner is not None:
+            return tag, owner
+    raise RuntimeError(f"no free test-host tag in {OWNERS} after 100 tries")

@@ -1,18 +1,30 @@
 """The test-host helper itself: hosts reach each other only through the bridge, faults do what
-they say (silent link down, silent drops, blackholes), and nothing is left after close."""
+they say (silent link down, silent drops, blackholes), nothing is left after close, and the
+leftover sweep removes a dead session's hosts only, never a live one's."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.multihost.hosts import PREFIX, TestHosts, ip
+from tests.multihost.hosts import PREFIX, TestHosts, ip, sweep_leftovers
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+_ROOT = Path(__file__).resolve().parents[2]
+#: A session that makes one host and dies without closing it (as a killed test run does).
+_DIES_HOLDING_HOSTS = (
+    "import os, sys\n"
+    "from pathlib import Path\n"
+    "from tests.multihost.hosts import TestHosts\n"
+    "print(TestHosts(['a'], Path(sys.argv[1])).tag, flush=True)\n"
+    "os._exit(0)\n"
+)
 
 
 def _connect(address: str, port: int, timeout: float) -> str:
@@ -66,3 +78,30 @@ def test_hosts_reach_each_other_and_faults(tmp_path: Path) -> None:
     left = ip("netns", "list").stdout + ip("-o", "link", "show").stdout
     assert not any(n in left for n in names), left
     assert f"{PREFIX}br{hosts.tag}" not in left
+
+
+def test_the_sweep_removes_a_dead_sessions_hosts_and_leaves_a_live_ones(tmp_path: Path) -> None:
+    live = TestHosts(["a"], tmp_path / "live")
+    try:
+        dead = subprocess.run(
+            [sys.executable, "-c", _DIES_HOLDING_HOSTS, str(tmp_path / "dead")],
+            cwd=_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout.strip()
+        dead_names = [f"{PREFIX}-{dead}-a", f"{PREFIX}br{dead}"]
+        live_names = [live["a"].netns, live["a"].veth, f"{PREFIX}br{live.tag}"]
+        before = ip("netns", "list").stdout + ip("-o", "link", "show").stdout
+        assert all(n in before for n in dead_names + live_names), before
+
+        removed = sweep_leftovers()
+        left = ip("netns", "list").stdout + ip("-o", "link", "show").stdout
+        assert all(n in removed and n not in left for n in dead_names), (removed, left)
+        assert all(n in left for n in live_names), left
+        assert not any(n in removed for n in live_names), removed
+        # the live hosts still work
+        assert live["a"].sh("ip", "addr", "show", "eth0").returncode == 0
+    finally:
+        live.close()

@@ -4,6 +4,7 @@ server. Everything is stopped by :meth:`Topology.close`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,7 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -193,6 +194,25 @@ def kill_a_busy_engine(topo: Topology, stage_id: int, timeout: float = 60.0) -> 
     wait_until(busy, timeout, interval=0.01)
     os.kill(victim[0], signal.SIGKILL)
     return victim[0]
+
+
+@contextlib.contextmanager
+def held_engines(topo: Topology, stage_id: int) -> Iterator[list[int]]:
+    """The engine process of every replica of ``stage_id`` stopped (SIGSTOP) inside the block,
+    continued (SIGCONT) when it ends, on failure too; their pids. The pods' sidecars keep
+    serving (accepting hops, answering /health): what reaches the stage waits in its engines,
+    so it is still there for whatever the block does to it, however busy the machine is."""
+    pids = [engine_pid(proc) for proc in topo.stages[stage_id]]
+    stopped: list[int] = []
+    try:
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(pid)
+        yield pids
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
 
 def answers_while_killing(

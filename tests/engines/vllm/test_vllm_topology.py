@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ import pytest
 from omni_mesh.configs.loader import bundled_deploy_path
 from tests.procs import wait_until
 from tests.sidecar.realtime.sdk import until
-from tests.sidecar.topology import Topology, answers_while_killing, post_json
+from tests.sidecar.topology import Topology, answers_while_killing, held_engines, post_json
 
 # 600 s: the first test's timeout also covers the module's start-up (three vLLM engines on the
 # 2 cores, which on a loaded machine took more than 180 s to be all discovered).
@@ -167,42 +168,54 @@ def test_a_realtime_cancel_aborts_the_responses_vllm_requests(topo: Topology) ->
                 }
             )
             until(conn, "conversation.item.done")
-            conn.response.create(response={"max_output_tokens": 400})
-            # Cancelled while both vLLM stages hold the response's work: the thinker streams its
-            # text (400 tokens take it longer than this), and a talker hop is in flight. (At the
-            # first audio delta the tiny thinker had sometimes finished already: nothing of it
-            # left to abort.)
-            first = until(conn, "response.output_audio_transcript.delta")[-1]
-            wait_until(
-                lambda: sum(topo.metric(u, "omni_stage_in_flight") for u in topo.urls[1]) > 0,
-                30,
-                interval=0.01,
-            )
-            conn.response.cancel()
-            events = until(conn, "response.done")
+            # Cancelled while both vLLM stages hold the response's work, however busy the
+            # machine: the engines after the thinker are held (SIGSTOP) before it starts, so
+            # the talker hops of the response stay in flight, waiting in the talkers' engines;
+            # the thinker is held as soon as one reaches a talker, its answer begun, not done
+            # (the tiny model samples its end of text at random, often within 100 tokens). Each
+            # engine finds the abort waiting when it continues. (Cancelled at the first text
+            # delta, unheld, the thinker had sometimes finished already, and talkers that kept
+            # up with it had sometimes no hop left when the cancel reached them.)
+            with held_engines(topo, 1), held_engines(topo, 2):
+                conn.response.create(response={"max_output_tokens": 400})
+                first = until(conn, "response.created")[-1].response
+                wait_until(
+                    lambda: sum(topo.metric(u, "omni_stage_in_flight") for u in topo.urls[1]) > 0,
+                    30,
+                    interval=0.01,
+                )
+                with held_engines(topo, 0):
+                    conn.response.cancel()
+                    events = until(conn, "response.done")
             assert events[-1].response.status == "cancelled", events[-1]
-            assert events[-1].response.id == first.response_id
+            assert events[-1].response.id == first.id
     finally:
         sdk.close()
 
-    def state() -> tuple[bool, list[float], float]:
-        logs = [p.stderr for p in topo.stages[0] + topo.stages[1]]
+    talker_aborted = re.compile(rf"aborted key={re.escape(first.id)}/\d+ stage=1\b")
+
+    def state() -> tuple[bool, bool, list[float], float]:
+        thinker_log, *talker_logs = [p.stderr for p in topo.stages[0] + topo.stages[1]]
         cancelled = [cancelled_at(0) - before[0], cancelled_at(1) - before[1]]
         running = sum(topo.metric(u, "omni_stage_engine_running_requests") for u in vllm_urls)
-        thinker_aborted = f"vLLM request aborted stage=0 id={first.response_id}" in logs[0]
-        return thinker_aborted, cancelled, running
+        return (
+            f"vLLM request aborted stage=0 id={first.id}" in thinker_log,
+            any(talker_aborted.search(log) for log in talker_logs),
+            cancelled,
+            running,
+        )
 
     def aborted() -> bool:
-        thinker_aborted, cancelled, running = state()
-        return thinker_aborted and min(cancelled) >= 1 and running == 0
+        thinker, talker, cancelled, running = state()
+        return thinker and talker and min(cancelled) >= 1 and running == 0
 
     wait_until(
         aborted,
         30,
         interval=0.2,
         message=lambda: (
-            "thinker's vLLM request aborted, requests cancelled since at stages 0 "
-            f"and 1, running: {state()}"
+            "thinker's vLLM request aborted, a talker engine's work aborted, requests "
+            f"cancelled since at stages 0 and 1, running: {state()}"
         ),
     )
 
