@@ -20,6 +20,7 @@ the same run. Every process a benchmark starts is stopped at its end, also on er
 | realtime | :mod:`benchmarks.realtime` | first audio, barge-in, session memory, a kill |
 | pd | :mod:`benchmarks.pd` | prefill/decode split 1P:1D vs 2 unsplit replicas, mixed load |
 | pd-thinker | :mod:`benchmarks.pd_thinker` | the same for qwen3-omni's thinker (transformers) |
+| omni-handoff | :mod:`benchmarks.omni_handoff` | qwen3-omni first audio vs answer length |
 """
 
 NAMES = (
@@ -36,4 +37,5 @@ NAMES = (
     "realtime",
     "pd",
     "pd-thinker",
+    "omni-handoff",
 )

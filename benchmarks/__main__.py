@@ -43,6 +43,7 @@ MODULES = {
     "realtime": "benchmarks.realtime",
     "pd": "benchmarks.pd",
     "pd-thinker": "benchmarks.pd_thinker",
+    "omni-handoff": "benchmarks.omni_handoff",
 }
 
 

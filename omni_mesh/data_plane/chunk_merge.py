@@ -16,7 +16,8 @@ from omni_mesh.data_plane.tensors import array_from_tensor, tensor_from_array
 
 
 def merged_input(chunks: list[StageInput], reader: ShmReader) -> StageInput:
-    """One whole input (chunk 0, ``last``) from ``chunks``, in order; tensors inline."""
+    """One whole input (chunk 0, ``last``) from ``chunks``, in order; tensors inline.
+    ValueError for an array whose dtype or trailing shape changes between chunks."""
     fields: dict[str, object] = {}
     parts: dict[str, list[np.ndarray]] = {}
     for si in chunks:
@@ -25,10 +26,19 @@ def merged_input(chunks: list[StageInput], reader: ShmReader) -> StageInput:
             parts.setdefault(name, []).append(array_from_tensor(t, reader))
     tensors = {}
     for name, arrays in parts.items():
-        try:
-            whole = np.concatenate(arrays) if len(arrays) > 1 else arrays[0].copy()
-        except ValueError as exc:
-            raise ValueError(f"streamed input: array {name!r}: {exc}") from None
+        first = arrays[0]
+        for arr in arrays[1:]:
+            if (
+                arr.dtype != first.dtype
+                or arr.ndim == 0
+                or first.ndim == 0
+                or arr.shape[1:] != first.shape[1:]
+            ):
+                raise ValueError(
+                    f"streamed input: array {name!r} is {arr.dtype}{list(arr.shape)} in a later "
+                    f"chunk, {first.dtype}{list(first.shape)} in the first"
+                )
+        whole = np.concatenate(arrays) if len(arrays) > 1 else first.copy()
         tensors[name] = tensor_from_array(np.ascontiguousarray(whole))
     payload = Payload(fields=dict(fields), tensors=tensors)  # type: ignore[arg-type]
     return msgspec.structs.replace(chunks[0], chunk=0, last=True, stream_from="", payload=payload)

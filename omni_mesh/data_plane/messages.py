@@ -276,6 +276,14 @@ class Result(Struct, tag="result"):
     key: str  # transfer_key of the input it answers
 
 
+class Results(Struct, tag="results"):
+    """Engine → sidecar: every output of one engine step, in one frame (as vLLM's
+    ``EngineCoreOutputs`` carries a step's rows): one encode, one write and one wake-up for a
+    step of many streams, not one per output."""
+
+    results: list[Result]
+
+
 class EngineStats(Struct):
     """What a model engine with its own scheduler (vLLM) reports inside :class:`Stats`."""
 
@@ -320,7 +328,9 @@ class Fatal(Struct, tag="fatal"):
     config_error: bool = False  # its settings are unusable (not a transient failure)
 
 
-EngineMessage = Hello | Ready | Submit | Feed | Abort | Release | Result | Stats | Shutdown | Fatal
+EngineMessage = (
+    Hello | Ready | Submit | Feed | Abort | Release | Result | Results | Stats | Shutdown | Fatal
+)
 
 
 # ---- /v1/run (client ⇄ sidecar) --------------------------------------------------------------

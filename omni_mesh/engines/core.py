@@ -54,6 +54,7 @@ from omni_mesh.data_plane.messages import (
     StageInput,
     StageOutput,
     Tensor,
+    is_whole,
     opens_input_stream,
     streams_out,
     transfer_key,
@@ -169,12 +170,15 @@ class EngineCore:
         """The work ``key`` was dropped before admission: its early chunks go too."""
         self._early.pop(key, None)
 
-    def feed(self, key: str, si: StageInput, read: ArrayReader) -> None:
+    def feed(self, key: str, si: StageInput, read: ArrayReader, *, queued: bool = False) -> None:
         """A later chunk of the streamed input of the work ``key``: merged into its running
-        request (``engines/fed.py``), kept until the request is admitted, or dropped when a
-        chunk of it was seen already. A chunk that cannot be merged fails the request."""
+        request (``engines/fed.py``), kept until the request is admitted when it is
+        ``queued``, else dropped (the request ended or was aborted), as is a chunk seen already.
+        A chunk that cannot be merged fails the request."""
         stream = next((s for s in self._running if transfer_key(s.si) == key), None)
         if stream is None:
+            if not queued:
+                return
             early = self._early.setdefault(key, [])
             if len(early) < MAX_EARLY_CHUNKS:
                 early.append(si)
@@ -191,7 +195,7 @@ class EngineCore:
                 raise EngineInputError(
                     f"streamed input: chunk {si.chunk} came where chunk {stream.fed.chunks} was due"
                 )
-            stream.fed.append(self._to_request(si, read).data)
+            stream.fed.append(self._to_data(si, read))
         except (EngineInputError, ValueError) as exc:
             stream.fed_error = str(exc)
             return
@@ -372,10 +376,26 @@ class EngineCore:
 
     def _to_request(self, si: StageInput, read: ArrayReader) -> EngineRequest:
         streamed = opens_input_stream(si)
+        where = f"stage {self.stage.stage_id} ({self.stage.name})"
         if streamed and not self.stage.stream_input:
+            raise EngineInputError(f"{where} takes no streamed input")
+        if self.stage.stream_input and not (streamed or is_whole(si)):
             raise EngineInputError(
-                f"stage {self.stage.stage_id} ({self.stage.name}) takes no streamed input"
+                f"{where} takes its input whole or as a stream: chunk {si.chunk} came alone "
+                "(no stream_from)"
             )
+        return EngineRequest(
+            request_id=si.request_id,
+            seed=si.seed,
+            data=self._to_data(si, read),
+            sampling=si.sampling,
+            chunk=si.chunk,
+            last=si.last,
+            kv_transfer=si.kv_transfer,
+            streamed_input=streamed,
+        )
+
+    def _to_data(self, si: StageInput, read: ArrayReader) -> StageData:
         arrays = {}
         for name, t in si.payload.tensors.items():
             try:
@@ -387,16 +407,7 @@ class EngineCore:
         data = StageData(fields=dict(si.payload.fields), arrays=arrays)
         if self._join is not None:
             data = self._join(data)
-        return EngineRequest(
-            request_id=si.request_id,
-            seed=si.seed,
-            data=data,
-            sampling=si.sampling,
-            chunk=si.chunk,
-            last=si.last,
-            kv_transfer=si.kv_transfer,
-            streamed_input=streamed,
-        )
+        return data
 
     def _to_output(
         self,

@@ -31,7 +31,12 @@ class FedInput:
             if have is None:
                 self.data.arrays[name] = arr.copy()
                 continue
-            if arr.dtype != have.dtype or arr.shape[1:] != have.shape[1:] or arr.ndim == 0:
+            if (
+                arr.dtype != have.dtype
+                or arr.shape[1:] != have.shape[1:]
+                or arr.ndim == 0
+                or have.ndim == 0
+            ):
                 raise EngineInputError(
                     f"streamed input chunk {self.chunks}: array {name!r} is {arr.dtype}"
                     f"{list(arr.shape)}, earlier chunks gave {have.dtype}{list(have.shape)}"

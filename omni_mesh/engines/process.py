@@ -42,6 +42,7 @@ from omni_mesh.data_plane.messages import (
     Ready,
     Release,
     Result,
+    Results,
     Shutdown,
     StageError,
     StageInput,
@@ -193,8 +194,11 @@ class EngineProc:
         if isinstance(msg, Submit):
             self._waiting.append((msg.stage_input, time.monotonic()))
         elif isinstance(msg, Feed):
+            # Kept for its request when that is running or still queued; dropped when it
+            # ended (a talker that stopped before the thinker) or was aborted.
+            queued = any(transfer_key(w[0]) == msg.key for w in self._waiting)
             if self._core is not None:
-                self._core.feed(msg.key, msg.stage_input, self._read)
+                self._core.feed(msg.key, msg.stage_input, self._read, queued=queued)
         elif isinstance(msg, Abort):
             # Waiting work is dropped and a running stream closed, each answered with a last
             # "aborted" Result: only then does the sidecar reuse the work's input slots. Work
@@ -234,8 +238,12 @@ class EngineProc:
                 self._last_step_ms = (time.monotonic() - t0) * 1000.0
                 self._last_batch = advanced
                 self._steps += 1
-                for si, out in outputs:
+                if len(outputs) == 1:
+                    si, out = outputs[0]
                     self.channel.send(Result(output=out, key=transfer_key(si)))
+                elif outputs:  # the step's outputs in one frame
+                    results = [Result(output=out, key=transfer_key(si)) for si, out in outputs]
+                    self.channel.send(Results(results=results))
             else:
                 core.engine.idle()  # nothing to run: the engine's own housekeeping
             # 4) Report load now and then (not per step: that would double the IPC per request).
@@ -262,8 +270,8 @@ class EngineProc:
                 self.state = State.STOPPED
 
     def _poll_timeout(self, core: EngineCore) -> float:
-        if self._waiting:
-            return 0.0
+        if self._waiting and core.running < self.max_num_seqs:
+            return 0.0  # work to admit
         if core.running:
             return STARVED_POLL_S if core.engine.waits_for_input() else 0.0
         return STATS_INTERVAL_S

@@ -139,8 +139,13 @@ class StageRunner:
             out.next = keep
         if chunks and outputs and outputs[-1].error is None:
             last = outputs[-1]
-            reader = self.engine.reader
-            last.next = [*last.next, *(merged_input(c, reader) for c in chunks.values())]
+            try:
+                joined = [merged_input(c, self.engine.reader) for c in chunks.values()]
+            except ValueError as exc:  # the engine's chunks do not join: its bug, this request's
+                error = StageError(code="engine_error", message=str(exc), stage_id=self.stage_id)
+                last.error, last.next, last.final = error, [], None
+                return outputs
+            last.next = [*last.next, *joined]
         return outputs
 
     async def prefill(self, si: StageInput) -> AsyncGenerator[HopResult, None]:
@@ -469,15 +474,21 @@ class InputFeeds:
         key = transfer_key(si)
         timeout_s = max(0.1, si.deadline_ms / 1000.0 - time.time())
         try:
+            await engine.submitted(key)  # the chunks follow their first on the channel
             async with contextlib.aclosing(
                 pull_input(hop.http, si.stream_from, hop.auth_header, si, timeout_s)
             ) as chunks:
                 async for chunk in chunks:
+                    if not engine.holds(key):
+                        return  # the request ended (or was left): the rest is not needed
                     await engine.feed(key, chunk)
                     if self.on_fed is not None:
                         self.on_fed()
+        except EngineDeadError:
+            pass  # the request fails with the engine
         except InputPullError as exc:
             logger.warning("request_id=%s: %s", si.request_id, exc)
             engine.fail(key, "unavailable", str(exc))
-        except EngineDeadError:
-            pass  # the request fails with the engine
+        except Exception as exc:  # a bad address, a frame that does not decode, …
+            logger.exception("request_id=%s: feeding its streamed input failed", si.request_id)
+            engine.fail(key, "engine_error", f"streamed input: {type(exc).__name__}: {exc}")

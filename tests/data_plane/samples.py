@@ -54,6 +54,13 @@ ENGINE_MESSAGES: list[m.EngineMessage] = [
     m.Abort(key="req-42"),
     m.Release(key="req-42"),
     m.Result(output=sample_output(), key="req-42"),
+    m.Results(
+        results=[
+            m.Result(output=sample_output(), key="req-42"),
+            m.Result(output=sample_output(), key="req-43/2"),
+        ]
+    ),
+    m.Feed(key="req-42", stage_input=sample_stage_input()),
     m.Stats(queued=1, running=2, batch_size=2, step_ms=3.5, steps=10),
     m.Shutdown(drain=False),
     m.Fatal(message="weights missing"),

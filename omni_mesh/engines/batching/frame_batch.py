@@ -128,7 +128,7 @@ class FrameBatch(ABC, Generic[RowT]):
         return (
             bool(self.parked)
             and not (self.running or self.pending or self.waiting)
-            and not any(row.ready() for row, _ in self.parked)
+            and not any(_ready(row) for row, _ in self.parked)
         )
 
     def is_parked(self, row: RowT) -> bool:
@@ -235,7 +235,7 @@ class FrameBatch(ABC, Generic[RowT]):
             return
         parked, self.parked = self.parked, []
         for row, row_cache in parked:
-            if row.ready():
+            if _ready(row):  # (a row that failed is joined, then leaves at the step's end)
                 self._join(row, row_cache)
             else:
                 self.parked.append((row, row_cache))
@@ -244,7 +244,13 @@ class FrameBatch(ABC, Generic[RowT]):
         """The running rows that are not ready leave the batch, each with its cache."""
         for index in reversed(range(len(self.running))):
             row = self.running[index]
-            if not row.done and not row.ready():
+            if row.done:
+                continue
+            ready = _ready(row)
+            if row.error is not None:  # its check failed: it leaves now
+                self.running.pop(index)
+                self.cache.drop(index)
+            elif not ready:
                 self.running.pop(index)
                 self.parked.append((row, self.cache.take(index)))
 
@@ -279,3 +285,13 @@ class FrameBatch(ABC, Generic[RowT]):
             survivors.append(row)
         self.cache = batch
         self.running = survivors
+
+
+def _ready(row: Row) -> bool:
+    """``row.ready()``; a row whose check raises fails alone (and counts as ready: it leaves)."""
+    try:
+        return row.ready()
+    except Exception as exc:
+        logger.exception("request_id=%s: its input cannot be read", row.request_id)
+        row.fail(exc)
+        return True

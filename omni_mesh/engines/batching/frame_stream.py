@@ -62,7 +62,7 @@ class FrameStream:
             self._seen == len(row.frames)
             and not row.done
             and row.remote is None
-            and not self.batch.is_parked(row)
+            and (not self.batch.is_parked(row) or row.ready())
         ):  # (a row waiting for its state or its input: before_step polls it)
             with torch.inference_mode():
                 self.batch.step()

@@ -66,7 +66,7 @@ class TalkerRow(Row):
 
     def ready(self) -> bool:
         """A streamed answer's row waits until the thinker has fed its next entry."""
-        return self.text is None or self.prompt is None or self.text.entry(self.step) is not None
+        return self.text is None or self.prompt is None or self.text.available(self.step)
 
     def text_embed(self) -> Tensor:
         """What the next talker input adds to the codec embeddings: the next text entry."""

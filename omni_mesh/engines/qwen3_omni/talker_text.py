@@ -47,6 +47,17 @@ class StreamedText:
         self._complete: tuple[Tensor, Tensor] | None = None
         self._made: dict[int, Tensor] = {}
 
+    def available(self, j: int) -> bool:
+        """Whether entry ``j`` can be had now (no compute: what came so far)."""
+        if self.request.last:
+            return True
+        arrays = self.request.data.arrays
+        position = self.prompt_tokens + 1 + j  # answer token j + 1
+        if position >= arrays["thinker_embed"].shape[0]:
+            return False
+        # an answer that went on past its end: wait for the whole of it
+        return not np.any(arrays["sequences"][self.prompt_tokens : position + 1] == self.im_end)
+
     def entry(self, j: int) -> Tensor | None:
         """Entry ``j`` ([1, 1, H]), or None while its position has not come."""
         if self.request.last:
@@ -58,13 +69,10 @@ class StreamedText:
         made = self._made.get(j)
         if made is not None:
             return made
-        arrays = self.request.data.arrays
-        embed, sequences = arrays["thinker_embed"], arrays["sequences"]
-        position = self.prompt_tokens + 1 + j  # answer token j + 1
-        if position >= embed.shape[0]:
+        if not self.available(j):
             return None
-        if np.any(sequences[self.prompt_tokens : position + 1] == self.im_end):
-            return None  # an answer that went on past its end: wait for the whole of it
+        embed = self.request.data.arrays["thinker_embed"]
+        position = self.prompt_tokens + 1 + j
         talker = self.talker
         row = torch.from_numpy(np.array(embed[position : position + 1], dtype=np.float32))
         projected: Tensor = talker.text_projection(row.to(talker.device, talker.dtype)[None])

@@ -28,7 +28,7 @@ async def input_chunks(request: web.Request) -> web.StreamResponse:
     except ValueError as exc:
         raise bad_request(f"input pull body: {exc}") from None
     held = pod.input_streams.get(pull.request_id, pull.stage_id)
-    if held is None or pull.from_chunk < 1:
+    if held is None:
         raise ApiError(
             404,
             f"no streamed input of request {pull.request_id!r} for stage {pull.stage_id} "

@@ -32,6 +32,7 @@ from omni_mesh.data_plane.messages import (
     Ready,
     Release,
     Result,
+    Results,
     Shutdown,
     StageError,
     StageInput,
@@ -128,6 +129,7 @@ class EngineClient:
         self._proc: asyncio.subprocess.Process | None = None
         self._chan: AsyncChannel | None = None
         self._pending: dict[str, Work] = {}  # by transfer key
+        self._submitted: dict[str, asyncio.Event] = {}  # keys a feeder waits to see submitted
         # Work left early, aborted on the engine: its input slots are reused (and its output
         # slots released) once its last Result says the engine let go of them.
         self._abandoned: dict[str, Work] = {}
@@ -292,6 +294,9 @@ class EngineClient:
             return
         elif isinstance(msg, Result):
             self._on_result(msg.key, msg.output)
+        elif isinstance(msg, Results):
+            for result in msg.results:
+                self._on_result(result.key, result.output)
         elif isinstance(msg, Stats):
             self.stats = msg
         elif isinstance(msg, Fatal):
@@ -312,6 +317,7 @@ class EngineClient:
             work.answered = True
             del self._pending[key]
             self.arena.free_owner(key)  # the engine is done with our input slots
+        work.delivered += 1
         work.mailbox.put_nowait(out)
 
     def _died(self, reason: str) -> None:
@@ -381,25 +387,47 @@ class EngineClient:
         except BaseException:
             self.leave(key, work)
             raise
+        waiting = self._submitted.get(key)  # a feeder of its streamed input
+        if waiting is not None:
+            waiting.set()
         return key, work
+
+    def holds(self, key: str) -> bool:
+        """Whether the work ``key`` was submitted and its last output has not come."""
+        return key in self._pending
+
+    async def submitted(self, key: str) -> None:
+        """Return once the work ``key`` has been handed to the engine (a streamed input's later
+        chunks must follow its first on the channel)."""
+        if key in self._pending:
+            return
+        event = self._submitted.setdefault(key, asyncio.Event())
+        try:
+            await event.wait()
+        finally:
+            self._submitted.pop(key, None)
 
     async def feed(self, key: str, si: StageInput) -> None:
         """Hand the engine a later chunk of the streamed input of the work ``key`` (its
         tensors inline: chunks are a few positions each)."""
         if self.dead.is_set() or self._chan is None:
             raise EngineDeadError(f"stage {self.stage_id}: {self.death_reason or 'not started'}")
-        await self._chan.send(Feed(key=key, stage_input=si))
+        try:
+            await self._chan.send(Feed(key=key, stage_input=si))
+        except ChannelError as exc:
+            raise EngineDeadError(f"stage {self.stage_id}: {self.death_reason or exc}") from exc
 
     def fail(self, key: str, code: str, message: str) -> None:
-        """End the running work ``key`` with an error output (its reader then leaves, which
-        aborts it on the engine): what a streamed input that cannot be pulled comes to."""
+        """End the running work ``key`` with an error output after those delivered, and abort
+        it on the engine: what a streamed input that cannot be pulled comes to."""
         work = self._pending.get(key)
         if work is None:
             return
         error = StageError(code=code, message=message, stage_id=self.stage_id)  # type: ignore[arg-type]
         work.mailbox.put_nowait(
-            StageOutput(request_id=key, stage_id=self.stage_id, chunk=0, error=error)
+            StageOutput(request_id=key, stage_id=self.stage_id, chunk=work.delivered, error=error)
         )
+        self.leave(key, work)
 
     def leave(self, key: str, work: Work) -> None:
         """The caller left before the last output (client gone, deadline, a failed branch)."""

@@ -93,7 +93,7 @@ class EngineOutputs:
         try:
             if self._feeding is not None:
                 self._feeding.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
+                with contextlib.suppress(asyncio.CancelledError, Exception):  # (it logs its own)
                     await self._feeding
             await self._stream.aclose()  # left early: the engine aborts the work
             if self._holds_slots:

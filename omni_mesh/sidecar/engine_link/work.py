@@ -55,6 +55,7 @@ class Work:
     whole: bool
     mailbox: Mailbox = field(default_factory=Mailbox)
     answered: bool = False  # its last output came (the engine is done with its inputs)
+    delivered: int = 0  # outputs put in the mailbox so far
     on_aborted: Callable[[str], None] | None = None  # see EngineClient.when_aborted
 
     def ends_with(self, out: StageOutput) -> bool:

@@ -16,8 +16,9 @@ import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
+from typing import Annotated
 
-from msgspec import Struct
+from msgspec import Meta, Struct
 
 from omni_mesh.data_plane import codec
 from omni_mesh.data_plane.constants import HOP_FRAMES, MSGPACK
@@ -38,7 +39,7 @@ class InputPull(Struct, forbid_unknown_fields=True):
 
     request_id: RequestId
     stage_id: StageId
-    from_chunk: int = 1
+    from_chunk: Annotated[int, Meta(ge=1)] = 1
 
 
 class InputPullError(ConnectionError):
@@ -132,7 +133,7 @@ async def pull_input(
             max_bytes=MAX_CHUNK_BYTES,
             stream_type=HOP_FRAMES,
         )
-    except (HopConnectionError, TimeoutError, OSError) as exc:
+    except (HopConnectionError, TimeoutError, OSError, ValueError) as exc:
         raise InputPullError(f"streamed input from {address}: {type(exc).__name__}: {exc}") from exc
     if answer.frames is None:
         raise InputPullError(

@@ -150,8 +150,10 @@ def test_chunks_that_arrive_before_the_request_runs_are_kept_for_it(cores: Cores
     talker = cores.talker
     want = codes(run_all(talker, msgspec.structs.replace(whole, request_id="w2")))
     first = streamed(chunks[0])
-    for chunk in chunks[1:]:  # every later chunk comes first (a Feed before its Submit)
-        talker.feed(transfer_key(first), chunk, array_from_tensor)
+    for chunk in chunks[1:]:  # every later chunk comes while the request is still queued
+        talker.feed(transfer_key(first), chunk, array_from_tensor, queued=True)
+    talker.feed("gone", chunks[1], array_from_tensor)  # a request not here: dropped
+    assert "gone" not in talker._early
     got = run_all(talker, first)
     assert np.array_equal(codes(got), want)
 
@@ -183,3 +185,14 @@ def test_a_chunk_out_of_order_or_of_another_shape_fails_its_request_alone(
         outputs += step(talker)
     assert outputs[-1].error is not None and outputs[-1].error.code == "bad_input"
     assert "'thinker_embed'" in outputs[-1].error.message
+
+
+def test_a_chunk_alone_at_a_streamed_stage_or_a_stream_elsewhere_is_refused(cores: Cores) -> None:
+    chunks = cores.talker_inputs(cores.streamed, "f", 8)
+    (out,) = step(cores.talker, chunks[1])  # a later chunk as a request of its own
+    assert out.error is not None and out.error.code == "bad_input"
+    assert "came alone (no stream_from)" in out.error.message
+    opening = msgspec.structs.replace(thinker_input("g", 4), last=False, stream_from="http://x:1")
+    (out,) = step(cores.whole, opening)  # the thinker takes no streamed input
+    assert out.error is not None and out.error.code == "bad_input"
+    assert "stage 0 (thinker) takes no streamed input" in out.error.message
