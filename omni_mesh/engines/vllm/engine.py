@@ -61,6 +61,7 @@ from omni_mesh.engines.base import (
 from omni_mesh.engines.extras import extra_bool, extra_int
 from omni_mesh.engines.model_cache import default_cache_dir
 from omni_mesh.engines.vllm.args import build_engine_args, make_vllm_config
+from omni_mesh.engines.vllm.cpu_binding import bind_cpu_workers
 from omni_mesh.engines.vllm.kv_split import (
     CPU_PROGRESS_DELAY_US,
     KvTransferCounts,
@@ -139,6 +140,9 @@ class VllmEngine(StageEngine):
             # vLLM reads this to choose its executor (on CPU: the in-process one only when it
             # is "0"); one replica is one process, whatever the environment says.
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        else:
+            where = f"stage {self.ctx.stage.name!r} ({self.ctx.pipeline.name})"
+            bind_cpu_workers(self.ctx.config.world_size, where)
         vllm_config = make_vllm_config(args, self.ctx.stage.stage_id)
         from vllm.v1.engine.llm_engine import LLMEngine
         from vllm.v1.executor import Executor

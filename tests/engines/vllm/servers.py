@@ -89,9 +89,11 @@ def deploy_overlay(
     decode: int = 1,
     kv_lease_s: int = 30,
     prefill_autoscale: AutoscaleConfig | None = None,
+    tensor_parallel: int = 1,
 ) -> str:
     """The deploy overlay of the tests' ``tiny-llm``; ``prefill`` > 0 splits its stage, whose
-    prefill pool (``prefill`` its starting size) follows ``prefill_autoscale`` when given."""
+    prefill pool (``prefill`` its starting size) follows ``prefill_autoscale`` when given;
+    ``tensor_parallel`` > 1 runs it on that many vLLM workers."""
     text = (
         f"base_config: {bundled_deploy_path(MODEL)}\n"
         "async_chunk: true\n"
@@ -99,7 +101,8 @@ def deploy_overlay(
         "  - stage_id: 0\n"
         f"    num_replicas: {decode}\n"
         "    max_model_len: 2048\n"
-        "    sampling: {temperature: 0.0, max_tokens: 16}\n"
+        + (f"    tensor_parallel_size: {tensor_parallel}\n" if tensor_parallel > 1 else "")
+        + "    sampling: {temperature: 0.0, max_tokens: 16}\n"
         "    engine_extras: {chunk_tokens: 1, chat_template: true"
         + (f", kv_lease_s: {kv_lease_s}}}\n" if prefill else "}\n")
     )
@@ -118,11 +121,14 @@ def tiny_llm(
     decode: int = 1,
     kv_lease_s: int = 30,
     prefill_autoscale: AutoscaleConfig | None = None,
+    tensor_parallel: int = 1,
 ) -> Iterator[Server]:
     """``omni-up`` of ``tiny-llm`` (split when ``prefill``; see :func:`deploy_overlay`),
     stopped with Ctrl-C at the end."""
     overlay = log_dir / "tiny-llm.yaml"
-    overlay.write_text(deploy_overlay(prefill, decode, kv_lease_s, prefill_autoscale))
+    overlay.write_text(
+        deploy_overlay(prefill, decode, kv_lease_s, prefill_autoscale, tensor_parallel)
+    )
     with omni_up(MODEL, overlay, log_dir, secret=SECRET, timeout_s=200) as (proc, url):
         server = Server(proc, url, stage_pools(proc.stdout, 0, "llm"))
         try:
