@@ -21,6 +21,7 @@ the same run. Every process a benchmark starts is stopped at its end, also on er
 | pd | :mod:`benchmarks.pd` | prefill/decode split 1P:1D vs 2 unsplit replicas, mixed load |
 | pd-thinker | :mod:`benchmarks.pd_thinker` | the same for qwen3-omni's thinker (transformers) |
 | omni-handoff | :mod:`benchmarks.omni_handoff` | qwen3-omni first audio vs answer length |
+| omni-thinkers | :mod:`benchmarks.omni_thinkers` | qwen3-omni's thinker: vLLM vs transformers |
 """
 
 NAMES = (
@@ -38,4 +39,5 @@ NAMES = (
     "pd",
     "pd-thinker",
     "omni-handoff",
+    "omni-thinkers",
 )

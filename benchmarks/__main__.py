@@ -44,6 +44,7 @@ MODULES = {
     "pd": "benchmarks.pd",
     "pd-thinker": "benchmarks.pd_thinker",
     "omni-handoff": "benchmarks.omni_handoff",
+    "omni-thinkers": "benchmarks.omni_thinkers",
 }
 
 
