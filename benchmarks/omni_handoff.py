@@ -19,38 +19,26 @@ import time
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from benchmarks.common import Options, Report
 from benchmarks.measure import Target, md_table
-from omni_mesh.configs.deploy import StageDeployConfig
 from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.data_plane.messages import Payload, StageInput, StageOutput, transfer_key
-from omni_mesh.data_plane.tensors import array_from_tensor, tensor_from_array
-from omni_mesh.engines.base import EngineContext, StageEngine, import_object
+from omni_mesh.data_plane.tensors import array_from_tensor
 from omni_mesh.engines.core import EngineCore
+from tests.engines.helpers import stage_core, step_inline
 
 PIPELINE = get_pipeline("qwen3-omni")
 LENGTHS = (16, 64, 256)
 MESSAGES = [{"role": "user", "content": "Tell me a long story about a small robot."}]
 
 
-def _write(arr: np.ndarray, owner: str) -> Any:
-    return tensor_from_array(np.array(arr, copy=True))
-
-
 def _core(stage_id: int, **extras: Any) -> EngineCore:
-    stage = PIPELINE.stage(stage_id)
-    config = StageDeployConfig(stage_id=stage_id, engine_extras=extras)
-    ctx = EngineContext(PIPELINE, stage, config, async_chunk=True)
-    engine: StageEngine = import_object(stage.engine).engine_for(ctx)(ctx)
-    engine.load()
-    return EngineCore(PIPELINE, stage, engine)
+    return stage_core(PIPELINE.name, stage_id, **extras)
 
 
 def _step(core: EngineCore, *inputs: StageInput) -> list[StageOutput]:
-    now = time.monotonic()
-    return [out for _, out in core.advance([(x, now) for x in inputs], array_from_tensor, _write)]
+    return step_inline(core, *inputs)
 
 
 def _request(i: int, tokens: int) -> StageInput:

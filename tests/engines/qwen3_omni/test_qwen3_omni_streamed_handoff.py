@@ -15,15 +15,13 @@ import msgspec
 import numpy as np
 import pytest
 
-from omni_mesh.configs.deploy import StageDeployConfig
 from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.data_plane.chunk_merge import merged_input
 from omni_mesh.data_plane.messages import StageInput, StageOutput, transfer_key
 from omni_mesh.data_plane.shm import ShmReader
 from omni_mesh.data_plane.tensors import array_from_tensor, tensor_from_array
-from omni_mesh.engines.base import EngineContext, StageEngine, import_object
 from omni_mesh.engines.core import EngineCore
-from tests.engines.helpers import core_step
+from tests.engines.helpers import stage_core, step_inline
 
 pytestmark = [
     pytest.mark.unit,
@@ -36,22 +34,12 @@ FAR_FUTURE_MS = int((time.time() + 3600) * 1000)
 MESSAGES = [{"role": "user", "content": "Say something about the weather today, please."}]
 
 
-def write(arr: np.ndarray, owner: str) -> object:
-    return tensor_from_array(np.array(arr, copy=True))
-
-
 def core(stage_id: int, **extras: Any) -> EngineCore:
-    stage = PIPELINE.stage(stage_id)
-    config = StageDeployConfig(stage_id=stage_id, engine_extras=extras)
-    ctx = EngineContext(PIPELINE, stage, config, async_chunk=True)
-    engine: StageEngine = import_object(stage.engine).engine_for(ctx)(ctx)
-    engine.load()
-    return EngineCore(PIPELINE, stage, engine)
+    return stage_core(PIPELINE.name, stage_id, **extras)
 
 
 def step(c: EngineCore, *inputs: StageInput) -> list[StageOutput]:
-    now = time.monotonic()
-    return core_step(c, [(x, now) for x in inputs], array_from_tensor, write)  # type: ignore[arg-type]
+    return step_inline(c, *inputs)
 
 
 def thinker_input(request_id: str, tokens: int) -> StageInput:

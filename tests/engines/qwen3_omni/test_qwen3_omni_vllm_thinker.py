@@ -212,17 +212,7 @@ def test_the_talker_and_code2wav_given_its_output_equal_the_monolithic_model(
 def test_streamed_text_then_the_whole_output_for_the_talker(
     engine: StageEngine, monolithic: Any
 ) -> None:
-    engine.ctx = dataclasses.replace(engine.ctx, async_chunk=True)
-    try:
-        (stream,) = engine.open([EngineRequest("r1", 5, chat(LONG))])
-        results: list[EngineResult] = []
-        while not results or results[-1].last is False:
-            engine.before_step(1)
-            result = next(stream)
-            if result is not None:
-                results.append(result)
-    finally:
-        engine.ctx = dataclasses.replace(engine.ctx, async_chunk=False)
+    results = run_streamed(engine, chat(LONG), 0)
     deltas, whole = results[:-1], results[-1]
     assert len(deltas) >= 2 and all(not r.forward and r.final is not None for r in deltas)
     streamed = "".join(str(r.final.fields["text"]) for r in results if r.final)
