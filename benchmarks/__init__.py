@@ -22,6 +22,7 @@ the same run. Every process a benchmark starts is stopped at its end, also on er
 | pd-thinker | :mod:`benchmarks.pd_thinker` | the same for qwen3-omni's thinker (transformers) |
 | omni-handoff | :mod:`benchmarks.omni_handoff` | qwen3-omni first audio vs answer length |
 | omni-thinkers | :mod:`benchmarks.omni_thinkers` | qwen3-omni's thinker: vLLM vs transformers |
+| vllm-core | :mod:`benchmarks.vllm_core` | the vLLM stage's engine path vs LLMEngine alone |
 """
 
 NAMES = (
@@ -40,4 +41,5 @@ NAMES = (
     "pd-thinker",
     "omni-handoff",
     "omni-thinkers",
+    "vllm-core",
 )

@@ -45,6 +45,7 @@ MODULES = {
     "pd-thinker": "benchmarks.pd_thinker",
     "omni-handoff": "benchmarks.omni_handoff",
     "omni-thinkers": "benchmarks.omni_thinkers",
+    "vllm-core": "benchmarks.vllm_core",
 }
 
 

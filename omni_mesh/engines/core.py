@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -96,11 +96,10 @@ class _Stream:
     request: EngineRequest | None = None  # a streamed input's request (its data grows)
     fed: FedInput | None = None  # a streamed input's later chunks, merged as they arrive
     fed_error: str = ""  # a later chunk that could not be merged: the request fails
+    whole: bool = field(init=False)  # its answer may stream (a whole input, or a streamed one)
 
-    @property
-    def whole(self) -> bool:
-        """Its answer may stream (a whole input, or a streamed one)."""
-        return streams_out(self.si)
+    def __post_init__(self) -> None:
+        self.whole = streams_out(self.si)  # (read several times per output: kept)
 
     @property
     def next_chunk(self) -> int:

@@ -108,6 +108,7 @@ class VllmEngine(StageEngine):
             )
         self.cache_dir = Path(cache) if cache else default_cache_dir()
         self.text_final = ctx.stage.final_output is OutputKind.TEXT
+        self.hands_on = bool(ctx.pipeline.downstream(ctx.stage.stage_id))
         self._llm: Any = None
         self._tokenizer: Any = None
         self._streams: dict[str, VllmStream] = {}
@@ -275,6 +276,7 @@ class VllmEngine(StageEngine):
             context_tokens=self.context_tokens,
             text_final=self.text_final,
             fields=pass_fields(request.data),
+            hands_on=self.hands_on,
         )
         if local is not None:
             stream.local_retry = (prompt, local)

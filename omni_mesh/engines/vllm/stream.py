@@ -63,6 +63,7 @@ class VllmStream:
         context_tokens: int,
         text_final: bool,
         fields: dict[str, Scalar],
+        hands_on: bool = True,
     ) -> None:
         self.engine = engine
         self.vid = vid
@@ -73,6 +74,7 @@ class VllmStream:
         self.context_tokens = context_tokens
         self.text_final = text_final
         self.fields = fields
+        self.hands_on = hands_on  # a next stage reads the output (else only the client's part)
         self.want_logprobs = request.sampling is not None and request.sampling.logprobs is not None
         self.echo = request.data.fields.get("echo") is True
         self._prompt_final: dict[str, Any] | None = None  # echo: for the first final result
@@ -180,6 +182,8 @@ class VllmStream:
     def _result(self, *, last: bool) -> EngineResult | None:
         """The next result (None: nothing to hand out yet, for a subclass that decides)."""
         text = "".join(self._text)
+        if not self.hands_on:  # no next stage: the client's part alone (the per-token path)
+            return self._client_result(text, last=last)
         arrays = {"token_ids": np.asarray(self._ids, dtype=np.int64)}
         if self.context_tokens and self._history:
             context = self._history[-self.context_tokens :]
@@ -205,6 +209,26 @@ class VllmStream:
         return EngineResult(
             self.request_id,
             output=StageData(fields={**fields, **usage}, arrays=arrays),
+            final=final,
+            last=last,
+            kv_transfer=self.kv_transfer if last else "",
+        )
+
+    def _client_result(self, text: str, *, last: bool) -> EngineResult:
+        """:meth:`_result` for a stage no next stage reads: its final part only."""
+        usage: dict[str, Scalar] = {}
+        if last:
+            usage = {
+                "finish_reason": self.finish_reason,
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.generated,
+            }
+        final = self._final(text, usage) if self.text_final else None
+        self._history += self._ids
+        self._ids, self._text, self._logprobs, self._top, self._top_tokens = [], [], [], [], []
+        self.chunks += 1
+        return EngineResult(
+            self.request_id,
             final=final,
             last=last,
             kv_transfer=self.kv_transfer if last else "",
