@@ -84,24 +84,32 @@ FOLDER_GROUPS = {
     "tests/engines/qwen3_omni": "qwen3-omni",
     "tests/multihost": "hosts",
 }
-_ROOT = Path(__file__).resolve().parents[1]
 
 
-def _group(path: Path) -> str:
-    rel = path.resolve().relative_to(_ROOT).as_posix()
+def work_unit(nodeid: str) -> str:
+    """The unit of work of a test under ``--dist loadgroup``: its folder's group, or its file."""
+    path = nodeid.split("::", 1)[0]
     for folder, group in FOLDER_GROUPS.items():
-        if rel.startswith(folder + "/"):
+        if path.startswith(folder + "/"):
             return group
-    return rel
+    return path
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist workers only: a plain run keeps its order and marks."""
-    if not _is_worker(config):
-        return
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_group(item.path)))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` as :func:`work_unit` says, from each test's node id. (xdist's own
+    loadgroup reads ``xdist_group`` marks into a suffix of the node id, which pytest 9.2's
+    node ids no longer take: every test was a unit of its own, the shared deployments started
+    on both workers and a module's tests split between them.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
+
+    class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return GroupScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

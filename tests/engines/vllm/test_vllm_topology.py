@@ -23,7 +23,13 @@ import pytest
 from omni_mesh.configs.loader import bundled_deploy_path
 from tests.procs import wait_until
 from tests.sidecar.realtime.sdk import until
-from tests.sidecar.topology import Topology, answers_while_killing, held_engines, post_json
+from tests.sidecar.topology import (
+    Topology,
+    answers_while_killing,
+    held_engines,
+    post_json,
+    run_in_slices,
+)
 
 # 600 s: the first test's timeout also covers the module's start-up (three vLLM engines on the
 # 2 cores, which on a loaded machine took more than 180 s to be all discovered).
@@ -169,30 +175,50 @@ def test_a_realtime_cancel_aborts_the_responses_vllm_requests(topo: Topology) ->
             )
             until(conn, "conversation.item.done")
             # Cancelled while both vLLM stages hold the response's work, however busy the
-            # machine: the engines after the thinker are held (SIGSTOP) before it starts, so
-            # the talker hops of the response stay in flight, waiting in the talkers' engines;
-            # the thinker is held as soon as one reaches a talker, its answer begun, not done
-            # (the tiny model samples its end of text at random, often within 100 tokens). Each
-            # engine finds the abort waiting when it continues. (Cancelled at the first text
-            # delta, unheld, the thinker had sometimes finished already, and talkers that kept
-            # up with it had sometimes no hop left when the cancel reached them.)
-            with held_engines(topo, 1), held_engines(topo, 2):
+            # machine: every engine is held (SIGSTOP) before the response starts; the thinker
+            # runs in slices of milliseconds until its first token is out, its answer begun and
+            # not done (the tiny model samples its end of text at random, after 15 to 400
+            # tokens); that token's hop reaches a held talker; the engines continue once the
+            # cancel reached both stages, and find the abort waiting. (Cancelled unheld, the
+            # thinker had sometimes finished, and talkers that kept up with it had sometimes no
+            # hop left.)
+            (thinker_url,) = topo.urls[0]
+
+            def thinker_tokens() -> float:
+                return topo.metric(thinker_url, "omni_stage_output_chunks_total")
+
+            tokens = thinker_tokens()
+            with (
+                held_engines(topo, 1),
+                held_engines(topo, 2),
+                held_engines(topo, 0) as thinker,
+            ):
                 conn.response.create(response={"max_output_tokens": 400})
                 first = until(conn, "response.created")[-1].response
+                run_in_slices(thinker, until=lambda: thinker_tokens() > tokens, timeout=60)
                 wait_until(
                     lambda: sum(topo.metric(u, "omni_stage_in_flight") for u in topo.urls[1]) > 0,
                     30,
                     interval=0.01,
                 )
-                with held_engines(topo, 0):
-                    conn.response.cancel()
-                    events = until(conn, "response.done")
+                conn.response.cancel()
+                events = until(conn, "response.done")
+                wait_until(
+                    lambda: cancelled_at(0) > before[0] and cancelled_at(1) > before[1],
+                    30,
+                    interval=0.01,
+                    message=lambda: f"cancelled at stages 0 and 1 since: {before}",
+                )
             assert events[-1].response.status == "cancelled", events[-1]
             assert events[-1].response.id == first.id
     finally:
         sdk.close()
 
-    talker_aborted = re.compile(rf"aborted key={re.escape(first.id)}/\d+ stage=1\b")
+    talker_aborted = re.compile(rf"aborted key={re.escape(first.id)}(/\d+)? stage=1\b")
+
+    def talker_lines() -> list[str]:
+        logs = [p.stderr for p in topo.stages[1]]
+        return [line for log in logs for line in log.splitlines() if first.id in line][-10:]
 
     def state() -> tuple[bool, bool, list[float], float]:
         thinker_log, *talker_logs = [p.stderr for p in topo.stages[0] + topo.stages[1]]
@@ -215,7 +241,8 @@ def test_a_realtime_cancel_aborts_the_responses_vllm_requests(topo: Topology) ->
         interval=0.2,
         message=lambda: (
             "thinker's vLLM request aborted, a talker engine's work aborted, requests "
-            f"cancelled since at stages 0 and 1, running: {state()}"
+            f"cancelled since at stages 0 and 1, running: {state()}; the talkers' log lines "
+            f"of the response: {talker_lines()}"
         ),
     )
 
