@@ -6,13 +6,21 @@ vLLM's CPU workers bind their OpenMP threads to one NUMA node each unless told o
 on a one-node machine. Where the variable is not set, the stage splits the CPUs its process may
 run on (its affinity: a replica's slice on a shared host) into one contiguous group per rank. A
 GPU platform binds nothing here.
+
+The CPU workers' communicator makes shared-memory segments (``/dev/shm/vllm_dist_<id>-…``) that
+nothing unlinks when the workers stop. :class:`WorkerSegments` notes the ones that appeared while
+the engine started, unlinks them when it closes, and lists them in the engine's temp folder,
+whose sidecar unlinks them when the engine dies (``engine_link/tmp_dirs.py``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
+from omni_mesh.data_plane.constants import ENGINE_SEGMENTS_FILE, ENGINE_TMP_ENV
+from omni_mesh.data_plane.shm_common import SHM_DIR
 from omni_mesh.engines.base import EngineConfigError
 
 logger = logging.getLogger(__name__)
@@ -58,3 +66,28 @@ def bind_cpu_workers(ranks: int, where: str) -> None:
             f"set {BIND_ENV}"
         ) from None
     logger.info("%s: %d CPU workers bound to %s", where, ranks, os.environ[BIND_ENV])
+
+
+class WorkerSegments:
+    """The ``vllm_dist_*`` segments made while the engine starts (module docstring)."""
+
+    PATTERN = "vllm_dist_*"
+
+    def __init__(self) -> None:
+        self._before = self._present()
+        self.names: list[str] = []
+
+    def started(self) -> None:
+        """The engine is up: note what appeared, for :meth:`unlink` and the sidecar."""
+        self.names = sorted(self._present() - self._before)
+        tmp = os.environ.get(ENGINE_TMP_ENV)
+        if self.names and tmp:
+            (Path(tmp) / ENGINE_SEGMENTS_FILE).write_text("".join(f"{n}\n" for n in self.names))
+
+    def unlink(self) -> None:
+        for name in self.names:
+            Path(SHM_DIR, name).unlink(missing_ok=True)
+        self.names = []
+
+    def _present(self) -> set[str]:
+        return {path.name for path in Path(SHM_DIR).glob(self.PATTERN)}

@@ -61,7 +61,7 @@ from omni_mesh.engines.base import (
 from omni_mesh.engines.extras import extra_bool, extra_int
 from omni_mesh.engines.model_cache import default_cache_dir
 from omni_mesh.engines.vllm.args import build_engine_args, make_vllm_config
-from omni_mesh.engines.vllm.cpu_binding import bind_cpu_workers
+from omni_mesh.engines.vllm.cpu_binding import WorkerSegments, bind_cpu_workers
 from omni_mesh.engines.vllm.kv_split import (
     CPU_PROGRESS_DELAY_US,
     KvTransferCounts,
@@ -111,6 +111,7 @@ class VllmEngine(StageEngine):
         self.hands_on = bool(ctx.pipeline.downstream(ctx.stage.stage_id))
         self._llm: Any = None
         self._tokenizer: Any = None
+        self._segments: WorkerSegments | None = None  # a CPU multi-worker engine's (cpu_binding)
         self._streams: dict[str, VllmStream] = {}
         self._serial = 0
         self._tokens = 0  # generated since the last stats report
@@ -144,6 +145,7 @@ class VllmEngine(StageEngine):
         else:
             where = f"stage {self.ctx.stage.name!r} ({self.ctx.pipeline.name})"
             bind_cpu_workers(self.ctx.config.world_size, where)
+            self._segments = WorkerSegments()
         vllm_config = make_vllm_config(args, self.ctx.stage.stage_id)
         from vllm.v1.engine.llm_engine import LLMEngine
         from vllm.v1.executor import Executor
@@ -155,6 +157,8 @@ class VllmEngine(StageEngine):
             log_stats=False,
             multiprocess_mode=False,
         )
+        if self._segments is not None:
+            self._segments.started()
         self._tokenizer = None if args.get("skip_tokenizer_init") else self._llm.get_tokenizer()
         if self.ctx.config.prefill is not None:
             self.kv_counts.install()
@@ -172,6 +176,8 @@ class VllmEngine(StageEngine):
         if self._llm is not None:
             self._llm.engine_core.shutdown()  # vLLM's executor and its distributed state
         self._llm = None
+        if self._segments is not None:
+            self._segments.unlink()
 
     # ---- the core's protocol -------------------------------------------------------------
 

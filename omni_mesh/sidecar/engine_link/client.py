@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
 import signal
 import sys
 from collections.abc import Callable
@@ -51,7 +50,11 @@ from omni_mesh.data_plane.shm import (
     unlink_prefix,
 )
 from omni_mesh.procutil import die_with_parent
-from omni_mesh.sidecar.engine_link.tmp_dirs import make_engine_tmp, sweep_orphaned_engine_tmp
+from omni_mesh.sidecar.engine_link.tmp_dirs import (
+    make_engine_tmp,
+    remove_engine_tmp,
+    sweep_orphaned_engine_tmp,
+)
 from omni_mesh.sidecar.engine_link.work import EngineRun, Work
 
 logger = logging.getLogger(__name__)
@@ -265,7 +268,7 @@ class EngineClient:
     def _remove_tmp(self) -> None:
         """Remove the engine's temp folder (once its process has ended)."""
         if self.engine_tmp is not None:
-            shutil.rmtree(self.engine_tmp, ignore_errors=True)
+            remove_engine_tmp(self.engine_tmp)
             self.engine_tmp = None
 
     def _release_shm(self) -> None:

@@ -1,7 +1,8 @@
 """``tiny-llm``'s vLLM stage with ``tensor_parallel_size: 2`` through ``omni-up``: vLLM's
 multiprocess executor, two CPU worker processes (each bound to its own core by the stage:
 ``engines/vllm/cpu_binding.py``), gives the tokens of tensor parallel 1 (the session's shared
-deployment), greedy and seeded, whole and streamed; its workers go with the stage."""
+deployment), greedy and seeded, whole and streamed; its workers go with the stage, and so do
+the shared-memory segments of their communicator, which vLLM leaves behind."""
 
 from __future__ import annotations
 
@@ -29,15 +30,23 @@ def workers() -> list[str]:
     return [line for line in found.stdout.splitlines() if "pgrep" not in line]
 
 
+def worker_segments() -> set[str]:
+    """The shared-memory segments of vLLM's CPU workers' communicator."""
+    return {path.name for path in Path("/dev/shm").glob("vllm_dist_*")}
+
+
 def test_two_ranks_give_the_tokens_of_one(tiny_llm_server: Server, tmp_path: Path) -> None:
     want = [greedy(tiny_llm_server, p) for p in PROMPTS]
     seeded = [complete(tiny_llm_server, seed) for seed in (3, 4)]
+    before = worker_segments()
     with tiny_llm(tmp_path, tensor_parallel=2) as tp2:
         assert len(workers()) == 2
+        assert worker_segments() - before  # theirs, while they run
         assert [greedy(tp2, p) for p in PROMPTS] == want
         assert [complete(tp2, seed) for seed in (3, 4)] == seeded
         assert complete(tp2, 3, stream=True) == seeded[0]
     assert workers() == []
+    assert worker_segments() <= before  # unlinked with the stage (vLLM leaves them)
 
 
 def test_cpus_are_split_into_one_group_per_rank() -> None:
