@@ -264,7 +264,10 @@ async def test_bad_prefill_pool_requests_name_the_field(
 async def test_decode_names_the_stage_pool(
     client: ControlPlaneClient, cp: ControlPlaneProcess
 ) -> None:
-    await client.set_scale_policy(PIPELINE, 0, FAST, replicas=2)
+    # a scale-down window the test outlives: the policy does not move desired off 2 (with FAST's
+    # none, a decision that lands between the two calls on a busy machine brings it to 1)
+    hold = FAST.model_copy(update={"scale_down_window_s": 3600.0})
+    await client.set_scale_policy(PIPELINE, 0, hold, replicas=2)
     url = f"{cp.url}/v1/pipelines/{PIPELINE}/stages/0/scale?pool=decode"
     async with aiohttp.ClientSession() as session, session.get(url) as resp:
         assert resp.status == 200
