@@ -103,6 +103,13 @@ def cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
 
 
+def _is_redis(pid: int) -> bool:
+    try:
+        return "redis-server" in cmdline(pid)
+    except OSError:  # gone meanwhile
+        return False
+
+
 def dead_pid() -> int:
     """The pid of a process that has exited (and been reaped)."""
     child = subprocess.Popen(["true"])
@@ -320,11 +327,13 @@ def test_status_with_a_wrong_token_exits_1(
 
 
 def next_redis_pid(proc: ManagedProcess, not_pid: int, timeout: float = 10.0) -> int:
-    """The pid of omni-cp's redis-server child once it is another than ``not_pid``."""
+    """The pid of omni-cp's redis-server child once it is another than ``not_pid`` (not any
+    child: the ``ldconfig -p`` that ctypes.util.find_library runs before each spawn is one for
+    a moment, and was taken for the new server)."""
     found: list[int] = []
 
     def restarted() -> bool:
-        found[:] = [p for p in child_pids(proc.pid) if p != not_pid]
+        found[:] = [p for p in child_pids(proc.pid) if p != not_pid and _is_redis(p)]
         return bool(found)
 
     wait_until(restarted, timeout, message=lambda: f"redis not restarted\n{proc.describe()}")

@@ -176,12 +176,12 @@ def test_a_realtime_cancel_aborts_the_responses_vllm_requests(topo: Topology) ->
             until(conn, "conversation.item.done")
             # Cancelled while both vLLM stages hold the response's work, however busy the
             # machine: every engine is held (SIGSTOP) before the response starts; the thinker
-            # runs in slices of milliseconds until its first token is out, its answer begun and
-            # not done (the tiny model samples its end of text at random, after 15 to 400
-            # tokens); that token's hop reaches a held talker; the engines continue once the
-            # cancel reached both stages, and find the abort waiting. (Cancelled unheld, the
-            # thinker had sometimes finished, and talkers that kept up with it had sometimes no
-            # hop left.)
+            # runs in slices of a millisecond until its first token is out (one token: its
+            # answer begun and not done; the tiny model samples its end of text at random, from
+            # the fifth token on in 300 answers); that token's hop reaches a held talker; the
+            # engines continue once the cancel reached both stages, and find the abort waiting.
+            # (Cancelled unheld, the thinker had sometimes finished, and talkers that kept up
+            # with it had sometimes no hop left.)
             (thinker_url,) = topo.urls[0]
 
             def thinker_tokens() -> float:
