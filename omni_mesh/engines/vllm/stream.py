@@ -182,19 +182,20 @@ class VllmStream:
     def _result(self, *, last: bool) -> EngineResult | None:
         """The next result (None: nothing to hand out yet, for a subclass that decides)."""
         text = "".join(self._text)
-        if not self.hands_on:  # no next stage: the client's part alone (the per-token path)
-            return self._client_result(text, last=last)
-        arrays = {"token_ids": np.asarray(self._ids, dtype=np.int64)}
-        if self.context_tokens and self._history:
-            context = self._history[-self.context_tokens :]
-            arrays["context_token_ids"] = np.asarray(context, dtype=np.int64)
-        if self.want_logprobs:
-            arrays["logprobs"] = np.asarray(self._logprobs, dtype=np.float32)
-        fields: dict[str, Scalar] = {
-            **self.fields,
-            "text": text,
-            "generated_tokens": self.generated,
-        }
+        output = StageData()  # no next stage: the client's part alone (the per-token path)
+        if self.hands_on:
+            arrays = {"token_ids": np.asarray(self._ids, dtype=np.int64)}
+            if self.context_tokens and self._history:
+                context = self._history[-self.context_tokens :]
+                arrays["context_token_ids"] = np.asarray(context, dtype=np.int64)
+            if self.want_logprobs:
+                arrays["logprobs"] = np.asarray(self._logprobs, dtype=np.float32)
+            fields: dict[str, Scalar] = {
+                **self.fields,
+                "text": text,
+                "generated_tokens": self.generated,
+            }
+            output = StageData(fields=fields, arrays=arrays)
         usage: dict[str, Scalar] = {}
         if last:
             usage = {
@@ -202,33 +203,15 @@ class VllmStream:
                 "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.generated,
             }
+            if self.hands_on:
+                output.fields.update(usage)
         final = self._final(text, usage) if self.text_final else None
         self._history += self._ids
         self._ids, self._text, self._logprobs, self._top, self._top_tokens = [], [], [], [], []
         self.chunks += 1
         return EngineResult(
             self.request_id,
-            output=StageData(fields={**fields, **usage}, arrays=arrays),
-            final=final,
-            last=last,
-            kv_transfer=self.kv_transfer if last else "",
-        )
-
-    def _client_result(self, text: str, *, last: bool) -> EngineResult:
-        """:meth:`_result` for a stage no next stage reads: its final part only."""
-        usage: dict[str, Scalar] = {}
-        if last:
-            usage = {
-                "finish_reason": self.finish_reason,
-                "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.generated,
-            }
-        final = self._final(text, usage) if self.text_final else None
-        self._history += self._ids
-        self._ids, self._text, self._logprobs, self._top, self._top_tokens = [], [], [], [], []
-        self.chunks += 1
-        return EngineResult(
-            self.request_id,
+            output=output,
             final=final,
             last=last,
             kv_transfer=self.kv_transfer if last else "",
