@@ -57,8 +57,8 @@ test-tools:
 # over the suite); pip already compiled the installed packages.
 # Two workers (TEST_WORKERS): tests/conftest.py keeps on one worker the tests that share a
 # deployment (a folder's session fixture) or a module's, and those of the test hosts' network
-# namespaces; every test holds its bounds under the other worker's load. About 11 min of pytest
-# on 2 cores, where one process takes 14 to 15.
+# namespaces; every test holds its bounds under the other worker's load. About 10 min of pytest
+# on 2 cores (12 from a fresh clone, the install included), where one process takes 13 to 15.
 test: install test-tools
 	$(BIN)/python -m compileall -q omni_mesh tests benchmarks examples >/dev/null
 	$(BIN)/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup --durations=15
