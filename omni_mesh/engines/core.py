@@ -21,10 +21,9 @@ every running stream by one chunk. Chunk numbering rule:
   that forwards only its last result hands the next stage one whole input (``forward`` applies
   to the stream of a whole input; a chunk's one result always goes on).
 
-A streamed input (a stage whose spec has ``stream_input``; its first chunk names the sender's
-sidecar in ``stream_from``) is one request: its first chunk opens a stream as a whole input
-does (numbered as one), and :meth:`EngineCore.feed` merges each later chunk into the request's
-data (``engines/fed.py``) between steps; the engine sees ``last`` turn True with the final one.
+A streamed input (a stage with ``stream_input``) is one request: its first chunk opens a stream
+as a whole input does, and :meth:`EngineCore.feed` merges each later chunk into it between
+steps (``engines/fed.py``).
 
 A stream that stops without a ``last`` result, or raises in ``next()``, fails its request alone
 (``engine_error``); an error output always ends the stream. Running streams whose deadline
@@ -39,6 +38,7 @@ later than the step that admits it).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -70,13 +70,11 @@ from omni_mesh.engines.base import (
     StageEngine,
     import_object,
 )
-from omni_mesh.engines.fed import FedInput
+from omni_mesh.engines.fed import EarlyChunks, FedRequest
 from omni_mesh.engines.joins import JoinProcessorError, join_assembler
 
 logger = logging.getLogger(__name__)
 
-#: Later chunks of one streamed input kept while its first chunk waits for admission.
-MAX_EARLY_CHUNKS = 4096
 
 #: Resolves a payload tensor into a numpy array (zero-copy view where possible).
 ArrayReader = Callable[[Tensor], np.ndarray]
@@ -93,9 +91,7 @@ class _Stream:
     queue_ms: float  # the input's wait before admission, reported on its first output
     emitted: int = 0  # results turned into outputs so far
     forwarded: int = 0  # of which built next-stage inputs (``EngineResult.forward``)
-    request: EngineRequest | None = None  # a streamed input's request (its data grows)
-    fed: FedInput | None = None  # a streamed input's later chunks, merged as they arrive
-    fed_error: str = ""  # a later chunk that could not be merged: the request fails
+    fed: FedRequest | None = None  # a streamed input's request, its later chunks merged
     whole: bool = field(init=False)  # its answer may stream (a whole input, or a streamed one)
 
     def __post_init__(self) -> None:
@@ -138,7 +134,7 @@ class EngineCore:
         self._leads_to = {s.stage_id: _reachable(pipeline, s.stage_id) for s in self.downstream}
         self._running: list[_Stream] = []
         # Later chunks of streamed inputs that came before their first chunk was admitted.
-        self._early: dict[str, list[StageInput]] = {}
+        self._early = EarlyChunks()
 
     @classmethod
     def build(cls, ctx: EngineContext) -> EngineCore:
@@ -158,7 +154,7 @@ class EngineCore:
     def abort(self, key: str) -> StageInput | None:
         """Close the running stream of the work ``key`` names (its input's ``transfer_key``:
         the request id, as only whole inputs stream); its input, or None when none runs."""
-        self._early.pop(key, None)
+        self._early.pop(key)
         hit = [s for s in self._running if transfer_key(s.si) == key]
         self._running = [s for s in self._running if transfer_key(s.si) != key]
         for stream in hit:
@@ -167,39 +163,17 @@ class EngineCore:
 
     def forget(self, key: str) -> None:
         """The work ``key`` was dropped before admission: its early chunks go too."""
-        self._early.pop(key, None)
+        self._early.pop(key)
 
     def feed(self, key: str, si: StageInput, read: ArrayReader, *, queued: bool = False) -> None:
-        """A later chunk of the streamed input of the work ``key``: merged into its running
-        request (``engines/fed.py``), kept until the request is admitted when it is
-        ``queued``, else dropped (the request ended or was aborted), as is a chunk seen already.
-        A chunk that cannot be merged fails the request."""
+        """A later chunk of the streamed input of the work ``key``: merged into its running request,
+        kept for it while it is ``queued``, else dropped (it ended or was aborted)."""
         stream = next((s for s in self._running if transfer_key(s.si) == key), None)
         if stream is None:
-            if not queued:
-                return
-            early = self._early.setdefault(key, [])
-            if len(early) < MAX_EARLY_CHUNKS:
-                early.append(si)
-            return
-        self._merge(stream, si, read)
-
-    def _merge(self, stream: _Stream, si: StageInput, read: ArrayReader) -> None:
-        if stream.fed is None or stream.request is None or stream.fed_error:
-            return
-        if si.chunk < stream.fed.chunks:
-            return  # pulled again after a broken pull: seen already
-        try:
-            if si.chunk != stream.fed.chunks:
-                raise EngineInputError(
-                    f"streamed input: chunk {si.chunk} came where chunk {stream.fed.chunks} was due"
-                )
-            stream.fed.append(self._to_data(si, read))
-        except (EngineInputError, ValueError) as exc:
-            stream.fed_error = str(exc)
-            return
-        if si.last:
-            stream.request.last = True
+            if queued:
+                self._early.keep(key, si)
+        elif stream.fed is not None:
+            stream.fed.take(si.chunk, si.last, functools.partial(self._to_data, si, read))
 
     def advance(
         self,
@@ -302,9 +276,9 @@ class EngineCore:
         for (si, request, queue_ms), it in zip(fresh, iterators, strict=True):
             stream = _Stream(si, it, queue_ms)
             if request.streamed_input:
-                stream.request, stream.fed = request, FedInput(request.data)
-                for early in self._early.pop(transfer_key(si), []):
-                    self._merge(stream, early, read)
+                fed = stream.fed = FedRequest(request)
+                for early in self._early.pop(transfer_key(si)):
+                    fed.take(early.chunk, early.last, functools.partial(self._to_data, early, read))
             streams.append(stream)
         return streams
 
@@ -323,8 +297,8 @@ class EngineCore:
         """The stream's next result (None: none this step), or the error that ends it (as
         data, for it alone)."""
         si, chunk = stream.si, stream.next_chunk
-        if stream.fed_error:
-            return self._error(si, "bad_input", stream.fed_error, chunk)
+        if stream.fed is not None and stream.fed.error:
+            return self._error(si, "bad_input", stream.fed.error, chunk)
         try:
             result = next(stream.results)
         except StopIteration:

@@ -10,9 +10,12 @@ the request sees every chunk that has arrived at each step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
-from omni_mesh.engines.base import EngineInputError, StageData
+from omni_mesh.data_plane.messages import StageInput
+from omni_mesh.engines.base import EngineInputError, EngineRequest, StageData
 
 
 class FedInput:
@@ -55,3 +58,51 @@ class FedInput:
             self._buffers[name] = buffer
         buffer[n : n + m] = arr
         return buffer[: n + m]
+
+
+class FedRequest:
+    """A running streamed request's input: its chunks merged in order (a chunk seen already is
+    dropped, one out of order fails the request), ``last`` set on the request with the final
+    one. A chunk that cannot be merged leaves :attr:`error` set: the request fails with it."""
+
+    def __init__(self, request: EngineRequest) -> None:
+        self.request = request
+        self.input = FedInput(request.data)
+        self.error = ""
+
+    def take(self, chunk: int, last: bool, data: Callable[[], StageData]) -> None:
+        """Merge chunk ``chunk`` (``data()`` builds it, and may raise for a bad one)."""
+        if self.error or chunk < self.input.chunks:
+            return  # failed already, or pulled again after a broken pull: seen already
+        try:
+            if chunk != self.input.chunks:
+                raise EngineInputError(
+                    f"streamed input: chunk {chunk} came where chunk {self.input.chunks} was due"
+                )
+            self.input.append(data())
+        except (EngineInputError, ValueError) as exc:
+            self.error = str(exc)
+            return
+        if last:
+            self.request.last = True
+
+
+class EarlyChunks:
+    """Later chunks of streamed inputs whose first chunk still waits for admission, by work key
+    (at most ``limit`` per key)."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self._held: dict[str, list[StageInput]] = {}
+
+    def keep(self, key: str, si: StageInput) -> None:
+        held = self._held.setdefault(key, [])
+        if len(held) < self.limit:
+            held.append(si)
+
+    def pop(self, key: str) -> list[StageInput]:
+        """The chunks kept for ``key`` (none are kept after)."""
+        return self._held.pop(key, [])
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._held
