@@ -21,8 +21,11 @@ transformers'.
 What the tap needs of vLLM is checked at start, each a config error naming the setting (exit 2):
 one model in the engine's process (``tensor_parallel_size`` and the other parallel sizes 1), no
 prefix caching, no asynchronous scheduling, no speculative decoding; and a vLLM version it was
-built against (:data:`VLLM_VERSIONS`). A split stage (``prefill:``) is refused for now: the
-decode side would need the prompt's rows too.
+built against (:data:`VLLM_VERSIONS`).
+
+Split (deploy ``prefill:``): vLLM's connector moves the prompt's KV and the prompt's rows move
+beside it over NIXL (``vllm_thinker_split.py``); the decode replica's answer, streamed hand-off
+included, is the unsplit one.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from omni_mesh.data_plane.kv_transfer import KvTransferError, is_prefill
 from omni_mesh.engines.base import (
     EngineConfigError,
     EngineContext,
@@ -51,10 +55,12 @@ from omni_mesh.engines.qwen3_omni.inputs import (
     request_conversation,
 )
 from omni_mesh.engines.qwen3_omni.speakers import speaker_name
+from omni_mesh.engines.qwen3_omni.vllm_thinker_split import PromptRows
 from omni_mesh.engines.qwen3_omni.vllm_thinker_stream import ThinkerStream, ThinkerTexts
 from omni_mesh.engines.vllm.args import build_engine_args
 from omni_mesh.engines.vllm.engine import VllmEngine
 from omni_mesh.engines.vllm.hidden_tap import StepRows, tapped
+from omni_mesh.engines.vllm.stream import VllmStream
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +142,7 @@ def _tapped_layers(hf_config: Any) -> tuple[int, ...]:
 class Qwen3OmniVllmThinkerEngine(VllmEngine):
     """Qwen3-Omni's thinker on vLLM (module docstring)."""
 
-    splits_prefill = False
+    splits_prefill = True
 
     def __init__(self, ctx: EngineContext) -> None:
         super().__init__(ctx)
@@ -151,6 +157,7 @@ class Qwen3OmniVllmThinkerEngine(VllmEngine):
         self.hf: Any = None
         self.features: Any = None
         self.texts: ThinkerTexts | None = None
+        self.prompt_rows: PromptRows | None = None  # a split stage's (vllm_thinker_split)
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -193,28 +200,53 @@ class Qwen3OmniVllmThinkerEngine(VllmEngine):
             im_end=int(self.hf.im_end_token_id),
             tts_special=embeds.to("cpu", torch.float32).numpy(),
         )
+        if self.ctx.config.prefill is not None:
+            self.prompt_rows = PromptRows(self.ctx, self.texts.tts_special.shape[1])
+
+    def close(self) -> None:
+        super().close()
+        if self.prompt_rows is not None:
+            self.prompt_rows.close()
 
     # ---- requests ------------------------------------------------------------------------
 
     def _add(self, request: EngineRequest) -> ThinkerStream:
         assert self.texts is not None
         inputs = self._parse(request)
-        vid = self._submit(request, inputs.prompt, self._thinker_sampling(request, inputs))
+        prefill = is_prefill(request.kv_transfer)
+        kv_transfer, pulling = request.kv_transfer, None
+        if kv_transfer and self.prompt_rows is None:
+            raise EngineInputError(f"{self.where}: kv_transfer at a stage that is not split")
+        if kv_transfer and not prefill:  # a decode: vLLM pulls the KV, we the prompt rows
+            assert self.prompt_rows is not None
+            kv_transfer, pulling = self.prompt_rows.pull(kv_transfer, request.request_id)
+            if pulling is None:  # no rows to read: prefilled here, a failed hand-off
+                self.kv_counts.failed += 1
+        params = self._thinker_sampling(request, inputs)
+        local = self._kv_part(request, kv_transfer, params)
+        if local is None and pulling is not None:  # vLLM cannot pull: prefilled here
+            pulling.cancel()
+            pulling = None
+        vid = self._submit(request, inputs.prompt, params)
         stream = ThinkerStream(
             engine=self,
             vid=vid,
             request=request,
-            streaming=self.ctx.async_chunk and request.whole,
+            streaming=self.ctx.async_chunk and request.whole and not prefill,
             chunk_tokens=self.chunk_tokens,
             texts=self.texts,
             voice=inputs.voice,
             audio_lengths=inputs.audio_lengths,
             handoff=(
                 AnswerChunks(self.talker_chunk_tokens)
-                if self.talker_chunk_tokens and request.whole and not request.kv_transfer
+                if self.talker_chunk_tokens and request.whole and not prefill
                 else None
             ),
+            hold=self.prompt_rows.hold if prefill and self.prompt_rows is not None else None,
         )
+        stream.pulling = pulling
+        if local is not None:
+            stream.local_retry = (inputs.prompt, local)
         self._streams[vid] = stream
         return stream
 
@@ -282,7 +314,42 @@ class Qwen3OmniVllmThinkerEngine(VllmEngine):
         if stream is not None:
             stream.take_rows(first, rows)
 
+    def prefill_locally(self, stream: VllmStream) -> None:
+        if isinstance(stream, ThinkerStream):
+            stream.restart()
+        super().prefill_locally(stream)
+
+    def idle(self) -> None:
+        super().idle()
+        if self.prompt_rows is not None:
+            self.prompt_rows.tick()
+
+    def holds_work(self) -> bool:
+        return self.prompt_rows is not None and self.prompt_rows.held > 0
+
+    def _rows_in(self) -> None:
+        """Decode requests whose prompt rows arrived take them; a failed read runs its request
+        again, prefilled here."""
+        assert self.prompt_rows is not None
+        for stream in [s for s in self._streams.values() if isinstance(s, ThinkerStream)]:
+            if stream.pulling is None:
+                continue
+            try:
+                rows = self.prompt_rows.arrived(stream.pulling)
+            except KvTransferError as exc:
+                logger.warning("request_id=%s prefills here: %s", stream.request_id, exc)
+                stream.pulling = None
+                if stream.local_retry is not None:
+                    self._llm.abort_request([stream.vid])
+                    self.prefill_locally(stream)
+                continue
+            if rows is not None:
+                stream.take_pulled(rows)
+
     def before_step(self, streams: int) -> None:
+        if self.prompt_rows is not None:
+            self.prompt_rows.tick()
+            self._rows_in()
         super().before_step(streams)
         # Requests that finished, were aborted or were never ours leave the map.
         self._owners = {k: s for k, s in self._owners.items() if s is not None and not s.done}

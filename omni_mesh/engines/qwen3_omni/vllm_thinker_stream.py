@@ -3,12 +3,15 @@ tapped rows by position, and its results in the transformers thinker's shape."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from omni_mesh.data_plane.kv_transfer import KvTransferError
 from omni_mesh.engines.base import EngineRequest, EngineResult, StageData
+from omni_mesh.engines.kv.pull import KvPull
 from omni_mesh.engines.qwen3_omni.answer import (
     AnswerChunks,
     no_text,
@@ -30,7 +33,11 @@ class ThinkerTexts:
 
 class ThinkerStream(VllmStream):
     """A thinker request inside vLLM: text deltas for the client while it runs (when
-    streaming), then the whole output for the talker (module docstring of ``vllm_thinker``)."""
+    streaming), then the whole output for the talker (module docstring of ``vllm_thinker``).
+
+    A split stage's prefill request (``hold``: the engine's ``PromptRows.hold``) answers with
+    the params of its KV and prompt rows instead; a decode request hands out nothing while its
+    prompt rows are read (``pulling``), see ``vllm_thinker_split``."""
 
     def __init__(
         self,
@@ -44,6 +51,7 @@ class ThinkerStream(VllmStream):
         voice: str,
         audio_lengths: np.ndarray | None,
         handoff: AnswerChunks | None = None,
+        hold: Callable[[str, np.ndarray], str] | None = None,
     ) -> None:
         super().__init__(
             engine=engine,
@@ -65,21 +73,60 @@ class ThinkerStream(VllmStream):
         self.sent_text = ""  # the text the client has been sent
         self.rows = np.zeros((2, 0, texts.tts_special.shape[1]), np.float32)  # embed, hidden
         self.have = np.zeros(0, bool)  # positions whose rows arrived
+        self.hold = hold  # a prefill request's: holds the prompt rows, gives the params
+        self.pulling: KvPull | None = None  # a decode request's read of its prompt rows
+        self.pulled = 0  # the prompt rows the read brought
 
     def take_rows(self, first: int, rows: Any) -> None:
         """One step's rows of this request, positions ``first…`` (a recomputed position, after a
         preemption, writes the same values again)."""
-        n = int(rows.shape[1])
-        end = first + n
-        if end > self.rows.shape[1]:
-            grown = max(end, 2 * self.rows.shape[1], 64)
-            rows_now, have_now = self.rows, self.have
-            self.rows = np.zeros((2, grown, rows_now.shape[2]), np.float32)
-            self.have = np.zeros(grown, bool)
-            self.rows[:, : rows_now.shape[1]] = rows_now
-            self.have[: have_now.shape[0]] = have_now
+        end = first + int(rows.shape[1])
+        self._grow(end)
         self.rows[:, first:end] = rows.float().numpy()
         self.have[first:end] = True
+
+    def take_pulled(self, rows: np.ndarray) -> None:
+        """A decode's prompt rows, float32 [2, P, D], read from the prefill replica: they fill
+        the positions this engine did not compute itself."""
+        n = int(rows.shape[1])
+        self._grow(n)
+        missing = ~self.have[:n]
+        self.rows[:, :n][:, missing] = rows[:, missing]
+        self.have[:n] = True
+        self.pulled = n
+        self.pulling = None
+
+    def _grow(self, end: int) -> None:
+        if end <= self.rows.shape[1]:
+            return
+        grown = max(end, 2 * self.rows.shape[1], 64)
+        rows_now, have_now = self.rows, self.have
+        self.rows = np.zeros((2, grown, rows_now.shape[2]), np.float32)
+        self.have = np.zeros(grown, bool)
+        self.rows[:, : rows_now.shape[1]] = rows_now
+        self.have[: have_now.shape[0]] = have_now
+
+    def restart(self) -> None:
+        """Forget what vLLM gave so far: the request runs again, prefilled here (a failed KV
+        or rows pull; nothing was handed out yet)."""
+        if self.pulling is not None:
+            self.pulling.cancel()
+            self.pulling = None
+        self.prompt_ids, self.answer, self.sent_text, self.pulled = [], [], "", 0
+        self.rows = np.zeros((2, 0, self.rows.shape[2]), np.float32)
+        self.have = np.zeros(0, bool)
+        self._ids, self._text, self._history, self.generated = [], [], [], 0
+
+    def __next__(self) -> EngineResult | None:
+        if self.pulling is not None and not self.done:
+            return None  # the prompt rows are still on their way
+        return super().__next__()
+
+    def close(self) -> None:
+        if self.pulling is not None:
+            self.pulling.cancel()
+            self.pulling = None
+        super().close()
 
     def feed(self, out: Any) -> int:
         if not self.prompt_ids and out.prompt_token_ids is not None:
@@ -93,6 +140,8 @@ class ThinkerStream(VllmStream):
         self._ids = []  # the chunk count restarts (VllmStream.__next__)
         if not last:
             return self._text_delta()
+        if self.hold is not None:
+            return self._held()
         result = self._whole()
         if self.handoff is not None and result.error is None:
             result.output = self.handoff.last(result.output)
@@ -138,8 +187,26 @@ class ThinkerStream(VllmStream):
             voice=self.voice,
         )
 
+    def _held(self) -> EngineResult:
+        """A prefill's answer: the params of its KV (vLLM's) and of its prompt rows."""
+        assert self.hold is not None
+        prompt = len(self.prompt_ids)
+        if not prompt or self.have.shape[0] < prompt or not self.have[:prompt].all():
+            return EngineResult(self.request_id, error="vLLM thinker: the prompt's rows never came")
+        try:
+            params = self.hold(self.kv_transfer, self.rows[:, :prompt])
+        except KvTransferError as exc:
+            return EngineResult(self.request_id, error=f"vLLM thinker prefill: {exc}")
+        return EngineResult(self.request_id, kv_transfer=params)
+
     def _whole(self) -> EngineResult:
         prompt, answer = len(self.prompt_ids), len(self.answer)
+        if self.pulled and self.pulled != prompt:
+            return EngineResult(
+                self.request_id,
+                error=f"vLLM thinker: the prefill replica sent {self.pulled} prompt rows for a "
+                f"prompt of {prompt} tokens",
+            )
         ran = prompt + answer - 1  # the last token was never fed back
         if ran <= 0 or self.have.shape[0] < ran or not self.have[:ran].all():
             missing = int(ran - self.have[:ran].sum()) if ran > 0 else 0

@@ -256,21 +256,7 @@ class VllmEngine(StageEngine):
         params = self._sampling(request)
         params.output_kind = RequestOutputKind.DELTA
         prefill = is_prefill(request.kv_transfer)
-        local = None  # a decode's params without the pull, for a failed pull
-        if prefill:  # a split stage's prefill: the prompt's KV, kept for the decode replica
-            params.max_tokens = 1
-            params.extra_args = {"kv_transfer_params": prefill_params()}
-        elif request.kv_transfer:  # a decode: pull the KV the prefill replica computed
-            try:
-                pulled = decode_params(request.kv_transfer)
-            except KvTransferError as exc:  # nothing to pull from: prefill here instead
-                self.kv_counts.failed += 1
-                logger.warning(
-                    "stage=%d id=%s: %s", self.ctx.stage.stage_id, request.request_id, exc
-                )
-            else:
-                local = params.clone()  # for a failed pull: the same request, prefilled here
-                params.extra_args = {"kv_transfer_params": pulled}
+        local = self._kv_part(request, request.kv_transfer, params)
         vid = self._submit(request, prompt, params)
         stream = VllmStream(
             engine=self,
@@ -288,6 +274,28 @@ class VllmEngine(StageEngine):
             stream.local_retry = (prompt, local)
         self._streams[vid] = stream
         return stream
+
+    def _kv_part(self, request: EngineRequest, kv_transfer: str, params: Any) -> Any:
+        """Set a split stage's part on vLLM sampling ``params`` from ``kv_transfer``: a
+        prefill keeps the prompt's KV for the decode replica (one token); a decode pulls the
+        KV the prefill replica computed. For a decode, ``params`` without the pull (what a
+        failed pull runs again, prefilled here); else None. Params a decode cannot use leave it
+        to prefill here at once (counted failed)."""
+        if is_prefill(kv_transfer):
+            params.max_tokens = 1
+            params.extra_args = {"kv_transfer_params": prefill_params()}
+            return None
+        if not kv_transfer:
+            return None
+        try:
+            pulled = decode_params(kv_transfer)
+        except KvTransferError as exc:  # nothing to pull from: prefill here instead
+            self.kv_counts.failed += 1
+            logger.warning("stage=%d id=%s: %s", self.ctx.stage.stage_id, request.request_id, exc)
+            return None
+        local = params.clone()
+        params.extra_args = {"kv_transfer_params": pulled}
+        return local
 
     def _submit(self, request: EngineRequest, prompt: Any, params: Any) -> str:
         """Add one request to vLLM under a fresh id; that id."""

@@ -307,16 +307,3 @@ def test_what_the_tap_cannot_work_with_is_a_config_error_naming_it(
     ctx = EngineContext(QWEN3_OMNI, QWEN3_OMNI.stage(0), config)
     with pytest.raises(EngineConfigError, match=named):
         EngineCore.build(ctx).engine.load()
-
-
-def test_a_split_thinker_on_vllm_is_refused(vllm_env: dict[str, str]) -> None:
-    config = StageDeployConfig.model_validate(
-        {
-            "stage_id": 0,
-            "engine_extras": {"backend": "vllm"},
-            "prefill": {"num_replicas": 1},
-        }
-    )
-    ctx = EngineContext(QWEN3_OMNI, QWEN3_OMNI.stage(0), config)
-    with pytest.raises(EngineConfigError, match="prefill"):
-        EngineCore.build(ctx)

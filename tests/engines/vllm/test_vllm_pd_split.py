@@ -22,19 +22,13 @@ import re
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 
 import msgspec
 import pytest
 
-from omni_mesh.data_plane import codec
-from omni_mesh.data_plane.constants import HOP_FRAMES, MSGPACK
-from omni_mesh.data_plane.framing import HEADER
 from omni_mesh.data_plane.kv_transfer import PREFILL_REQUEST
-from omni_mesh.data_plane.messages import HopResult, Payload, StageInput
-from omni_mesh.data_plane.signing import hop_token
-from omni_mesh.sidecar.hop.client import HOP_PATH, HOP_TOKEN_HEADER
+from omni_mesh.data_plane.messages import Payload, StageInput
 from tests.engines.vllm.servers import (
     MODEL,
     SECRET,
@@ -45,6 +39,7 @@ from tests.engines.vllm.servers import (
     tiny_llm,
 )
 from tests.procs import free_port, wait_until
+from tests.procs.hops import hop_text, send_hop
 from tests.procs.pods import engine_pids, idle_core_shares, kills_under_load, pod_and_engine
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -102,33 +97,13 @@ def _input(request_id: str, seed: int, kv_transfer: str, **fields: str | int) ->
     )
 
 
-def _hop(url: str, si: StageInput) -> list[HopResult]:
-    """``si`` sent to the pod at ``url`` as a sender would; the answer's frames."""
-    headers = {"Content-Type": MSGPACK, HOP_TOKEN_HEADER: hop_token(SECRET.encode())}
-    request = urllib.request.Request(f"{url}{HOP_PATH}", codec.encode(si), headers)
-    with urllib.request.urlopen(request, timeout=60) as resp:
-        body, streamed = resp.read(), resp.headers["Content-Type"] == HOP_FRAMES
-    if not streamed:
-        return [codec.decode(body, HopResult)]
-    frames, off = [], 0
-    while off < len(body):
-        (size,) = HEADER.unpack_from(body, off)
-        frames.append(codec.decode(body[off + HEADER.size : off + HEADER.size + size], HopResult))
-        off += HEADER.size + size
-    return frames
-
-
-def _text(frames: list[HopResult]) -> str:
-    return "".join(str(f.outputs[0].fields.get("text", "")) for f in frames if 0 in f.outputs)
-
-
 def test_kv_that_nobody_pulls_is_freed_when_its_lease_runs_out(split: Server) -> None:
     # A prefill request sent straight to the prefill replica (as a sender does first) whose
     # KV no decode replica ever pulls: the answer says where the KV waits, and nothing else.
     prefill = split.stage_urls["prefill"][0]
     expired = kv_metric(split, "prefill", "expired")
     si = _input("unpulled-1", 1, PREFILL_REQUEST, prompt="nobody will pull this prompt's cache")
-    [answer] = _hop(prefill, si)
+    [answer] = send_hop(prefill, si, SECRET)
     assert answer.error is None and not answer.outputs, answer
     params = json.loads(answer.kv_transfer)
     assert params["remote_engine_id"] and params["remote_block_ids"], params
@@ -158,9 +133,9 @@ def test_a_pull_that_fails_is_prefilled_where_it_is(split: Server) -> None:
     si = _input(
         "pull-from-nowhere", 4, json.dumps(gone), prompt="a pull from nowhere", max_tokens=8
     )
-    pulled_text = _text(_hop(decode, si))
+    pulled_text = hop_text(send_hop(decode, si, SECRET))
     local = msgspec.structs.replace(si, request_id="prefilled-here", kv_transfer="")
-    assert pulled_text and pulled_text == _text(_hop(decode, local))
+    assert pulled_text and pulled_text == hop_text(send_hop(decode, local, SECRET))
     wait_until(lambda: kv_metric(split, "decode", "failed") >= failed + 1, 10, interval=0.2)
 
 
