@@ -30,7 +30,7 @@ import pytest
 
 from omni_mesh.configs.loader import bundled_deploy_path
 from omni_mesh.data_plane.kv_transfer import PREFILL_REQUEST
-from omni_mesh.data_plane.messages import Payload, StageInput
+from omni_mesh.data_plane.messages import Payload, Scalar, StageInput
 from omni_mesh.engines.qwen3_omni.vllm_thinker_split import ROWS_KEY
 from tests.engines.qwen3_omni.omni_reference import (
     assert_same_audio,
@@ -126,7 +126,7 @@ def test_the_split_thinker_answers_as_the_monolithic_model(split: Split, audio_i
 
 def _input(request_id: str, kv_transfer: str) -> StageInput:
     """The thinker's input for TEXT (seed 3, 12 tokens), as the chat route's sender builds it."""
-    fields: dict[str, str | int] = {"messages": json.dumps(TEXT), "max_tokens": 12}
+    fields: dict[str, Scalar] = {"messages": json.dumps(TEXT), "max_tokens": 12}
     return StageInput(
         pipeline=PIPELINE,
         request_id=request_id,
