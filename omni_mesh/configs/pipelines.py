@@ -194,6 +194,26 @@ CSM_TTS = PipelineSpec(
     ),
 )
 
+_GLM_IMAGE = "omni_mesh.engines.glm_image"
+GLM_IMAGE = PipelineSpec(
+    name="glm-image",
+    description="GLM-Image: ar (GlmImageForConditionalGeneration: prior token ids) -> dit (glyph "
+    "encoder, GlmImageTransformer2DModel with CFG, FlowMatch-Euler, VAE decode) -> PNG "
+    "(tiny-glm-image by default; engine_extras.model).",
+    prompt_fields=("seed", "size", "steps"),
+    stages=(
+        StageSpec(stage_id=0, name="ar", engine=f"{_GLM_IMAGE}.ar:GlmImageArEngine"),
+        StageSpec(
+            stage_id=1,
+            name="dit",
+            engine=f"{_GLM_IMAGE}.dit:GlmImageDitEngine",
+            sources=(0,),
+            processor=f"{_GLM_IMAGE}.processors:ar_to_dit",
+            final_output=OutputKind.IMAGE,
+        ),
+    ),
+)
+
 #: Registered from the start (omni_mesh.configs.registry), in this order.
 BUILTIN_PIPELINES: tuple[PipelineSpec, ...] = (
     TINY_OMNI,
@@ -205,4 +225,5 @@ BUILTIN_PIPELINES: tuple[PipelineSpec, ...] = (
     TINY_OMNI_VLLM,
     QWEN3_OMNI,
     CSM_TTS,
+    GLM_IMAGE,
 )

@@ -4,7 +4,8 @@ A tiny model is built by code in this repository the first time it is needed, in
 ``<cache>/<name>-v<version>``: once, when several processes of the machine need it together
 (they wait on a lock file beside it; without file locks they race, the first atomic rename
 wins). A stage's ``model`` is either such a name or an existing Hugging Face folder (with its
-``config.json``): a real checkpoint takes the same path as a tiny one.
+``config.json``, or a diffusers pipeline's ``model_index.json``): a real checkpoint takes the same
+path as a tiny one.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
+#: A folder holding one of these files is a model: a model's own config, or the index of a
+#: diffusers pipeline's component folders (GLM-Image).
+MARKERS = ("config.json", "model_index.json")
+
 
 def default_cache_dir() -> Path:
     """``$XDG_CACHE_HOME/omni-mesh/models``, else ``~/.cache/omni-mesh/models``."""
@@ -29,10 +34,10 @@ def default_cache_dir() -> Path:
 
 def build_once(target: Path, write: Callable[[Path], None]) -> Path:
     """``target``, written by ``write(folder)`` into a staging folder and renamed into place
-    unless it holds a ``config.json`` already. Processes of one machine that need it at once
-    (the pods of a deployment starting together) build it once: the others wait on a lock
-    file beside it, then find it built."""
-    if (target / "config.json").is_file():
+    unless it holds a model already (one of :data:`MARKERS`). Processes of one machine that
+    need it at once (the pods of a deployment starting together) build it once: the others
+    wait on a lock file beside it, then find it built."""
+    if _is_model(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     lock = target.parent / f".{target.name}.lock"
@@ -44,7 +49,7 @@ def build_once(target: Path, write: Callable[[Path], None]) -> Path:
     try:
         if not _locked(fd, lock):
             return _build(target, write)  # no locks here (NFS without a lock daemon)
-        if (target / "config.json").is_file():
+        if _is_model(target):
             return target  # built by the process that held the lock
         return _build(target, write)
     finally:
@@ -77,7 +82,7 @@ def _build(target: Path, write: Callable[[Path], None]) -> Path:
             staging.rename(target)
             logger.info("built tiny model %s", target)
         except OSError:  # another process finished first: keep its copy
-            if not (target / "config.json").is_file():
+            if not _is_model(target):
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -92,6 +97,10 @@ def existing_folder(model: str, tiny_names: Iterable[str], error: type[ValueErro
         raise error(
             f"model {model!r} is neither a tiny model ({names}) nor an existing model folder"
         )
-    if not (path / "config.json").is_file():
-        raise error(f"model folder {str(path)!r} has no config.json")
+    if not _is_model(path):
+        raise error(f"model folder {str(path)!r} has no {' or '.join(MARKERS)}")
     return path.resolve()
+
+
+def _is_model(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in MARKERS)

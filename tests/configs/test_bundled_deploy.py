@@ -24,8 +24,13 @@ BUNDLED = (
     "synthetic-diamond",
     "qwen3-omni",
     "csm-tts",
+    "glm-image",
 )
-HF_MODELS = {"qwen3-omni": "tiny-qwen3-omni", "csm-tts": "tiny-csm"}  # transformers pipelines
+HF_MODELS = {  # transformers (and diffusers) pipelines
+    "qwen3-omni": "tiny-qwen3-omni",
+    "csm-tts": "tiny-csm",
+    "glm-image": "tiny-glm-image",
+}
 VLLM_BUNDLED = ("tiny-llm", "tiny-omni-vllm")  # tests/configs/test_vllm_stage_fields.py
 
 

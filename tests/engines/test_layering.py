@@ -1,10 +1,10 @@
 """engines/ is model execution only: it never imports aiohttp, redis, the sidecar or the
 control plane (DESIGN §2). Checked on the source and in a fresh interpreter.
 
-Its folders (issue #32): one per model family (``qwen3_omni``, ``csm``) beside folders named by
-the job they share, and the engine host and protocol at the top level:
+Its folders (issue #32): one per model family (``qwen3_omni``, ``csm``, ``glm_image``) beside
+folders named by the job they share, and the engine host and protocol at the top level:
 
-    qwen3_omni/, csm/ (a family: its stages, tiny builder, processors)
+    qwen3_omni/, csm/, glm_image/ (a family: its stages, tiny builder, processors)
       -> vllm/ (the generic vLLM adapter a family's vLLM stage builds on)
       -> batching/ (the batched decode over transformers, a split stage's side of it)
         -> kv/ (a split stage's state exchange: NIXL agents, buffers, pulls, counters)
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.unit
 
 NAME = "omni_mesh.engines"
 ROOTS = {f"{NAME}.__main__"}
-FAMILIES = ("qwen3_omni", "csm")
+FAMILIES = ("qwen3_omni", "csm", "glm_image")
 SHARED = {"batching", "kv", "hf", "vllm", "reference"}
 DIRECTIONS: dict[str, set[str]] = {
     **{family: {"batching", "kv", "hf", "vllm", "shared"} for family in FAMILIES},

@@ -3,8 +3,8 @@
 A tiny name (``tiny-qwen3-omni``, ``tiny-csm``) is built the first time it is needed, by code in
 this repository (random weights from a fixed seed, the real config classes with shrunk sizes,
 ``save_pretrained``), into ``<cache>/<name>-v<version>``, once per machine
-(``model_cache.build_once``). Anything else must be an existing folder with a ``config.json``:
-a real checkpoint takes the same path as a tiny one.
+(``model_cache.build_once``). Anything else must be an existing folder with a ``config.json`` (or
+a diffusers pipeline's ``model_index.json``): a real checkpoint takes the same path as a tiny one.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class TinyBuilder:
 TINY_FOLDERS: dict[str, TinyBuilder] = {
     "tiny-qwen3-omni": TinyBuilder("omni_mesh.engines.qwen3_omni.tiny:write_tiny_model", 2),
     "tiny-csm": TinyBuilder("omni_mesh.engines.csm.tiny:write_tiny_model", 1),
+    "tiny-glm-image": TinyBuilder("omni_mesh.engines.glm_image.tiny:write_tiny_model", 1),
 }
 
 

@@ -1,0 +1,225 @@
+"""glm-image stage 1, the DiT: the prior token ids → the image, as ``GlmImagePipeline.__call__``
+makes it once its prior tokens are given (text to image).
+
+1. the glyph embeddings of the prompt's quoted text and of the empty negative prompt
+   (``glyphs.py``: ByT5 tokenizer, T5 encoder);
+2. the latent noise [1, C, H/8, W/8] from the request's own generator seeded with its seed (the
+   pipeline draws it from its generator, which its AR never advanced: the AR drew from the
+   process RNG);
+3. the pipeline's timesteps (``steps`` evenly from 1000, shifted by ``mu`` for the image's
+   sequence length) on a FlowMatch-Euler scheduler of the request's own;
+4. every step: the DiT on the conditional input (glyphs, prior tokens kept) and, with
+   ``guidance_scale`` > 1, on the unconditional one (negative glyphs, prior tokens dropped), two
+   forwards as the pipeline runs them; guidance; an Euler step;
+5. the latent de-normalised (the VAE's ``latents_mean``/``latents_std``), ``AutoencoderKL.decode``,
+   and the pipeline's own post-processing to 8-bit RGB.
+
+Input: array ``prior_token_ids`` int64 [H/32, W/32] (ids of the DiT's prior codebook, upsampled
+2x here as the pipeline does); fields ``prompt``, ``width``, ``height``, ``steps`` (default
+``engine_extras.steps``, 50), ``guidance_scale`` (a number, default ``engine_extras.
+guidance_scale``, 1.5). Final: array ``image`` uint8 [H, W, 3]; fields ``width``, ``height``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from omni_mesh.engines.base import EngineRequest, EngineResult, StageData
+from omni_mesh.engines.batching.row_sampling import row_generator
+from omni_mesh.engines.devices import torch_device
+from omni_mesh.engines.extras import extra_float, extra_int
+from omni_mesh.engines.fields import DEFAULT_MAX_PROMPT_BYTES, FieldReader
+from omni_mesh.engines.glm_image.folder import dtype_kwargs, part, stage_folder
+from omni_mesh.engines.glm_image.glyphs import GlyphEncoder
+from omni_mesh.engines.glm_image.inputs import MAX_SIDE, ImageSize, image_size
+from omni_mesh.engines.glm_image.sampling import check_seed
+from omni_mesh.engines.hf.common import parameter_count
+from omni_mesh.engines.torch_engine import TorchEngine
+
+STEPS_RANGE = (1, 200)
+GUIDANCE_RANGE = (0.0, 30.0)
+
+
+@dataclass(frozen=True)
+class DitInput:
+    prompt: str
+    size: ImageSize
+    prior: np.ndarray  # int64 [H/32, W/32]
+    steps: int
+    guidance: float
+
+
+class GlmImageDitEngine(TorchEngine[DitInput]):
+    """GLM-Image's glyph encoder, DiT, scheduler and VAE (module docstring)."""
+
+    model: Any
+
+    def build(self, seed: int) -> int:
+        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
+        from diffusers import GlmImageTransformer2DModel as Dit
+        from diffusers.image_processor import VaeImageProcessor
+        from transformers import ByT5Tokenizer, T5EncoderModel
+
+        ctx = self.ctx
+        self.max_prompt_bytes = extra_int(
+            ctx, "max_prompt_bytes", DEFAULT_MAX_PROMPT_BYTES, 1, 1 << 16
+        )
+        self.max_side = extra_int(ctx, "max_size", 2048, 32, MAX_SIDE)
+        self.default_steps = extra_int(ctx, "steps", 50, *STEPS_RANGE)
+        self.default_guidance = extra_float(ctx, "guidance_scale", 1.5, *GUIDANCE_RANGE)
+        folder = stage_folder(ctx)
+        self.device = device = torch_device(ctx)
+        self.model = Dit.from_pretrained(
+            str(part(ctx, folder, "transformer")), **dtype_kwargs(ctx, "torch_dtype")
+        ).to(device)
+        self.vae = AutoencoderKL.from_pretrained(
+            str(part(ctx, folder, "vae")), **dtype_kwargs(ctx, "torch_dtype")
+        ).to(device)
+        encoder = T5EncoderModel.from_pretrained(
+            str(part(ctx, folder, "text_encoder")), **dtype_kwargs(ctx, "dtype")
+        ).to(device)
+        tokenizer = ByT5Tokenizer.from_pretrained(str(part(ctx, folder, "tokenizer")))
+        self.glyphs = GlyphEncoder(tokenizer, encoder.eval(), device)
+        self.scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(
+            str(part(ctx, folder, "scheduler"))
+        )
+        self.scheduler_class = FlowMatchEulerDiscreteScheduler
+        self.scale = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        self.images = VaeImageProcessor(vae_scale_factor=self.scale)
+        self.codebook = int(self.model.config.prior_vq_quantizer_codebook_size)
+        self.model.eval()
+        self.vae.eval()
+        return sum(parameter_count(m) for m in (self.model, self.vae, encoder))
+
+    def parse(self, request: EngineRequest) -> DitInput:
+        fields = self.reader(request)
+        check_seed(fields, request.seed)
+        fields.prompt_bytes("prompt", self.max_prompt_bytes)
+        size = image_size(fields, 0, self.max_side)
+        rows, cols = size.grid
+        prior = fields.int_array("prior_token_ids", (rows, cols), self.codebook, rows)
+        steps = fields.optional_int("steps", self.default_steps, *STEPS_RANGE)
+        assert steps is not None
+        return DitInput(
+            fields.optional_str("prompt", ""), size, prior, steps, self._guidance(fields)
+        )
+
+    def _guidance(self, fields: FieldReader) -> float:
+        value = fields.data.fields.get("guidance_scale")
+        if value is None:
+            return self.default_guidance
+        lo, hi = GUIDANCE_RANGE
+        if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
+            raise fields.error("field", "guidance_scale", f"must be a number in [{lo}, {hi}]")
+        return float(value)
+
+    def run(
+        self, request: EngineRequest, inputs: DitInput, generator: torch.Generator
+    ) -> EngineResult:
+        own = row_generator(request.seed, self.device)  # the pipeline's generator, not derived
+        latents = self.denoise(inputs, own)
+        image = self.decode(latents, own)
+        size = inputs.size
+        final = StageData(
+            fields={"width": size.width, "height": size.height}, arrays={"image": image}
+        )
+        return EngineResult(request.request_id, final=final)
+
+    def denoise(self, inputs: DitInput, generator: torch.Generator) -> Tensor:
+        """Steps 1-4 of the module docstring: the final latent [1, C, H/8, W/8]."""
+        from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
+        from diffusers.utils.torch_utils import randn_tensor
+
+        dtype = self.model.dtype
+        device = self.device
+        cfg = inputs.guidance > 1
+        cond = self.glyphs.embed(inputs.prompt, dtype)
+        uncond = self.glyphs.embed("", dtype) if cfg else None
+        size = inputs.size
+        shape = (
+            1,
+            int(self.model.config.in_channels),
+            size.height // self.scale,
+            size.width // self.scale,
+        )
+        latents: Tensor = randn_tensor(shape, generator=generator, device=device, dtype=cond.dtype)
+        prior = _upsampled(torch.from_numpy(inputs.prior).to(device))
+        keep = torch.zeros_like(prior, dtype=torch.bool)
+        drop = torch.ones_like(prior, dtype=torch.bool)
+        target = torch.tensor([[size.height, size.width]], dtype=cond.dtype, device=device)
+        crop = torch.tensor([[0, 0]], dtype=cond.dtype, device=device)
+        scheduler, timesteps = self._timesteps(size, inputs.steps)
+        caches = GlmImageKVCache(num_layers=self.model.config.num_layers)
+        for t in timesteps:
+            step_input = latents.to(dtype)
+            timestep = t.expand(1) - 1
+            common = {
+                "hidden_states": step_input,
+                "prior_token_id": prior,
+                "timestep": timestep,
+                "target_size": target,
+                "crop_coords": crop,
+                "return_dict": False,
+                "kv_caches": caches,
+            }
+            noise = self.model(encoder_hidden_states=cond, prior_token_drop=keep, **common)[0]
+            noise = noise.float()
+            if uncond is not None:
+                free = self.model(encoder_hidden_states=uncond, prior_token_drop=drop, **common)[0]
+                free = free.float()
+                noise = free + inputs.guidance * (noise - free)
+            latents = scheduler.step(noise, t, latents, return_dict=False)[0]
+        caches.clear()
+        return latents
+
+    def _timesteps(self, size: ImageSize, steps: int) -> tuple[Any, Tensor]:
+        """A scheduler of the request's own, set to the pipeline's timesteps and sigmas."""
+        from diffusers.pipelines.glm_image.pipeline_glm_image import calculate_shift
+
+        scheduler = self.scheduler_class.from_config(self.scheduler_config)
+        config = scheduler.config
+        patch = int(self.model.config.patch_size)
+        seq_len = ((size.height // self.scale) * (size.width // self.scale)) // patch**2
+        train = config.num_train_timesteps
+        timesteps = np.linspace(train, 1.0, steps + 1)[:-1].astype(np.int64).astype(np.float32)
+        sigmas = timesteps / train
+        mu = calculate_shift(
+            seq_len,
+            config.get("base_image_seq_len", 256),
+            config.get("base_shift", 0.25),
+            config.get("max_shift", 0.75),
+        )
+        scheduler.set_timesteps(timesteps=timesteps, sigmas=sigmas, device=self.device, mu=mu)
+        return scheduler, scheduler.timesteps
+
+    def decode(self, latents: Tensor, generator: torch.Generator) -> np.ndarray:
+        """Step 5: the latent → uint8 [H, W, 3], as the pipeline's ``output_type="pil"``."""
+        vae = self.vae
+        latents = latents.to(vae.dtype)
+        channels = (1, int(vae.config.latent_channels), 1, 1)
+        mean = (
+            torch.tensor(vae.config.latents_mean).view(channels).to(latents.device, latents.dtype)
+        )
+        std = torch.tensor(vae.config.latents_std).view(channels).to(latents.device, latents.dtype)
+        image = vae.decode(latents * std + mean, return_dict=False, generator=generator)[0]
+        (pil,) = self.images.postprocess(image, output_type="pil")
+        return np.ascontiguousarray(np.asarray(pil.convert("RGB"), dtype=np.uint8))
+
+    def close(self) -> None:
+        super().close()
+        for name in ("vae", "glyphs"):
+            vars(self).pop(name, None)
+
+
+def _upsampled(grid: Tensor) -> Tensor:
+    """[1, 4 h w]: the [h, w] grid upsampled 2x (nearest), as ``_upsample_token_ids``."""
+    h, w = grid.shape
+    ids = torch.nn.functional.interpolate(
+        grid.view(1, 1, h, w).float(), scale_factor=2, mode="nearest"
+    )
+    return ids.to(torch.long).view(1, -1)
