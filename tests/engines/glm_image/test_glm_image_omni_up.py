@@ -1,7 +1,8 @@
 """glm-image through ``omni-up`` at 1:2 (one AR, two DiT replicas), asked with the official
 ``openai`` SDK's ``images.generate``: every PNG's pixels equal diffusers' monolithic
 ``GlmImagePipeline.__call__`` with a generator of the request's seed (the DiT's steps and
-guidance as the deploy file sets them); nothing is left in /dev/shm."""
+guidance as the deploy file sets them); both DiT replicas take hops; nothing is left in
+/dev/shm."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from omni_mesh.configs.loader import bundled_deploy_path
 from tests.engines.glm_image import glm_reference
 from tests.procs import orphaned_shm_segments
 from tests.procs.omni_up import omni_up, stage_pools
+from tests.sidecar.topology import http_get
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -42,7 +44,24 @@ def test_images_through_omni_up_1_2_equal_the_pipeline(tmp_path: Path) -> None:
             got = glm_reference.png_pixels(base64.b64decode(image.b64_json))
             want = glm_reference.pipeline_pixels(pipe, prompt, seed, 64, 64, STEPS, GUIDANCE)
             assert np.array_equal(got, want), (seed, prompt)
+        # both DiT replicas take hops (the AR's router learns of the second from its own
+        # discovery refresh, a moment after omni-cp lists it, so a few more may be needed)
+        dits = stage_pools(proc.stdout, 1, "dit")[""]
+        for i in range(24):
+            if all(_hops(dit) > 0 for dit in dits):
+                break
+            client.images.generate(prompt=f"one more {i}", size="32x32")
+        assert all(_hops(dit) > 0 for dit in dits), [_hops(dit) for dit in dits]
         with pytest.raises(openai.BadRequestError, match="size"):
             client.images.generate(prompt="x", size="48x48", extra_body={"seed": 1})
     time.sleep(0.2)
     assert orphaned_shm_segments() - before == set(), "shared-memory segments leaked"
+
+
+def _hops(url: str) -> float:
+    """The hops a pod has taken (its ``omni_stage_requests_total{route="hop"}``)."""
+    total = 0.0
+    for line in http_get(url + "/metrics").decode().splitlines():
+        if line.startswith("omni_stage_requests_total") and 'route="hop"' in line:
+            total += float(line.rpartition(" ")[2])
+    return total
