@@ -100,7 +100,7 @@ class GlmImageDitEngine(TorchEngine[DitInput]):
         fields = self.reader(request)
         check_seed(fields, request.seed)
         fields.prompt_bytes("prompt", self.max_prompt_bytes)
-        size = image_size(fields, 0, self.max_side)
+        size = image_size(fields, None, self.max_side)  # the AR hands its size on
         rows, cols = size.grid
         prior = fields.int_array("prior_token_ids", (rows, cols), self.codebook, rows)
         steps = fields.optional_int("steps", self.default_steps, *STEPS_RANGE)

@@ -33,20 +33,26 @@ class ImageSize:
         return self.height // MULTIPLE, self.width // MULTIPLE
 
 
-def image_size(fields: FieldReader, default: int, max_side: int) -> ImageSize:
-    """The request's size (module docstring), each side in [32, ``max_side``]."""
+def image_size(fields: FieldReader, default: int | None, max_side: int) -> ImageSize:
+    """The request's size (module docstring), each side in [32, ``max_side``]; ``default``
+    None: a size is required."""
     if fields.has("width") or fields.has("height"):
-        width = _side(fields, "width", None, max_side)
-        height = _side(fields, "height", None, max_side)
+        width = _side(fields, "width", max_side)
+        height = _side(fields, "height", max_side)
+        if width is None or height is None:
+            missing = "width" if width is None else "height"
+            raise fields.error("field", missing, "is required with 'width' or 'height'")
         return ImageSize(width, height)
-    side = _side(fields, "size", default, max_side)
+    side = _side(fields, "size", max_side)
+    if side is None:
+        if default is None:
+            raise fields.error("field", "size", "is required (or 'width' and 'height')")
+        side = default
     return ImageSize(side, side)
 
 
-def _side(fields: FieldReader, name: str, default: int | None, max_side: int) -> int:
-    value = fields.optional_int(name, default, MULTIPLE, max_side)
-    if value is None:
-        raise fields.error("field", name, "is required with 'width' or 'height'")
-    if value % MULTIPLE:
+def _side(fields: FieldReader, name: str, max_side: int) -> int | None:
+    value = fields.optional_int(name, None, MULTIPLE, max_side)
+    if value is not None and value % MULTIPLE:
         raise fields.error("field", name, f"must be a multiple of {MULTIPLE}, got {value}")
     return value

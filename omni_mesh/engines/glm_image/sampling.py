@@ -38,6 +38,9 @@ UNSUPPORTED = {
     "forced_eos_token_id": (None,),
     "sequence_bias": (None,),
     "exponential_decay_length_penalty": (None,),
+    "renormalize_logits": (None, False),
+    "guidance_scale": (None, 1.0),
+    "watermarking_config": (None,),
 }
 
 SEED_LIMIT = 1 << 64  # torch.Generator.manual_seed takes 64-bit seeds

@@ -66,6 +66,8 @@ GRID = np.zeros((2, 2), np.int64)
     ("fields", "arrays", "named", "says"),
     [
         ({"width": 64, "height": 64}, {"prior_token_ids": GRID}, "'prompt'", "is required"),
+        ({"prompt": "x"}, {"prior_token_ids": GRID}, "'size'", "is required"),  # no default
+        ({"prompt": "x", "height": 64}, {"prior_token_ids": GRID}, "'width'", "is required"),
         ({"prompt": "x", "width": 64, "height": 64}, {}, "'prior_token_ids'", "is required"),
         (
             {"prompt": "x", "width": 96, "height": 64},
