@@ -48,13 +48,16 @@ class SplitThinker:
 
 
 def overlay(prefill: int, decode: int) -> str:
-    """The bundled qwen3-omni, its thinker split ``prefill``:``decode``, one talker."""
+    """The bundled qwen3-omni, its thinker on transformers (the bundled config's ``auto`` picks
+    vLLM where it is installed: test_qwen3_omni_vllm_split.py splits that one) split
+    ``prefill``:``decode``, one talker."""
     return (
         f"base_config: {bundled_deploy_path(PIPELINE)}\n"
         "stages:\n"
         "  - stage_id: 0\n"
         f"    num_replicas: {decode}\n"
         f"    prefill: {{num_replicas: {prefill}}}\n"
+        "    engine_extras: {backend: transformers}\n"
         "  - stage_id: 1\n"
         "    num_replicas: 1\n"
     )
