@@ -129,6 +129,16 @@ class ScalePool(StrEnum):
         return str(stage_id) if self is ScalePool.STAGE else f"{stage_id}/{self}"
 
 
+#: The ``LoadReport.engine`` figure of a replica's time-averaged load: the work its engine held
+#: (handed to it and not answered: running or queued there) on average since the replica's
+#: previous heartbeat, the integral of that count over the interval divided by the interval.
+#: The autoscaler sizes a pool from it where reported (instead of ``running``, a count read at
+#: one instant). A free-form engine figure rather than a field of its own, so that a control
+#: plane that predates it still takes the heartbeat (requests refuse unknown fields), and one
+#: that knows it still reads a heartbeat without it (a rolling upgrade mixes both).
+ENGINE_OCCUPANCY = "occupancy"
+
+
 class LoadReport(_Request):
     """Load of one instance, carried by each heartbeat. Updating it does not bump the version."""
 

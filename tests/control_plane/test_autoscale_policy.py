@@ -25,6 +25,7 @@ from omni_mesh.control_plane.autoscaling.policy import (
     stage_inputs,
 )
 from omni_mesh.control_plane.schema import (
+    ENGINE_OCCUPANCY,
     InstanceInfo,
     InstanceState,
     LoadReport,
@@ -158,6 +159,32 @@ def test_a_reported_latency_wins_over_the_estimate() -> None:
     assert stage_inputs([r]).step_ms == 10.0
 
 
+def test_a_reported_occupancy_is_the_demand_not_the_instants_counts() -> None:
+    # One request running at the instant of the heartbeat, in flight 5% of the interval.
+    caught = {"running": 1.0, "waiting": 0.0, "max_num_seqs": 1.0, ENGINE_OCCUPANCY: 0.05}
+    assert replica_figures(replica(1, capacity=4, engine=caught))[0] == pytest.approx(0.05)
+    # A queue is in the average already (an engine fills its batch before it queues): no
+    # saturation floor on top, which would count the queue twice.
+    queueing = {"running": 4.0, "max_num_seqs": 4.0, "batch_size": 4.0, ENGINE_OCCUPANCY: 6.0}
+    r = replica(6, queued=2, capacity=8, engine=queueing)
+    assert replica_figures(r)[0] == pytest.approx(1.5)
+    # KV-cache use stays a floor; an idle interval is idle whatever the instant said.
+    kv = {"running": 1.0, "max_num_seqs": 8.0, "kv_cache_usage": 0.9, ENGINE_OCCUPANCY: 0.1}
+    assert replica_figures(replica(1, engine=kv))[0] == pytest.approx(0.9)
+    idle = {"running": 1.0, "max_num_seqs": 1.0, ENGINE_OCCUPANCY: 0.0}
+    assert recommend(policy(), stage_inputs([replica(1, engine=idle)])) == (0, "idle")
+
+
+def test_a_rolling_upgrade_mixes_averaged_and_instant_reports() -> None:
+    # A replica that predates the average reports its instant's counts and is read as before;
+    # the stage's utilization is the mean of each replica's own.
+    old = replica(1, capacity=4, engine={"running": 1.0, "max_num_seqs": 1.0})
+    new = replica(1, capacity=4, engine={"running": 1.0, "max_num_seqs": 1.0,
+                                         ENGINE_OCCUPANCY: 0.05}, n=1)  # fmt: skip
+    assert replica_figures(old)[0] == 1.0
+    assert stage_inputs([old, new]).utilization == pytest.approx((1.0 + 0.05) / 2)
+
+
 # ---- recommendation -------------------------------------------------------------------------
 
 
@@ -229,6 +256,46 @@ def test_after_the_load_stops_the_pool_steps_down_once_per_cooldown_not_per_wind
         if d.direction is ScaleDirection.DOWN:
             changes.append(((now - T0) / 1000, d.desired))
     assert changes == [(60.25, 2), (65.25, 1)]
+
+
+def trickle_decisions(
+    p: AutoscaleConfig, start: int, seconds: int, *, averaged: bool
+) -> list[tuple[float, int]]:
+    """The desired count each second for ``seconds`` of a trickle (issue 35, item 3): one 40 ms
+    request a second on a pool of ``max_num_seqs: 1`` replicas, each replica heartbeating every
+    second. Averaged, the replica that served the second's request reports an occupancy of
+    0.04; read at one instant, it reports it running when the heartbeat caught it, here at
+    seconds 20, 50, 80 and 110 (about once in 25 heartbeats, 40 ms of every 1000)."""
+    d = initial_decision(p, ScaleInputs(), T0, replicas=start)
+    out: list[tuple[float, int]] = []
+    for k in range(1, seconds + 1):
+        caught = k % 30 == 20
+        ready = []
+        for i in range(d.desired):
+            served = i == k % d.desired
+            engine = {"running": float(served and caught), "waiting": 0.0, "max_num_seqs": 1.0}
+            if averaged:
+                engine[ENGINE_OCCUPANCY] = 0.04 if served else 0.0
+            ready.append(replica(0, capacity=4, engine=engine, n=i))
+        d = decide(p, stage_inputs(ready), d, T0 + k * 1000)
+        out.append((k, d.desired))
+    return out
+
+
+def test_a_trickle_comes_back_to_min_replicas_from_its_averaged_load() -> None:
+    p = AutoscaleConfig(min_replicas=1, max_replicas=4)  # 60 s down, 5 s cooldown, 1 a step
+    # After a load left 3 replicas (the trickle's first decision at 1 s): 2 once the window has
+    # seen only its recommendation for 60 s, 1 a cooldown later, and it stays there.
+    after_load = trickle_decisions(p, 3, 130, averaged=True)
+    steps = itertools.pairwise([(0, 3), *after_load])
+    assert [(t, n) for (_, was), (t, n) in steps if n != was] == [(61, 2), (66, 1)]
+    # Read at one instant, every catch asks for 2 and holds the 60 s window: never back to 1.
+    sampled = trickle_decisions(p, 3, 130, averaged=False)
+    assert min(n for _, n in sampled) == 2
+    # With no scale-up window, a pool at its minimum stays there; sampled, a catch adds one.
+    eager = policy(min_replicas=1, max_replicas=3, target_utilization=0.6, scale_up_window_s=0)
+    assert {n for _, n in trickle_decisions(eager, 1, 60, averaged=True)} == {1}
+    assert max(n for _, n in trickle_decisions(eager, 1, 60, averaged=False)) == 2
 
 
 def test_step_limits_and_max() -> None:

@@ -1,7 +1,8 @@
 """What a pod's heartbeats report (``sidecar/admission/load_report.py``): a vLLM engine's own
-counts, and a split stage's prefill replica's work seen over the heartbeat interval, which
-vLLM's counts, read between steps, never show (the prefill pool autoscaling end to end:
-tests/engines/vllm/test_vllm_pd_autoscale.py)."""
+counts, every engine's work averaged since the previous heartbeat (``occupancy``) in a form a
+control plane that predates it still takes, and a split stage's prefill replica's work seen
+over the heartbeat interval, which vLLM's counts, read between steps, never show (the prefill
+pool autoscaling end to end: tests/engines/vllm/test_vllm_pd_autoscale.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from dataclasses import dataclass, field
 
 import pytest
 from prometheus_client import CollectorRegistry
+from pydantic import BaseModel, ConfigDict, Field
 
+from omni_mesh.control_plane.client import ENGINE_OCCUPANCY
 from omni_mesh.data_plane.messages import EngineStats, Stats
 from omni_mesh.observability.metrics import SidecarMetrics
 from omni_mesh.sidecar.admission.gate import AdmissionGate
@@ -23,8 +26,15 @@ pytestmark = pytest.mark.unit
 
 @dataclass
 class FakeEngine:
+    """The engine client's figures (the far side: its own averaging is
+    tests/sidecar/test_engine_occupancy.py)."""
+
     stats: Stats
     in_flight: int = 0
+    means: list[float] = field(default_factory=list)  # what each mean_in_flight() returns
+
+    def mean_in_flight(self) -> float:
+        return self.means.pop(0) if self.means else 0.0
 
 
 @dataclass
@@ -76,9 +86,11 @@ def test_a_prefill_replica_reports_the_slots_its_work_held_since_the_last_heartb
     report = load_report(pod)  # type: ignore[arg-type]
     assert report.in_flight == 0 and report.engine["waiting"] == 0.0
     assert report.engine["running"] == pytest.approx(1.0, rel=0.1)  # 2 slots x 0.5 of 1 s
+    assert report.engine[ENGINE_OCCUPANCY] == pytest.approx(1.0, rel=0.1)  # the same, averaged
     assert report.engine[PREFILL_TOKENS_QUEUED] == 0.0
     # The next heartbeat covers only the time since this one: idle.
-    assert load_report(pod).engine["running"] == 0.0  # type: ignore[arg-type]
+    again = load_report(pod)  # type: ignore[arg-type]
+    assert again.engine["running"] == 0.0 and again.engine[ENGINE_OCCUPANCY] == 0.0
 
 
 def test_other_replicas_report_their_engines_own_counts() -> None:
@@ -98,3 +110,31 @@ def test_other_replicas_report_their_engines_own_counts() -> None:
     report = load_report(FakePod(engine))  # type: ignore[arg-type]
     assert report.engine["running"] == 2.0 and report.queued == 1
     assert load_report(FakePod(None)).engine == {}  # type: ignore[arg-type]
+
+
+class LoadReportBefore(BaseModel):
+    """``LoadReport`` as a control plane that predates ``occupancy`` reads it: strict, unknown
+    fields refused."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    in_flight: int = Field(default=0, ge=0)
+    queued: int = Field(default=0, ge=0)
+    capacity: int = Field(default=0, ge=0)
+    engine: dict[str, float] = Field(default_factory=dict, max_length=64)
+
+
+def test_every_engine_reports_its_work_averaged_since_the_last_heartbeat() -> None:
+    # Read at this instant nothing runs; over the interval the engine held 0.04 on average.
+    engine = FakeEngine(Stats(queued=0, running=0, batch_size=1, step_ms=40.0, steps=9), 0, [0.04])
+    report = load_report(FakePod(engine))  # type: ignore[arg-type]
+    assert report.engine["running"] == 0.0
+    assert report.engine[ENGINE_OCCUPANCY] == 0.04
+    # vLLM's engine too (its scheduler's counts are instant as well).
+    vllm = vllm_between_steps()
+    vllm.means = [2.5]
+    assert load_report(FakePod(vllm)).engine[ENGINE_OCCUPANCY] == 2.5  # type: ignore[arg-type]
+    # A control plane that predates the figure takes the heartbeat: it is an engine figure,
+    # not a field of its own (a rolling upgrade runs new pods against an old control plane).
+    body = report.model_dump_json()
+    assert LoadReportBefore.model_validate_json(body).engine[ENGINE_OCCUPANCY] == 0.04

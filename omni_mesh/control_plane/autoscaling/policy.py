@@ -2,15 +2,19 @@
 ``autoscaler.py``).
 
 1. **Inputs** (:func:`stage_inputs`): each ready replica's utilization is its demand over its
-   capacity. Where the heartbeat's engine figures (``LoadReport.engine``) count the engine's
-   own work (``running``, plus a model engine's own ``waiting``), demand is
-   ``running + waiting + queued``: a sidecar's in-flight count also holds hops that wait on
-   later stages, which are not this stage's load. Without ``running`` demand is ``in_flight``.
-   Capacity is the engine's ``max_num_seqs`` where reported, else the replica's capacity. A
-   replica whose work queues is saturated at its batch (``running``, else the last step's
-   ``batch_size``): its utilization is at least ``(batch + queued) / batch``. A reported
-   ``kv_cache_usage`` (0..1) is a floor too. The stage's utilization is the mean over its
-   ready replicas.
+   capacity. Where the heartbeat's engine figures (``LoadReport.engine``) carry ``occupancy``
+   (:data:`~omni_mesh.control_plane.schema.ENGINE_OCCUPANCY`), demand is that: the engine's
+   own work, its queue included, averaged over the time since the replica's previous
+   heartbeat. Otherwise (a replica that predates it) demand is read at one instant: where the
+   engine figures count the engine's own work (``running``, plus a model engine's own
+   ``waiting``) it is ``running + waiting + queued`` (a sidecar's in-flight count also holds
+   hops that wait on later stages, which are not this stage's load), without ``running`` it is
+   ``in_flight``; and a replica whose work queues is saturated at its batch (``running``, else
+   the last step's ``batch_size``): its utilization is at least ``(batch + queued) / batch``.
+   (Averaged, a queue is in the occupancy already: an engine takes up to ``max_num_seqs``
+   before it queues.) Capacity is the engine's ``max_num_seqs`` where reported, else the
+   replica's capacity. A reported ``kv_cache_usage`` (0..1) is a floor too. The stage's
+   utilization is the mean over its ready replicas.
 2. **Recommendation** (:func:`recommend`): ``ceil(sum of utilizations / target)`` replicas
    (Kubernetes HPA's rule), unchanged while the mean is within ``target x (1 +- tolerance)``;
    0 when nothing is running or queued (idle); more when the estimated queue + step time
@@ -30,6 +34,7 @@ from collections.abc import Mapping, Sequence
 
 from omni_mesh.configs.autoscale import AutoscaleConfig
 from omni_mesh.control_plane.schema import (
+    ENGINE_OCCUPANCY,
     InstanceInfo,
     ScaleDecision,
     ScaleDirection,
@@ -75,9 +80,13 @@ def replica_figures(info: InstanceInfo) -> tuple[float, int, float | None, float
     else:  # the engine's own work: a hop waiting on later stages is not this stage's load
         demand = running + waiting + load.queued
         batch, queueing = running, int(waiting) + load.queued
-    utilization = demand / max(1, capacity)
-    if queueing > 0 and batch is not None and batch >= 1:
-        utilization = max(utilization, (batch + queueing) / batch)  # saturated at its batch
+    occupancy = _engine_value(engine, ENGINE_OCCUPANCY)
+    if occupancy is not None:  # the same work averaged since the last heartbeat, queue included
+        utilization = occupancy / max(1, capacity)
+    else:  # a replica that reports only this instant's counts (a sidecar before the average)
+        utilization = demand / max(1, capacity)
+        if queueing > 0 and batch is not None and batch >= 1:
+            utilization = max(utilization, (batch + queueing) / batch)  # saturated at its batch
     kv = _engine_value(engine, "kv_cache_usage", "gpu_cache_usage")
     if kv is not None:
         kv = kv / 100.0 if kv > 1.0 else kv  # some engines report a percentage

@@ -28,6 +28,7 @@ from omni_mesh.control_plane.errors import (
     SessionNotFound,
 )
 from omni_mesh.control_plane.schema import (
+    ENGINE_OCCUPANCY,
     KV_ROLE_LABEL,
     HeartbeatAck,
     InstanceInfo,
@@ -56,6 +57,7 @@ from omni_mesh.control_plane.session_schema import (
 )
 
 __all__ = [
+    "ENGINE_OCCUPANCY",
     "KV_ROLE_LABEL",
     "Backoff",
     "ChangeListener",

@@ -5,35 +5,45 @@ figures the autoscaler sizes its pool from and the senders' routers weigh it by.
   engine's own queue, its ``max_inflight``;
 - ``engine``: the engine's own work for the autoscaler (a hop waiting on later stages is not
   this stage's load): ``running`` (and a vLLM engine's scheduler ``waiting``), its batch, step
-  time, ``max_num_seqs``, KV-cache use, and a split stage's ``prefill_tokens_queued``.
+  time, ``max_num_seqs``, KV-cache use, and a split stage's ``prefill_tokens_queued``;
+- ``engine["occupancy"]`` (:data:`~omni_mesh.control_plane.client.ENGINE_OCCUPANCY`): the
+  engine's work (handed to it and not answered: running or queued there) **averaged over the
+  time since the previous heartbeat**, which the autoscaler sizes the pool from. ``running``
+  and the others are read at one instant: a stage with a trickle of short requests shows one
+  in flight at a few instants and none at the rest, and a policy reading the instant's count
+  asked for a replica more whenever a heartbeat caught one.
 
-A split stage's **prefill replica** reports as ``running`` at least the slots its work held on
-average since the previous heartbeat. vLLM holds a prefill request for the one step that
-computes it, and the engine reads its scheduler's counts between steps: they say 0 however busy
-the replica is, and the prefill pool looked idle under any load short of a queue inside vLLM.
-A prefill hop never waits on a later stage (only its KV goes on), so the time it holds a slot is
-the engine's work and its queue there.
+A split stage's **prefill replica** reports as ``running`` and ``occupancy`` at least the slots
+its work held on average since the previous heartbeat. vLLM holds a prefill request for the one
+step that computes it, and the engine reads its scheduler's counts between steps: they say 0
+however busy the replica is, and the prefill pool looked idle under any load short of a queue
+inside vLLM. A prefill hop never waits on a later stage (only its KV goes on), so the time it
+holds a slot is the engine's work and its queue there.
 """
 
 from __future__ import annotations
 
-from omni_mesh.control_plane.client import LoadReport
+from omni_mesh.control_plane.client import ENGINE_OCCUPANCY, LoadReport
 from omni_mesh.sidecar.hop.prefill_tokens import PREFILL_TOKENS_QUEUED
 from omni_mesh.sidecar.pod import Pod
 
 
 def load_report(pod: Pod) -> LoadReport:
-    """The pod's load now, for its next heartbeat (see the module docstring)."""
-    stats = pod.engine.stats if pod.engine is not None else None
+    """The pod's load for its next heartbeat (see the module docstring): the averaged figures
+    cover the time since the previous call, so only the heartbeats call it."""
+    client = pod.engine
+    stats = client.stats if client is not None else None
     engine: dict[str, float] = {}
-    if stats is not None:
+    if client is not None and stats is not None:
         engine = {
             "step_ms": stats.step_ms,
             "batch_size": float(stats.batch_size),
             "max_num_seqs": float(pod.stage_config.max_num_seqs),
             # Work handed to the engine and not answered yet, less its queue (the core's own
             # ``running`` counts only streams open between steps: 0 for whole answers).
-            "running": float(max(0, pod.engine.in_flight - stats.queued)) if pod.engine else 0.0,
+            "running": float(max(0, client.in_flight - stats.queued)),
+            # The same work, queue included, averaged since the previous heartbeat.
+            ENGINE_OCCUPANCY: client.mean_in_flight(),
         }
         if stats.engine is not None:  # a model engine with its own scheduler (vLLM)
             engine["running"] = float(stats.engine.running)
@@ -42,7 +52,9 @@ def load_report(pod: Pod) -> LoadReport:
             if pod.stage_config.prefill is not None:  # a split stage: for the prefill picks
                 engine[PREFILL_TOKENS_QUEUED] = float(stats.engine.prefill_tokens_queued)
     if pod.settings.role == "prefill" and "running" in engine and pod.gate is not None:
-        engine["running"] = max(engine["running"], pod.gate.mean_in_use())
+        held = pod.gate.mean_in_use()
+        engine["running"] = max(engine["running"], held)
+        engine[ENGINE_OCCUPANCY] = max(engine[ENGINE_OCCUPANCY], held)
     queued = pod.gate.queued if pod.gate is not None else 0
     return LoadReport(
         in_flight=pod.in_flight + queued,  # waiters in the admission queue are load too

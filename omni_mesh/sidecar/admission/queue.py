@@ -16,7 +16,8 @@ is unit-tested on its own; :mod:`omni_mesh.sidecar.admission.admit` wraps it in 
 - Before any admitted work has finished the service time is unknown and the estimate is
   optimistic (no shedding by estimate): the bounds and the per-waiter timer still hold.
 - **Slots held on average** (:meth:`AdmissionQueue.mean_in_use`): slot-seconds over an
-  interval, which a count read at one instant misses when each piece of work is short.
+  interval (:class:`~omni_mesh.observability.time_average.TimeAverage`), which a count read at
+  one instant misses when each piece of work is short.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Literal
 
+from omni_mesh.observability.time_average import TimeAverage
 from omni_mesh.sidecar.hop.shed import Shed, ShedReason
 
 
@@ -87,36 +89,6 @@ class ServiceTime:
 
 
 @dataclass
-class SlotTime:
-    """The slots held over time: slot-seconds since the last :meth:`take`, whose mean over
-    that interval is how many slots work held on average (Little's law's L = arrival rate x
-    time held). Read at one instant, the count misses work that holds a slot for a short time:
-    a prefill replica's, its engine's part one step long, is there at almost no instant."""
-
-    held: int = 0  # slots held now
-    since: float | None = None  # start of the current interval (None: nothing happened yet)
-    at: float = 0.0  # when ``held`` last changed
-    area: float = 0.0  # slot-seconds since ``since``
-
-    def change(self, held: int, now: float) -> None:
-        """``held`` slots from ``now`` on."""
-        if self.since is None:
-            self.since = self.at = now
-        self.area += self.held * max(0.0, now - self.at)
-        self.held, self.at = held, max(self.at, now)
-
-    def take(self, now: float) -> float:
-        """The mean slots held since the previous take (at first since the first change; the
-        slots held now when no time has passed); the next interval starts ``now``."""
-        self.change(self.held, now)
-        assert self.since is not None
-        span = now - self.since
-        mean = self.area / span if span > 0 else float(self.held)
-        self.since, self.area = now, 0.0
-        return mean
-
-
-@dataclass
 class _Class:
     """The waiters of one priority class: a FIFO per tenant, tenants in round-robin order."""
 
@@ -171,7 +143,7 @@ class AdmissionQueue:
         self.max_wait_s = max_wait_s
         self.in_use = 0
         self.service = ServiceTime(alpha)
-        self.slot_time = SlotTime()
+        self.slot_time = TimeAverage()
         self._classes = [_Class() for _ in Priority]
 
     # ---- reading ---------------------------------------------------------------------------
@@ -204,7 +176,7 @@ class AdmissionQueue:
         return 1.0 if rate is None else (len(self) + 1) / rate
 
     def mean_in_use(self, now: float) -> float:
-        """Slots held on average since the previous call (:class:`SlotTime`)."""
+        """Slots held on average since the previous call (:class:`TimeAverage`)."""
         return self.slot_time.take(now)
 
     def hopeless_at(self, w: Waiter) -> float:

@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -49,6 +50,7 @@ from omni_mesh.data_plane.shm import (
     externalize,
     unlink_prefix,
 )
+from omni_mesh.observability.time_average import TimeAverage
 from omni_mesh.procutil import die_with_parent
 from omni_mesh.sidecar.engine_link.tmp_dirs import (
     make_engine_tmp,
@@ -132,6 +134,8 @@ class EngineClient:
         self._proc: asyncio.subprocess.Process | None = None
         self._chan: AsyncChannel | None = None
         self._pending: dict[str, Work] = {}  # by transfer key
+        # How many of them over time: the heartbeats' time-averaged occupancy (mean_in_flight).
+        self._occupancy = TimeAverage()
         self._submitted: dict[str, asyncio.Event] = {}  # keys a feeder waits to see submitted
         # Work left early, aborted on the engine: its input slots are reused (and its output
         # slots released) once its last Result says the engine let go of them.
@@ -319,6 +323,7 @@ class EngineClient:
         if work.ends_with(out):
             work.answered = True
             del self._pending[key]
+            self._occupancy.change(len(self._pending), time.monotonic())
             self.arena.free_owner(key)  # the engine is done with our input slots
         work.delivered += 1
         work.mailbox.put_nowait(out)
@@ -336,6 +341,7 @@ class EngineClient:
 
     def _fail_all(self, reason: str) -> None:
         pending, self._pending = self._pending, {}
+        self._occupancy.change(0, time.monotonic())
         abandoned, self._abandoned = self._abandoned, {}
         for work in abandoned.values():
             if work.on_aborted is not None:
@@ -347,7 +353,15 @@ class EngineClient:
 
     @property
     def in_flight(self) -> int:
+        """Work handed to the engine whose last output has not come (running or queued
+        there): this instant's count."""
         return len(self._pending)
+
+    def mean_in_flight(self) -> float:
+        """The engine's work in flight on average since the previous call: its integral over
+        the interval divided by the interval (the pod's next heartbeat reads it, as
+        ``occupancy``). Read at one instant, a short request is there at few instants."""
+        return self._occupancy.take(time.monotonic())
 
     def is_running(self, key: str) -> bool:
         """Whether the work named ``key`` (:func:`transfer_key`) is running here, or still
@@ -379,6 +393,7 @@ class EngineClient:
         si = msgspec.structs.replace(si, payload=payload)
         work = Work(whole=streams_out(si))
         self._pending[key] = work
+        self._occupancy.change(len(self._pending), time.monotonic())
         try:
             await self._chan.send(Submit(stage_input=si))
         except ChannelError as exc:
@@ -434,7 +449,8 @@ class EngineClient:
 
     def leave(self, key: str, work: Work) -> None:
         """The caller left before the last output (client gone, deadline, a failed branch)."""
-        self._pending.pop(key, None)
+        if self._pending.pop(key, None) is not None:
+            self._occupancy.change(len(self._pending), time.monotonic())
         if self.dead.is_set() or self._chan is None:
             return  # its shared memory went with the engine
         if work.answered:  # the last output came but was not read: free what it holds
