@@ -4,13 +4,15 @@ token ids of a text-to-image request, as ``GlmImagePipeline.generate_prior_token
 The prompt goes through the folder's ``GlmImageProcessor`` chat template as the pipeline sends
 it (one user turn), which appends the target grid (H/32 x W/32) and the preview grid and the
 image-start token; the model then decodes the preview grid's tokens, the target grid's and one
-more (the pipeline's ``max_new_tokens``), from the 3D rope positions of ``positions.py`` passed
-explicitly (the model's own per-call position state is never read, so requests of any size may
-share the engine). Each token is drawn by ``generate``'s processors for the folder's generation
-config (``sampling.py``) from the request's own generator seeded with its seed: the draws the
-pipeline makes from the process RNG after ``torch.manual_seed(generator.initial_seed())``. An
-end-of-image token before the grids are full fails the request (the pipeline would crash on the
-short grid).
+more (the pipeline's ``max_new_tokens``). Every running request is a row of one
+:class:`~omni_mesh.engines.glm_image.ar_batch.PriorBatch`: one batched forward per token for all
+of them, whatever their sizes (each row's 3D rope positions passed explicitly), up to the stage's
+``max_num_seqs``; a request joins at the next step. Each token is drawn by ``generate``'s
+processors for the folder's generation config (``sampling.py``) from the request's own generator
+seeded with its seed: the draws the pipeline makes from the process RNG after
+``torch.manual_seed(generator.initial_seed())``, so a request's tokens are those of its lone
+pipeline call whatever else runs. An end-of-image token before the grids are full fails the
+request (the pipeline would crash on the short grid).
 
 Input fields: ``prompt`` (str), the size (``inputs.py``: ``size``, or ``width`` and ``height``),
 ``steps`` and ``guidance_scale`` (checked by the DiT, handed on). Output: array
@@ -24,20 +26,22 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from torch import Tensor
+import numpy as np
 
 from omni_mesh.engines.base import (
     EngineConfigError,
-    EngineInputError,
     EngineRequest,
     EngineResult,
     StageData,
 )
+from omni_mesh.engines.batching.frame_batch import Row
+from omni_mesh.engines.batching.frame_engine import FrameEngine
+from omni_mesh.engines.batching.frame_stream import Chunker
 from omni_mesh.engines.batching.row_sampling import RowPicker, row_generator
 from omni_mesh.engines.devices import torch_device
 from omni_mesh.engines.extras import extra_int
 from omni_mesh.engines.fields import DEFAULT_MAX_PROMPT_BYTES, passthrough
+from omni_mesh.engines.glm_image.ar_batch import ArPrompt, PriorBatch, PriorRow
 from omni_mesh.engines.glm_image.folder import dtype_kwargs, part, stage_folder
 from omni_mesh.engines.glm_image.inputs import (
     DEFAULT_SIDE,
@@ -46,10 +50,8 @@ from omni_mesh.engines.glm_image.inputs import (
     ImageSize,
     image_size,
 )
-from omni_mesh.engines.glm_image.positions import decode_positions, prompt_positions
 from omni_mesh.engines.glm_image.sampling import check_seed, generation_sampling
 from omni_mesh.engines.hf.common import parameter_count
-from omni_mesh.engines.torch_engine import TorchEngine
 
 logger = logging.getLogger(__name__)
 
@@ -61,21 +63,14 @@ HANDED_ON = ("steps", "guidance_scale")
 class ArInput:
     prompt: str
     size: ImageSize
+    tokens: ArPrompt  # the chat-templated prompt and its grids
 
 
-@dataclass(frozen=True)
-class ArPrompt:
-    """The processor's output for one request: its token ids and its grids."""
-
-    input_ids: Tensor  # [1, L]
-    attention_mask: Tensor  # [1, L]
-    grids: list[tuple[int, int]]  # (h, w) of the target grid, then the preview grid
-
-
-class GlmImageArEngine(TorchEngine[ArInput]):
+class GlmImageArEngine(FrameEngine[ArInput]):
     """GLM-Image's AR generator (module docstring)."""
 
     model: Any
+    batch: PriorBatch
 
     def build(self, seed: int) -> int:
         from transformers import (
@@ -105,9 +100,10 @@ class GlmImageArEngine(TorchEngine[ArInput]):
         )
         self.model = model.to(self.device).eval()
         generation = GenerationConfig.from_pretrained(str(ar_folder))
-        self.sampling = generation_sampling(generation, ctx)
-        self.picker = RowPicker(self.sampling)
-        self.eos = self.model.config.image_end_token_id
+        picker = RowPicker(generation_sampling(generation, ctx))
+        self.batch = PriorBatch(self.model, picker, int(self.model.config.image_end_token_id))
+        # not streamed: a request's one result comes when its row ends
+        self.first_chunk_frames = self.chunk_frames = 1 << 20
         return parameter_count(self.model)
 
     def parse(self, request: EngineRequest) -> ArInput:
@@ -115,37 +111,52 @@ class GlmImageArEngine(TorchEngine[ArInput]):
         check_seed(fields, request.seed)
         fields.prompt_bytes("prompt", self.max_prompt_bytes)
         prompt = fields.optional_str("prompt", "")
-        return ArInput(prompt, image_size(fields, self.default_side, self.max_side))
+        size = image_size(fields, self.default_side, self.max_side)
+        return ArInput(prompt, size, self.tokenize(prompt, size))
 
-    def run(
-        self, request: EngineRequest, inputs: ArInput, generator: torch.Generator
-    ) -> EngineResult:
+    def row(self, request: EngineRequest, inputs: ArInput) -> PriorRow:
         # The pipeline's draws come from the seed itself, not the engine's derived generator.
-        own = row_generator(request.seed, self.device)
-        prompt = self.tokenize(inputs)
-        tokens = self.decode(prompt, own)
-        target_h, target_w = prompt.grids[0]
-        preview = sum(h * w for h, w in prompt.grids[1:])
-        grid = tokens[preview : preview + target_h * target_w]
+        return PriorRow(
+            request.request_id,
+            row_generator(request.seed, self.device),
+            prompt=inputs.tokens,
+        )
+
+    def chunker(self, request: EngineRequest, row: Row) -> Chunker:
+        assert isinstance(row, PriorRow)
+
+        def chunk(frames: list[np.ndarray], sent: int, last: bool) -> EngineResult | None:
+            return self._result(request, row) if last else None
+
+        return chunk
+
+    def _result(self, request: EngineRequest, row: PriorRow) -> EngineResult:
+        """The request's target grid, once its row ended."""
+        assert row.prompt is not None
+        grids = row.prompt.grids
+        target_h, target_w = grids[0]
+        preview = sum(h * w for h, w in grids[1:])
+        grid = row.tokens[preview : preview + target_h * target_w]
         if len(grid) < target_h * target_w:
-            raise EngineInputError(
+            message = (
                 f"{self.where} request {request.request_id!r}: the AR ended the image after "
-                f"{len(tokens)} of {preview + target_h * target_w + 1} tokens"
+                f"{len(row.tokens)} of {row.total} tokens"
             )
-        ids = torch.tensor(grid, dtype=torch.int64).view(target_h, target_w)
+            return EngineResult(request.request_id, error=message)
         fields = {
-            "prompt": inputs.prompt,
-            "width": inputs.size.width,
-            "height": inputs.size.height,
+            "prompt": str(request.data.fields["prompt"]),
+            "width": target_w * MULTIPLE,
+            "height": target_h * MULTIPLE,
             **passthrough(request.data, HANDED_ON),
         }
-        output = StageData(fields=fields, arrays={"prior_token_ids": ids.numpy()})
+        ids = np.array(grid, dtype=np.int64).reshape(target_h, target_w)
+        output = StageData(fields=fields, arrays={"prior_token_ids": ids})
         return EngineResult(request.request_id, output=output)
 
-    def tokenize(self, inputs: ArInput) -> ArPrompt:
+    def tokenize(self, prompt: str, size: ImageSize) -> ArPrompt:
         """The chat-templated prompt with its target and preview grids, as the pipeline makes
         it (one user turn of one text part)."""
-        messages = [[{"role": "user", "content": [{"type": "text", "text": inputs.prompt}]}]]
+        messages = [[{"role": "user", "content": [{"type": "text", "text": prompt}]}]]
         encoded = self.processor.apply_chat_template(
             messages,
             tokenize=True,
@@ -153,50 +164,13 @@ class GlmImageArEngine(TorchEngine[ArInput]):
             # transformers 5.19 reads the target size here; as top-level kwargs (the pipeline's
             # way) it works too but logs a deprecation per request, and in processor_kwargs it is
             # silently ignored (the default 1152 x 768 grid).
-            images_kwargs={"target_h": inputs.size.height, "target_w": inputs.size.width},
+            images_kwargs={"target_h": size.height, "target_w": size.width},
             return_dict=True,
             return_tensors="pt",
         )
         grids = [(int(t[1]), int(t[2])) for t in encoded["image_grid_thw"]]
-        if grids[0] != inputs.size.grid:  # the processor rounds; inputs.py refused other sizes
-            raise RuntimeError(
-                f"{self.where}: the processor made grid {grids[0]} for {inputs.size}"
-            )
+        if grids[0] != size.grid:  # the processor rounds; inputs.py refused other sizes
+            raise RuntimeError(f"{self.where}: the processor made grid {grids[0]} for {size}")
         return ArPrompt(
             encoded["input_ids"].to(self.device), encoded["attention_mask"].to(self.device), grids
         )
-
-    def decode(self, prompt: ArPrompt, generator: torch.Generator) -> list[int]:
-        """The prior tokens: every grid's, then one more; fewer when the model ends early."""
-        from transformers import DynamicCache
-
-        length = int(prompt.input_ids.shape[-1])
-        positions = decode_positions(length, prompt.grids, self.device)
-        total = int(positions.shape[1])
-        history: list[list[int]] = [prompt.input_ids[0].tolist()]
-        cache = DynamicCache(config=self.model.config.text_config)
-        out = self.model(
-            input_ids=prompt.input_ids,
-            attention_mask=prompt.attention_mask,
-            position_ids=prompt_positions(length, self.device),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        tokens: list[int] = []
-        while True:
-            (token,) = self.picker.pick(out.logits[:, -1], history, [generator])
-            tokens.append(token)
-            if token == self.eos or len(tokens) == total:
-                return tokens
-            history[0].append(token)
-            step = len(tokens) - 1
-            out = self.model(
-                input_ids=torch.tensor([[token]], device=self.device),
-                attention_mask=torch.ones(
-                    (1, length + len(tokens)), dtype=prompt.attention_mask.dtype, device=self.device
-                ),
-                position_ids=positions[:, step : step + 1].view(3, 1, 1),
-                past_key_values=cache,
-                use_cache=True,
-            )

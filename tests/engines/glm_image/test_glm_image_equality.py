@@ -15,9 +15,10 @@ import torch
 
 from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.data_plane.media import png_bytes
-from omni_mesh.data_plane.messages import Payload, StageInput
+from omni_mesh.data_plane.messages import Payload, StageInput, StageOutput
 from omni_mesh.data_plane.tensors import array_from_tensor
 from omni_mesh.engines.base import EngineRequest, EngineResult, StageData, StageEngine
+from omni_mesh.engines.core import EngineCore
 from omni_mesh.engines.glm_image.processors import ar_to_dit
 from tests.engines.glm_image import glm_reference
 from tests.engines.helpers import make_engine, stage_core, step_inline
@@ -127,6 +128,14 @@ def test_a_request_batched_with_others_gets_its_lone_image(stages: Stages) -> No
     assert np.array_equal(dits[0].final.arrays["image"], alone.final.arrays["image"])
 
 
+def run_all(core: EngineCore, entry: StageInput) -> list[StageOutput]:
+    """Every output of ``entry``, the core stepped until it runs nothing."""
+    outputs = step_inline(core, entry)
+    while core.running:
+        outputs += step_inline(core)
+    return outputs
+
+
 def test_the_engine_cores_hand_off_what_the_dit_needs(monolithic: Any) -> None:
     """Through the engine cores as the engine processes run them: the AR's output goes through
     the pipeline's processor into the DiT's StageInput (token ids, prompt, size; the seed on
@@ -143,14 +152,14 @@ def test_the_engine_cores_hand_off_what_the_dit_needs(monolithic: Any) -> None:
         seed=seed,
         payload=Payload(fields={"prompt": prompt, "size": 64}),
     )
-    (ar_out,) = step_inline(ar_core, entry)
+    (ar_out,) = run_all(ar_core, entry)  # the AR answers when its row ends, steps later
     assert ar_out.error is None and ar_out.final is None
     (hop,) = ar_out.next
     assert hop.stage_id == 1 and hop.seed == seed
     assert set(hop.payload.fields) == {"prompt", "width", "height"}
     assert set(hop.payload.tensors) == {"prior_token_ids"}
     assert array_from_tensor(hop.payload.tensors["prior_token_ids"]).nbytes == 2 * 2 * 8
-    (dit_out,) = step_inline(dit_core, hop)
+    (dit_out,) = run_all(dit_core, hop)
     assert dit_out.error is None and dit_out.final is not None and not dit_out.next
     image = array_from_tensor(dit_out.final.tensors["image"])
     want = glm_reference.pipeline_pixels(monolithic, prompt, seed, 64, 64, STEPS, 1.5)
