@@ -14,12 +14,37 @@ from omni_mesh.engines.base import EngineContext, StageData
 from omni_mesh.engines.extras import extra_int
 
 
-def stable_text(tokenizer: Any, tokens: Sequence[int]) -> str:
-    """The text of ``tokens`` that later tokens cannot change (no trailing partial UTF-8
-    character), special tokens dropped."""
-    if not tokens:
-        return ""
-    return str(tokenizer.decode(list(tokens), skip_special_tokens=True)).rstrip("\ufffd")
+class TextDeltas:
+    """The client's text of a growing answer, a delta at a time (special tokens dropped). Each
+    call decodes only the tokens since the last delta, after those of the delta before them as
+    context (as vLLM's incremental detokenizer does: a SentencePiece word's leading space, a
+    cleanup across the boundary), not the whole answer: a step costs the same at token 1,000 as
+    at token 1. A token that ends inside a UTF-8 character waits for the rest of it."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.sent = ""  # every delta so far, joined
+        self._context = 0  # the first token of the window decoded: the last delta's first
+        self._done = 0  # tokens whose text was handed out
+
+    def delta(self, tokens: Sequence[int]) -> str:
+        """The text ``tokens`` (the whole answer so far) add to what was handed out ("" while
+        none is complete)."""
+        if len(tokens) <= self._done:
+            return ""
+        known = self._decode(tokens[self._context : self._done])
+        text = self._decode(tokens[self._context :])
+        if len(text) <= len(known) or text.endswith("\ufffd") or not text.startswith(known):
+            return ""
+        delta = text[len(known) :]
+        self._context, self._done = self._done, len(tokens)
+        self.sent += delta
+        return delta
+
+    def _decode(self, tokens: Sequence[int]) -> str:
+        if not tokens:
+            return ""
+        return str(self.tokenizer.decode(list(tokens), skip_special_tokens=True))
 
 
 def no_text() -> StageData:

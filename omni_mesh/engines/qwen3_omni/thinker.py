@@ -73,8 +73,8 @@ from omni_mesh.engines.extras import extra_int
 from omni_mesh.engines.hf.common import load_part, model_folder, parameter_count
 from omni_mesh.engines.qwen3_omni.answer import (
     AnswerChunks,
+    TextDeltas,
     no_text,
-    stable_text,
     talker_chunk_tokens,
     thinker_answer,
 )
@@ -200,7 +200,9 @@ class Qwen3OmniThinkerEngine(FrameEngine[ThinkerInput]):
         new text, with the answer's next chunk for the talker when one is due (a streamed
         hand-off: ``AnswerChunks``); the last: the whole output (or its last chunk), its final
         text what was not sent yet."""
-        before = row.sent_text  # the text of tokens[:sent], as the last delta left it
+        if row.text is None:
+            row.text = TextDeltas(self.tokenizer)
+        before = row.text.sent  # the text handed out so far
         if last:
             result = self._result(request, row)
             if row.handoff is not None:
@@ -211,11 +213,8 @@ class Qwen3OmniThinkerEngine(FrameEngine[ThinkerInput]):
                 logger.warning("streamed text is not a prefix request_id=%s", request.request_id)
             result.final.fields["text"] = text[len(before) :]
             return result
-        text = stable_text(self.tokenizer, row.tokens[: len(frames)])
-        delta = None
-        if len(text) > len(before):
-            delta = StageData(fields={"text": text[len(before) :]})
-            row.sent_text = text
+        new = row.text.delta(row.tokens[: len(frames)])
+        delta = StageData(fields={"text": new}) if new else None
         handed = self._handoff(row)
         if handed is not None:
             return EngineResult(

@@ -38,7 +38,7 @@ from torch import Tensor
 from omni_mesh.engines.batching.frame_batch import FrameBatch, Row
 from omni_mesh.engines.batching.padded_cache import PaddedCache
 from omni_mesh.engines.batching.row_sampling import RowPicker, Sampling
-from omni_mesh.engines.qwen3_omni.answer import AnswerChunks
+from omni_mesh.engines.qwen3_omni.answer import AnswerChunks, TextDeltas
 from omni_mesh.engines.qwen3_omni.inputs import ThinkerPrompt
 
 GREEDY = Sampling(False)
@@ -54,7 +54,7 @@ class ThinkerRow(Row):
     max_tokens: int = 1
     voice: str = ""  # handed on to the talker
     tokens: list[int] = field(default_factory=list)  # generated so far, the newest last
-    sent_text: str = ""  # the text streamed to the client so far
+    text: TextDeltas | None = None  # the text streamed to the client (made by the engine)
     embeds: list[Tensor] = field(default_factory=list)  # [L, D] per forward: hidden_states[0]
     hidden: list[Tensor] = field(default_factory=list)  # [L, D]: the accept layer's
     position: Tensor | None = None  # [4, 1, 1]: the newest forward's last position ids

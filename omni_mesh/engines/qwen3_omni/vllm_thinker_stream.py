@@ -3,6 +3,7 @@ tapped rows by position, and its results in the transformers thinker's shape."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -14,11 +15,13 @@ from omni_mesh.engines.base import EngineRequest, EngineResult, StageData
 from omni_mesh.engines.kv.pull import KvPull
 from omni_mesh.engines.qwen3_omni.answer import (
     AnswerChunks,
+    TextDeltas,
     no_text,
-    stable_text,
     thinker_answer,
 )
 from omni_mesh.engines.vllm.stream import StreamOwner, VllmStream
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,7 @@ class ThinkerStream(VllmStream):
         self.audio_lengths = audio_lengths
         self.prompt_ids: list[int] = []
         self.answer: list[int] = []  # every generated token
-        self.sent_text = ""  # the text the client has been sent
+        self.text = TextDeltas(texts.tokenizer)  # the text the client has been sent
         self.rows = np.zeros((2, 0, texts.tts_special.shape[1]), np.float32)  # embed, hidden
         self.have = np.zeros(0, bool)  # positions whose rows arrived
         self.hold = hold  # a prefill request's: holds the prompt rows, gives the params
@@ -112,7 +115,8 @@ class ThinkerStream(VllmStream):
         if self.pulling is not None:
             self.pulling.cancel()
             self.pulling = None
-        self.prompt_ids, self.answer, self.sent_text, self.pulled = [], [], "", 0
+        self.prompt_ids, self.answer, self.pulled = [], [], 0
+        self.text = TextDeltas(self.texts.tokenizer)
         self.rows = np.zeros((2, 0, self.rows.shape[2]), np.float32)
         self.have = np.zeros(0, bool)
         self._ids, self._text, self._history, self.generated = [], [], [], 0
@@ -151,11 +155,8 @@ class ThinkerStream(VllmStream):
         """The text the client has not seen (None while no new text is stable: a token may
         end inside a UTF-8 character), with the answer's next chunk for the talker when one is
         due (``AnswerChunks``); for the client alone without one."""
-        text = stable_text(self.texts.tokenizer, self.answer)
-        delta = None
-        if len(text) > len(self.sent_text):
-            delta = StageData(fields={"text": text[len(self.sent_text) :]})
-            self.sent_text = text
+        new = self.text.delta(self.answer)
+        delta = StageData(fields={"text": new}) if new else None
         handed = self._handoff()
         if handed is not None:
             return EngineResult(
@@ -227,7 +228,8 @@ class ThinkerStream(VllmStream):
             voice=self.voice,
         )
         text = str(final.fields["text"])
-        if not text.startswith(self.sent_text):  # a decode that changed its past
-            self.sent_text = ""
-        final.fields["text"] = text[len(self.sent_text) :]
+        sent = self.text.sent
+        if not text.startswith(sent):  # a decode that changed its past: should not happen
+            logger.warning("streamed text is not a prefix request_id=%s", self.request_id)
+        final.fields["text"] = text[len(sent) :]
         return EngineResult(self.request_id, output=output, final=final)
