@@ -14,6 +14,12 @@ makes it once its prior tokens are given (text to image).
 5. the latent de-normalised (the VAE's ``latents_mean``/``latents_std``), ``AutoencoderKL.decode``,
    and the pipeline's own post-processing to 8-bit RGB.
 
+A request's stream runs one step per ``next()`` (``denoise.py`` keeps its loop between steps),
+whether or not the pipeline streams chunks: the core advances every running request by a step,
+so requests take turns at step boundaries (up to the stage's ``max_num_seqs``), a cancel stops
+one within a step, and the image comes whole with the last step. Each request runs its own
+forwards (batch 1: the pipeline's computation, bit for bit).
+
 Input: array ``prior_token_ids`` int64 [H/32, W/32] (ids of the DiT's prior codebook, upsampled
 2x here as the pipeline does); fields ``prompt``, ``width``, ``height``, ``steps`` (default
 ``engine_extras.steps``, 50), ``guidance_scale`` (a number, default ``engine_extras.
@@ -22,6 +28,7 @@ guidance_scale``, 1.5). Final: array ``image`` uint8 [H, W, 3]; fields ``width``
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +41,7 @@ from omni_mesh.engines.batching.row_sampling import row_generator
 from omni_mesh.engines.devices import torch_device
 from omni_mesh.engines.extras import extra_float, extra_int
 from omni_mesh.engines.fields import DEFAULT_MAX_PROMPT_BYTES, FieldReader
+from omni_mesh.engines.glm_image.denoise import Denoising
 from omni_mesh.engines.glm_image.folder import dtype_kwargs, part, stage_folder
 from omni_mesh.engines.glm_image.glyphs import GlyphEncoder
 from omni_mesh.engines.glm_image.inputs import MAX_SIDE, ImageSize, image_size
@@ -118,28 +126,38 @@ class GlmImageDitEngine(TorchEngine[DitInput]):
             raise fields.error("field", "guidance_scale", f"must be a number in [{lo}, {hi}]")
         return float(value)
 
+    def open(self, batch: Sequence[EngineRequest]) -> list[Iterator[EngineResult | None]]:
+        """One stream per request that runs one denoising step per ``next()`` (module
+        docstring), whatever ``async_chunk`` says: the image comes whole at the end."""
+        return self._streams(batch, streaming=True)
+
     def run(
         self, request: EngineRequest, inputs: DitInput, generator: torch.Generator
     ) -> EngineResult:
-        own = row_generator(request.seed, self.device)  # the pipeline's generator, not derived
-        latents = self.denoise(inputs, own)
-        image = self.decode(latents, own)
-        size = inputs.size
-        final = StageData(
-            fields={"width": size.width, "height": size.height}, arrays={"image": image}
-        )
-        return EngineResult(request.request_id, final=final)
+        job = self.start(request, inputs)
+        while not job.done:
+            job.step()
+        return self.finish(request, inputs, job)
 
-    def denoise(self, inputs: DitInput, generator: torch.Generator) -> Tensor:
-        """Steps 1-4 of the module docstring: the final latent [1, C, H/8, W/8]."""
-        from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
+    def run_chunks(
+        self, request: EngineRequest, inputs: DitInput, generator: torch.Generator
+    ) -> Iterator[EngineResult | None]:
+        job = self.start(request, inputs)
+        while True:
+            job.step()
+            if job.done:
+                break
+            yield None  # the core's other streams (and aborts) get their turn
+        yield self.finish(request, inputs, job)
+
+    def start(self, request: EngineRequest, inputs: DitInput) -> Denoising:
+        """Steps 1-3 of the module docstring: the request's loop, before its first step."""
         from diffusers.utils.torch_utils import randn_tensor
 
+        generator = row_generator(request.seed, self.device)  # the pipeline's, not derived
         dtype = self.model.dtype
-        device = self.device
-        cfg = inputs.guidance > 1
         cond = self.glyphs.embed(inputs.prompt, dtype)
-        uncond = self.glyphs.embed("", dtype) if cfg else None
+        uncond = self.glyphs.embed("", dtype) if inputs.guidance > 1 else None
         size = inputs.size
         shape = (
             1,
@@ -147,37 +165,31 @@ class GlmImageDitEngine(TorchEngine[DitInput]):
             size.height // self.scale,
             size.width // self.scale,
         )
-        latents: Tensor = randn_tensor(shape, generator=generator, device=device, dtype=cond.dtype)
-        prior = _upsampled(torch.from_numpy(inputs.prior).to(device))
-        keep = torch.zeros_like(prior, dtype=torch.bool)
-        drop = torch.ones_like(prior, dtype=torch.bool)
-        target = torch.tensor([[size.height, size.width]], dtype=cond.dtype, device=device)
-        crop = torch.tensor([[0, 0]], dtype=cond.dtype, device=device)
-        scheduler, timesteps = self._timesteps(size, inputs.steps)
-        caches = GlmImageKVCache(num_layers=self.model.config.num_layers)
-        for t in timesteps:
-            step_input = latents.to(dtype)
-            timestep = t.expand(1) - 1
-            common = {
-                "hidden_states": step_input,
-                "prior_token_id": prior,
-                "timestep": timestep,
-                "target_size": target,
-                "crop_coords": crop,
-                "return_dict": False,
-                "kv_caches": caches,
-            }
-            noise = self.model(encoder_hidden_states=cond, prior_token_drop=keep, **common)[0]
-            noise = noise.float()
-            if uncond is not None:
-                free = self.model(encoder_hidden_states=uncond, prior_token_drop=drop, **common)[0]
-                free = free.float()
-                noise = free + inputs.guidance * (noise - free)
-            latents = scheduler.step(noise, t, latents, return_dict=False)[0]
-        caches.clear()
-        return latents
+        latents = randn_tensor(shape, generator=generator, device=self.device, dtype=cond.dtype)
+        prior = _upsampled(torch.from_numpy(inputs.prior).to(self.device))
+        scheduler = self._scheduler(size, inputs.steps)
+        return Denoising(
+            self.model,
+            latents,
+            cond,
+            uncond,
+            prior,
+            (size.height, size.width),
+            scheduler,
+            inputs.guidance,
+            generator,
+        )
 
-    def _timesteps(self, size: ImageSize, steps: int) -> tuple[Any, Tensor]:
+    def finish(self, request: EngineRequest, inputs: DitInput, job: Denoising) -> EngineResult:
+        """Step 5 of the module docstring: the request's final image."""
+        image = self.decode(job.latents, job.generator)
+        size = inputs.size
+        final = StageData(
+            fields={"width": size.width, "height": size.height}, arrays={"image": image}
+        )
+        return EngineResult(request.request_id, final=final)
+
+    def _scheduler(self, size: ImageSize, steps: int) -> Any:
         """A scheduler of the request's own, set to the pipeline's timesteps and sigmas."""
         from diffusers.pipelines.glm_image.pipeline_glm_image import calculate_shift
 
@@ -195,7 +207,7 @@ class GlmImageDitEngine(TorchEngine[DitInput]):
             config.get("max_shift", 0.75),
         )
         scheduler.set_timesteps(timesteps=timesteps, sigmas=sigmas, device=self.device, mu=mu)
-        return scheduler, scheduler.timesteps
+        return scheduler
 
     def decode(self, latents: Tensor, generator: torch.Generator) -> np.ndarray:
         """Step 5: the latent → uint8 [H, W, 3], as the pipeline's ``output_type="pil"``."""
