@@ -84,6 +84,14 @@ class AutoscaleConfig(BaseModel):
         le=MAX_LATENCY_MS,
         description="Estimated queue + step time per request to stay under; null = no target.",
     )
+    target_queue_wait_ms: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=MAX_LATENCY_MS,
+        description="Mean time a request waits at a replica (its admission queue, then its "
+        "engine's queue) before its engine starts it, as the replicas report it, to stay under; "
+        "null = no target.",
+    )
 
     @model_validator(mode="after")
     def _check_bounds(self) -> Self:

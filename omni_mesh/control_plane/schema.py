@@ -137,6 +137,11 @@ class ScalePool(StrEnum):
 #: plane that predates it still takes the heartbeat (requests refuse unknown fields), and one
 #: that knows it still reads a heartbeat without it (a rolling upgrade mixes both).
 ENGINE_OCCUPANCY = "occupancy"
+#: The ``LoadReport.engine`` figure of a replica's queue wait, ms: the mean time the requests
+#: that started since its previous heartbeat waited there (in its admission queue, then in its
+#: engine's queue) before its engine started them, at least the age of the oldest request still
+#: waiting in its admission queue. ``autoscale: target_queue_wait_ms`` reads it.
+ENGINE_QUEUE_WAIT_MS = "queue_wait_ms"
 
 
 class LoadReport(_Request):
@@ -289,6 +294,9 @@ class ScaleInputs(_Response):
     step_ms: float | None = Field(default=None, description="Mean engine step time, ms.")
     kv_cache_usage: float | None = Field(default=None, description="Highest KV-cache use, 0..1.")
     latency_ms: float | None = Field(default=None, description="Estimated queue + step time, ms.")
+    queue_wait_ms: float | None = Field(
+        default=None, description="Mean queue wait the replicas reported, ms (mean over them)."
+    )
     wake_waiting: int = Field(default=0, description="Requests waiting for a stage at zero.")
     standby: int = Field(default=0, description="Warm standby replicas (not in the pool).")
 

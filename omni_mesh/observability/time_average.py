@@ -1,6 +1,7 @@
 """A count averaged over time (:class:`TimeAverage`): how many requests (or slots) something
 held on average since the last reading, which a count read at one instant misses when each
-piece of work is short.
+piece of work is short; and the mean of the values seen since the last reading
+(:class:`WindowMean`: a queue's waits, one per request).
 
 Pure: no clock of its own (every call takes ``now``, monotonic seconds), so it is unit-tested
 with a clock of the test's own. A pod's heartbeats report two of them: its engine's work in
@@ -41,4 +42,22 @@ class TimeAverage:
         span = now - self.since
         mean = self.area / span if span > 0 else float(self.held)
         self.since, self.area = now, 0.0
+        return mean
+
+
+@dataclass
+class WindowMean:
+    """The mean of the values added since the last :meth:`take` (one per request: its wait)."""
+
+    total: float = 0.0
+    count: int = 0
+
+    def add(self, value: float) -> None:
+        self.total += value
+        self.count += 1
+
+    def take(self) -> float:
+        """The mean since the previous take (0 when nothing was added); starts afresh."""
+        mean = self.total / self.count if self.count else 0.0
+        self.total, self.count = 0.0, 0
         return mean

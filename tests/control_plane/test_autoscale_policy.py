@@ -26,6 +26,7 @@ from omni_mesh.control_plane.autoscaling.policy import (
 )
 from omni_mesh.control_plane.schema import (
     ENGINE_OCCUPANCY,
+    ENGINE_QUEUE_WAIT_MS,
     InstanceInfo,
     InstanceState,
     LoadReport,
@@ -205,6 +206,37 @@ def test_latency_target_asks_for_more_when_queues_grow() -> None:
     slow = policy(target_utilization=0.5, target_latency_ms=40.0)  # 200 ms estimated: 5x
     assert recommend(slow, inputs) == (5, "latency")
     assert recommend(policy(target_latency_ms=1000.0), inputs)[1] == "utilization"
+
+
+def test_a_queue_wait_target_asks_for_more_when_the_reported_wait_passes_it() -> None:
+    # One request at a time, the admission queue behind it (max_inflight 1): the engine is at
+    # its capacity, utilization 1.0, within the target's tolerance, whatever waits.
+    def waited(ms: float, n: int = 0) -> InstanceInfo:
+        engine = {"running": 1.0, "max_num_seqs": 1.0, ENGINE_OCCUPANCY: 1.0,
+                  ENGINE_QUEUE_WAIT_MS: ms}  # fmt: skip
+        return replica(3, capacity=1, engine=engine, n=n)
+
+    p = policy(target_utilization=1.0, target_queue_wait_ms=100.0)
+    assert recommend(policy(target_utilization=1.0), stage_inputs([waited(300.0)])) == (
+        1,
+        "within_tolerance",
+    )
+    assert recommend(p, stage_inputs([waited(300.0)])) == (3, "queue_wait")  # ceil(1 x 3)
+    inputs = stage_inputs([waited(300.0), waited(50.0, n=1)])
+    assert inputs.queue_wait_ms == pytest.approx(175.0)  # the mean over the replicas
+    assert recommend(p, inputs) == (4, "queue_wait")  # ceil(2 x 1.75)
+    assert recommend(p, stage_inputs([waited(80.0)])) == (1, "within_tolerance")  # met
+    # A replica that does not report it is not counted in the mean; none: no figure.
+    old = replica(1, capacity=1, engine={"running": 1.0, "max_num_seqs": 1.0}, n=2)
+    assert stage_inputs([waited(300.0), old]).queue_wait_ms == 300.0
+    assert stage_inputs([old]).queue_wait_ms is None
+    # Requests that waited are load: not idle, even on an interval whose occupancy says 0 (its
+    # slots held by hops that wait on later stages, say); with no wait and no work, idle.
+    stuck = {"running": 0.0, ENGINE_OCCUPANCY: 0.0, ENGINE_QUEUE_WAIT_MS: 500.0}
+    assert recommend(p, stage_inputs([replica(4, engine=stuck)])) == (5, "queue_wait")
+    assert recommend(policy(), stage_inputs([replica(4, engine=stuck)])) == (1, "utilization")
+    idle = {"running": 0.0, ENGINE_OCCUPANCY: 0.0, ENGINE_QUEUE_WAIT_MS: 0.0}
+    assert recommend(p, stage_inputs([replica(0, engine=idle)])) == (0, "idle")
 
 
 def test_waiting_requests_wake_a_stage_at_zero() -> None:

@@ -1,8 +1,11 @@
 """Autoscaling state in Redis (in-process, the session Redis): only the sweeper-lock holder's
 decisions are stored, a decision made on a policy that changed meanwhile is dropped, a repeated
-PUT keeps the decision, and the autoscaler decides every autoscaled stage."""
+PUT keeps the decision, the autoscaler decides every autoscaled stage, and a stored policy leaves
+its unset knobs out (a control plane that predates a knob still reads it)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import redis.asyncio
@@ -126,3 +129,25 @@ async def test_a_served_wake_hint_does_not_wake_the_stage_again(
     await store.scale.wake("synthetic", 3, 1)  # a new waiter wakes it again
     [again] = await autoscaler.tick("holder")
     assert (again.desired, again.reason) == (1, "wake")
+
+
+async def test_a_stored_policy_leaves_its_unset_knobs_out(
+    redis_client: redis.asyncio.Redis,
+) -> None:
+    # A control plane that predates a knob (target_queue_wait_ms) refuses a stored policy that
+    # names it, null or not: unset, it is left out, and every control plane reads the policy.
+    scale = make_store(redis_client).scale
+    now = await scale.now_ms()
+    await scale.put_policy("synthetic", 7, POLICY, initial_decision(POLICY, ScaleInputs(), now, 1))
+    try:
+        raw = await redis_client.get(KEYS.scale_policy("synthetic", 7))
+        assert isinstance(raw, str)
+        stored = json.loads(raw)
+        assert "target_queue_wait_ms" not in stored and "target_latency_ms" not in stored
+        assert AutoscaleConfig.model_validate_json(raw) == POLICY
+        waits = POLICY.model_copy(update={"target_queue_wait_ms": 200.0})
+        await scale.put_policy("synthetic", 7, waits, initial_decision(waits, ScaleInputs(), now))
+        got = await scale.stage("synthetic", 7)
+        assert got is not None and got.policy.target_queue_wait_ms == 200.0
+    finally:
+        await scale.delete_policy("synthetic", 7)

@@ -17,29 +17,21 @@ One omni-up serves all tests (module scope): each starts where the one before le
 
 from __future__ import annotations
 
-import json
 import logging
 import random
-import signal
-import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-from tests.procs import ManagedProcess, clean_env, descendants, free_port, pid_alive, wait_until
-from tests.sidecar.topology import post_json, shm_segments
+from tests.launcher.autoscaled import Timeline, Up, autoscaled_up
+from tests.procs import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
 logger = logging.getLogger(__name__)
 
-READY = r"omni-up ready: http://127\.0\.0\.1:\d+"
-PIPELINE = "synthetic"
 HEARTBEAT_MS = 250
 TRICKLE_S = 20.0  # longer than every window of the policy below, and than a heartbeat x 80
 
@@ -69,99 +61,6 @@ stages:
 """
 
 
-@dataclass(frozen=True)
-class Sample:
-    """The stage-1 pool as the control plane and omni-up's children show it at one time."""
-
-    t: float  # seconds since the timeline started
-    desired: int
-    ready: int
-    utilization: float
-    pods: int
-
-
-class Up:
-    def __init__(self, proc: ManagedProcess, port: int, cp_port: int) -> None:
-        self.proc = proc
-        self.url = f"http://127.0.0.1:{port}"
-        self.cp = f"http://127.0.0.1:{cp_port}"
-
-    def scale(self) -> dict[str, object]:
-        url = f"{self.cp}/v1/pipelines/{PIPELINE}/stages/1/scale"
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            body: dict[str, object] = json.loads(resp.read())
-        return body
-
-    def stage1_pods(self) -> set[int]:
-        """Running stage-1 sidecars among omni-up's children (draining ones included)."""
-        pid = self.proc.pid
-        pods = set()
-        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
-            try:
-                argv = Path(f"/proc/{child}/cmdline").read_bytes().decode().split("\0")
-            except OSError:
-                continue
-            stage1 = "--headless" in argv and argv[argv.index("--stage-id") + 1] == "1"
-            if stage1 and pid_alive(int(child)):
-                pods.add(int(child))
-        return pods
-
-    def generate(self, seed: int, timeout: float = 60.0) -> tuple[int, bytes]:
-        return post_json(f"{self.url}/v1/generate", {"prompt": "x", "seed": seed}, timeout)
-
-    def sample(self, t: float) -> Sample:
-        body = self.scale()
-        decision = body.get("decision")
-        inputs = decision.get("inputs", {}) if isinstance(decision, dict) else {}
-        desired = body.get("desired")
-        return Sample(
-            t=round(t, 2),
-            desired=desired if isinstance(desired, int) else -1,
-            ready=int(str(body.get("ready", 0))),
-            utilization=float(inputs.get("utilization", 0.0)),
-            pods=len(self.stage1_pods()),
-        )
-
-
-class Timeline:
-    """The pool sampled every 100 ms on a thread while the block runs (``with``)."""
-
-    def __init__(self, up: Up) -> None:
-        self.up = up
-        self.samples: list[Sample] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="timeline")
-        self._t0 = time.monotonic()
-
-    def __enter__(self) -> Timeline:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append(self.up.sample(time.monotonic() - self._t0))
-            self._stop.wait(0.1)
-
-    def changes(self) -> str:
-        """The samples where desired, ready or the pod count changed (for logs and failures)."""
-        out, last = [], None
-        for s in self.samples:
-            key = (s.desired, s.ready, s.pods)
-            if key != last:
-                out.append(f"t={s.t:.1f}s desired={s.desired} ready={s.ready} pods={s.pods} "
-                           f"utilization={s.utilization:.2f}")  # fmt: skip
-                last = key
-        utilizations = [s.utilization for s in self.samples]
-        busy = sum(u > 0 for u in utilizations)
-        out.append(f"utilization: max {max(utilizations, default=0.0):.2f}, above 0 in {busy} "
-                   f"of {len(utilizations)} samples")  # fmt: skip
-        return "\n".join(out)
-
-
 def trickle(up: Up, seconds: float, seed: int, until: threading.Event | None = None) -> list[int]:
     """One request a second on average (each awaited) for ``seconds`` or until ``until`` is set:
     the statuses. The starts are 0.6 to 1.4 s apart (seeded): a period of exactly 1 s would
@@ -181,27 +80,9 @@ def trickle(up: Up, seconds: float, seed: int, until: threading.Event | None = N
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    tmp = tmp_path_factory.mktemp("trickle")
-    deploy = tmp / "deploy.yaml"
-    deploy.write_text(DEPLOY)
-    port, cp_port = free_port(), free_port()
-    argv = [sys.executable, "-m", "omni_mesh.launcher.cli", "--pipeline", PIPELINE,
-            "--port", str(port), "--cp-port", str(cp_port), "--deploy-config", str(deploy),
-            "--drain-timeout", "10"]  # fmt: skip
-    before = shm_segments()
-    env = clean_env({"OMNI_CP_HEARTBEAT_INTERVAL_MS": str(HEARTBEAT_MS)})
-    proc = ManagedProcess(argv, name="omni-up", env=env, log_dir=tmp).start()
-    try:
-        proc.wait_for_output(READY, timeout=90)
-        children = descendants(proc.pid)
-        yield Up(proc, port, cp_port)
-        children |= descendants(proc.pid)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, proc.describe()
-        assert [p for p in children if pid_alive(p)] == []
-        assert shm_segments() - before == set()
-    finally:
-        proc.cleanup()
+    env = {"OMNI_CP_HEARTBEAT_INTERVAL_MS": str(HEARTBEAT_MS)}
+    with autoscaled_up(DEPLOY, tmp_path_factory.mktemp("trickle"), env) as up:
+        yield up
 
 
 def test_a_trickle_holds_the_pool_at_min_replicas(up: Up) -> None:

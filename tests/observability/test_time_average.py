@@ -1,6 +1,6 @@
 """A count averaged over time (``observability/time_average.py``), on a clock of the test's
 own: the mean since the last reading is the count's area over the interval, whatever instants
-the readings fall on."""
+the readings fall on; and the mean of the values added since the last reading."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from omni_mesh.observability.time_average import TimeAverage
+from omni_mesh.observability.time_average import TimeAverage, WindowMean
 
 pytestmark = pytest.mark.unit
 
@@ -55,3 +55,13 @@ def test_the_mean_of_random_work_is_its_area_over_the_time() -> None:
         held = max(0, held + rng.choice((-1, 1)))
         avg.change(held, now)
     assert avg.take(now) == pytest.approx(area / now)
+
+
+def test_a_window_mean_is_the_mean_of_what_came_since_the_last_take() -> None:
+    waits = WindowMean()
+    assert waits.take() == 0.0  # nothing came
+    for value in (0.1, 0.2, 0.6):
+        waits.add(value)
+    assert waits.take() == pytest.approx(0.3)
+    waits.add(1.0)
+    assert waits.take() == 1.0  # only what came since

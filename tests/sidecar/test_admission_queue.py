@@ -1,5 +1,5 @@
 """The admission queue's logic, without IO: order (priority, tenant round-robin, FIFO), bounds,
-eviction of low priority, the wait estimate and the shed decisions."""
+eviction of low priority, the wait estimate and the shed decisions, the mean wait it reports."""
 
 from __future__ import annotations
 
@@ -269,3 +269,18 @@ def test_bounds_are_checked() -> None:
     with pytest.raises(ValueError):
         AdmissionQueue(1, -1, 1.0)
     assert math.isfinite(AdmissionQueue(1, 0, 1.0).retry_after_s())
+
+
+def test_the_mean_wait_covers_the_admitted_and_the_oldest_still_waiting() -> None:
+    q = full_queue()  # one slot, taken at 0
+    assert q.mean_wait_s(0.0) == 0.0  # admitted at once: no wait
+    a, b = waiter(at=1.0), waiter(tenant="t", at=1.5)
+    q.offer(a, 1.0)
+    q.offer(b, 1.5)
+    assert q.release(2.0, 2.0) == [a]  # a waited 1 s
+    assert q.mean_wait_s(2.0) == pytest.approx(1.0)  # b: 0.5 s so far
+    # Nobody admitted since, and b still waits: its age, not a mean over nobody.
+    assert q.mean_wait_s(4.5) == pytest.approx(3.0)
+    assert q.release(5.0, 3.0) == [b]
+    assert q.mean_wait_s(5.0) == pytest.approx(3.5)
+    assert q.mean_wait_s(6.0) == 0.0  # the queue is empty and nobody came

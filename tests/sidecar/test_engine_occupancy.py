@@ -1,7 +1,8 @@
 """The engine's work in flight averaged over time (``EngineClient.mean_in_flight``, reported in
 heartbeats as ``occupancy``), against a real synthetic engine process: short requests leave no
 trace in the count read at one instant between them, and their time in the average; each
-reading covers the time since the one before.
+reading covers the time since the one before. And the mean wait in the engine's queue of the
+requests it started since the last reading (``mean_queue_wait_ms``, part of ``queue_wait_ms``).
 
 The bounds hold on a machine of any speed: the engine holds a request at least its step
 latency (40 ms), and the sidecar no longer than the test waited for it."""
@@ -88,3 +89,16 @@ async def test_a_queue_counts_in_the_average(engine: EngineClient) -> None:
     mean = engine.mean_in_flight()
     span = time.monotonic() - t0
     assert 3 * STEP_S / span <= mean <= sum(waits) / span, (mean, waits, span)
+
+
+async def test_the_engine_queue_wait_is_the_mean_of_the_requests_started(
+    engine: EngineClient,
+) -> None:
+    await _run(engine, "warm")
+    assert 0.0 <= engine.mean_queue_wait_ms() < STEP_S * 1000  # alone: it waited for nothing
+    # Three at once on max_num_seqs 1: whichever the engine reads together, the last of them
+    # waits a whole step behind another (the engine dates a request when it reads it).
+    waits = await asyncio.gather(*(_run(engine, f"q{k}") for k in range(3)))
+    mean_ms = engine.mean_queue_wait_ms()
+    assert STEP_S * 1000 / 3 <= mean_ms <= max(waits) * 1000, (mean_ms, waits)
+    assert engine.mean_queue_wait_ms() == 0.0  # none started since

@@ -1,8 +1,9 @@
 """What a pod's heartbeats report (``sidecar/admission/load_report.py``): a vLLM engine's own
-counts, every engine's work averaged since the previous heartbeat (``occupancy``) in a form a
-control plane that predates it still takes, and a split stage's prefill replica's work seen
-over the heartbeat interval, which vLLM's counts, read between steps, never show (the prefill
-pool autoscaling end to end: tests/engines/vllm/test_vllm_pd_autoscale.py)."""
+counts, every engine's work averaged since the previous heartbeat (``occupancy``) and the
+requests' queue wait (``queue_wait_ms``) in a form a control plane that predates them takes,
+and a split stage's prefill replica's work seen over the heartbeat interval, which vLLM's
+counts, read between steps, never show (the prefill pool autoscaling end to end:
+tests/engines/vllm/test_vllm_pd_autoscale.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field
 
-from omni_mesh.control_plane.client import ENGINE_OCCUPANCY
+from omni_mesh.control_plane.client import ENGINE_OCCUPANCY, ENGINE_QUEUE_WAIT_MS
 from omni_mesh.data_plane.messages import EngineStats, Stats
 from omni_mesh.observability.metrics import SidecarMetrics
 from omni_mesh.sidecar.admission.gate import AdmissionGate
@@ -32,9 +33,13 @@ class FakeEngine:
     stats: Stats
     in_flight: int = 0
     means: list[float] = field(default_factory=list)  # what each mean_in_flight() returns
+    queue_waits_ms: list[float] = field(default_factory=list)  # each mean_queue_wait_ms()'s
 
     def mean_in_flight(self) -> float:
         return self.means.pop(0) if self.means else 0.0
+
+    def mean_queue_wait_ms(self) -> float:
+        return self.queue_waits_ms.pop(0) if self.queue_waits_ms else 0.0
 
 
 @dataclass
@@ -138,3 +143,19 @@ def test_every_engine_reports_its_work_averaged_since_the_last_heartbeat() -> No
     # not a field of its own (a rolling upgrade runs new pods against an old control plane).
     body = report.model_dump_json()
     assert LoadReportBefore.model_validate_json(body).engine[ENGINE_OCCUPANCY] == 0.04
+
+
+def test_the_queue_wait_adds_the_admission_queue_and_the_engines() -> None:
+    engine = FakeEngine(Stats(queued=0, running=1, batch_size=1, step_ms=40.0, steps=9), 1)
+    engine.queue_waits_ms = [30.0, 0.0]  # the engine's queue: 30 ms, then none started
+    pod = FakePod(engine, gate=AdmissionGate(
+        AdmissionQueue(1, 16, 30.0), SidecarMetrics(CollectorRegistry()), ("p", "0")
+    ))  # fmt: skip
+    queue, now = pod.gate.queue, time.monotonic()
+    queue.offer(Waiter(1, "", now + 60, now - 1.0), now - 1.0)  # type: ignore[arg-type]
+    queue.offer(Waiter(1, "", now + 60, now - 0.9), now - 0.9)  # type: ignore[arg-type]
+    queue.release(now - 0.5, 0.5)  # the second waited 0.4 s for the first's slot
+    report = load_report(pod)  # type: ignore[arg-type]
+    assert report.engine[ENGINE_QUEUE_WAIT_MS] == pytest.approx(400.0 / 2 + 30.0, abs=1.0)
+    # Nobody admitted or started since, nobody waits: no wait.
+    assert load_report(pod).engine[ENGINE_QUEUE_WAIT_MS] == 0.0  # type: ignore[arg-type]

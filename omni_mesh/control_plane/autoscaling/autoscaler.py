@@ -100,7 +100,8 @@ class Autoscaler:
         logger.log(
             level,
             "autoscale %s %s desired=%d->%d reason=%s recommended=%d ready=%d "
-            "utilization=%.2f in_flight=%d queued=%d latency_ms=%s kv_cache=%s wake=%d",
+            "utilization=%.2f in_flight=%d queued=%d latency_ms=%s queue_wait_ms=%s kv_cache=%s "
+            "wake=%d",
             d.direction.value,
             scale.where,
             d.previous,
@@ -112,6 +113,7 @@ class Autoscaler:
             d.inputs.in_flight,
             d.inputs.queued,
             "-" if d.inputs.latency_ms is None else f"{d.inputs.latency_ms:.1f}",
+            "-" if d.inputs.queue_wait_ms is None else f"{d.inputs.queue_wait_ms:.1f}",
             "-" if d.inputs.kv_cache_usage is None else f"{d.inputs.kv_cache_usage:.2f}",
             d.inputs.wake_waiting,
         )

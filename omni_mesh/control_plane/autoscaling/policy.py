@@ -18,7 +18,9 @@
 2. **Recommendation** (:func:`recommend`): ``ceil(sum of utilizations / target)`` replicas
    (Kubernetes HPA's rule), unchanged while the mean is within ``target x (1 +- tolerance)``;
    0 when nothing is running or queued (idle); more when the estimated queue + step time
-   exceeds ``target_latency_ms``; at least enough for the waiting requests of a stage at zero.
+   exceeds ``target_latency_ms``, or the replicas' reported queue wait (mean over them)
+   exceeds ``target_queue_wait_ms``: ``ceil(ready x figure / target)`` where that is more; at
+   least enough for the waiting requests of a stage at zero.
 3. **Hysteresis** (:func:`decide`): the desired count rises only to what every recommendation
    of the last ``scale_up_window_s`` asked for (sustained load), falls only to the highest
    recommendation of the last ``scale_down_window_s``, by at most ``max_scale_up_step`` /
@@ -35,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from omni_mesh.configs.autoscale import AutoscaleConfig
 from omni_mesh.control_plane.schema import (
     ENGINE_OCCUPANCY,
+    ENGINE_QUEUE_WAIT_MS,
     InstanceInfo,
     ScaleDecision,
     ScaleDirection,
@@ -48,6 +51,7 @@ REASON_INITIAL = "initial"
 REASON_UTILIZATION = "utilization"
 REASON_TOLERANCE = "within_tolerance"
 REASON_LATENCY = "latency"
+REASON_QUEUE_WAIT = "queue_wait"
 REASON_WAKE = "wake"
 REASON_IDLE = "idle"
 REASON_BOUNDS = "bounds"
@@ -109,6 +113,9 @@ def stage_inputs(ready: Sequence[InstanceInfo], wake_waiting: int = 0) -> ScaleI
     kvs = [f[2] for f in figures if f[2] is not None]
     latencies = [f[3] for f in figures if f[3] is not None]
     steps = [float(i.load.engine["step_ms"]) for i in ready if "step_ms" in i.load.engine]
+    waits = [
+        w for i in ready if (w := _engine_value(i.load.engine, ENGINE_QUEUE_WAIT_MS)) is not None
+    ]
     return ScaleInputs(
         ready=len(ready),
         in_flight=sum(i.load.in_flight for i in ready),
@@ -118,6 +125,7 @@ def stage_inputs(ready: Sequence[InstanceInfo], wake_waiting: int = 0) -> ScaleI
         step_ms=_mean(steps),
         kv_cache_usage=max(kvs) if kvs else None,
         latency_ms=_mean(latencies),
+        queue_wait_ms=_mean(waits),
         wake_waiting=wake_waiting,
     )
 
@@ -133,18 +141,21 @@ def recommend(policy: AutoscaleConfig, inputs: ScaleInputs) -> tuple[int, str]:
             return 0, REASON_IDLE
         per_replica = max(1.0, target * (inputs.capacity or 1))
         return max(1, math.ceil(inputs.wake_waiting / per_replica)), REASON_WAKE
-    if inputs.queued == 0 and inputs.utilization <= 0.0:
+    if inputs.queued == 0 and inputs.utilization <= 0.0 and not inputs.queue_wait_ms:
         return 0, REASON_IDLE
     ratio = inputs.utilization / target
     if abs(ratio - 1.0) <= policy.tolerance:
         replicas, reason = inputs.ready, REASON_TOLERANCE
     else:
         replicas, reason = max(1, math.ceil(inputs.ready * ratio - 1e-9)), REASON_UTILIZATION
-    goal = policy.target_latency_ms
-    if goal is not None and inputs.latency_ms is not None and inputs.latency_ms > goal:
-        by_latency = math.ceil(inputs.ready * inputs.latency_ms / goal - 1e-9)
-        if by_latency > replicas:
-            replicas, reason = by_latency, REASON_LATENCY
+    for goal, value, why in (
+        (policy.target_latency_ms, inputs.latency_ms, REASON_LATENCY),
+        (policy.target_queue_wait_ms, inputs.queue_wait_ms, REASON_QUEUE_WAIT),
+    ):
+        if goal is not None and value is not None and value > goal:
+            by_goal = math.ceil(inputs.ready * value / goal - 1e-9)
+            if by_goal > replicas:
+                replicas, reason = by_goal, why
     return replicas, reason
 
 

@@ -29,6 +29,7 @@ from omni_mesh.control_plane.errors import (
 )
 from omni_mesh.control_plane.schema import (
     ENGINE_OCCUPANCY,
+    ENGINE_QUEUE_WAIT_MS,
     KV_ROLE_LABEL,
     HeartbeatAck,
     InstanceInfo,
@@ -58,6 +59,7 @@ from omni_mesh.control_plane.session_schema import (
 
 __all__ = [
     "ENGINE_OCCUPANCY",
+    "ENGINE_QUEUE_WAIT_MS",
     "KV_ROLE_LABEL",
     "Backoff",
     "ChangeListener",

@@ -95,7 +95,9 @@ class ScaleStore:
             ],
             args=[
                 k.scale_member(pipeline, stage_id, pool),
-                policy.model_dump_json(),
+                # Unset knobs left out: a control plane that predates a knob still reads the
+                # policy (it refuses fields it does not know) while nobody sets it.
+                policy.model_dump_json(exclude_none=True),
                 initial.model_dump_json(),
             ],
         )

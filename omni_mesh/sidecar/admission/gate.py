@@ -52,6 +52,11 @@ class AdmissionGate:
         """Slots held on average since the previous call (the pod's next heartbeat reads it)."""
         return self.queue.mean_in_use(time.monotonic())
 
+    def mean_wait_s(self) -> float:
+        """The mean wait in the queue since the previous call, at least the oldest waiter's
+        (the pod's next heartbeat reads it)."""
+        return self.queue.mean_wait_s(time.monotonic())
+
     async def enter(self, priority: Priority, tenant: str, deadline: float) -> Waiter:
         """A slot for one request (``deadline``: monotonic seconds); :class:`ApiError` 503
         when it is shed, at once or while it waits."""

@@ -6,6 +6,11 @@ figures the autoscaler sizes its pool from and the senders' routers weigh it by.
 - ``engine``: the engine's own work for the autoscaler (a hop waiting on later stages is not
   this stage's load): ``running`` (and a vLLM engine's scheduler ``waiting``), its batch, step
   time, ``max_num_seqs``, KV-cache use, and a split stage's ``prefill_tokens_queued``;
+- ``engine["queue_wait_ms"]`` (:data:`~omni_mesh.control_plane.client.ENGINE_QUEUE_WAIT_MS`):
+  how long the requests that started since the previous heartbeat waited before the engine
+  started them, on average: in the pod's admission queue, then in the engine's own queue (its
+  first output says), at least the age of the oldest request still in the admission queue
+  (``autoscale: target_queue_wait_ms``). vLLM's own scheduler queue is not in it;
 - ``engine["occupancy"]`` (:data:`~omni_mesh.control_plane.client.ENGINE_OCCUPANCY`): the
   engine's work (handed to it and not answered: running or queued there) **averaged over the
   time since the previous heartbeat**, which the autoscaler sizes the pool from. ``running``
@@ -23,7 +28,7 @@ holds a slot is the engine's work and its queue there.
 
 from __future__ import annotations
 
-from omni_mesh.control_plane.client import ENGINE_OCCUPANCY, LoadReport
+from omni_mesh.control_plane.client import ENGINE_OCCUPANCY, ENGINE_QUEUE_WAIT_MS, LoadReport
 from omni_mesh.sidecar.hop.prefill_tokens import PREFILL_TOKENS_QUEUED
 from omni_mesh.sidecar.pod import Pod
 
@@ -44,6 +49,7 @@ def load_report(pod: Pod) -> LoadReport:
             "running": float(max(0, client.in_flight - stats.queued)),
             # The same work, queue included, averaged since the previous heartbeat.
             ENGINE_OCCUPANCY: client.mean_in_flight(),
+            ENGINE_QUEUE_WAIT_MS: queue_wait_ms(pod),
         }
         if stats.engine is not None:  # a model engine with its own scheduler (vLLM)
             engine["running"] = float(stats.engine.running)
@@ -62,3 +68,13 @@ def load_report(pod: Pod) -> LoadReport:
         capacity=pod.stage_config.max_inflight,
         engine=engine,
     )
+
+
+def queue_wait_ms(pod: Pod) -> float:
+    """The mean wait since the previous heartbeat, ms (see the module docstring): the mean
+    admission wait of the requests admitted in the interval plus the mean engine-queue wait of
+    those the engine started in it. Nearly the same requests (one admitted at the end of an
+    interval starts early in the next), and a mean of sums is the sum of the means."""
+    admission_s = pod.gate.mean_wait_s() if pod.gate is not None else 0.0
+    engine_ms = pod.engine.mean_queue_wait_ms() if pod.engine is not None else 0.0
+    return admission_s * 1000.0 + engine_ms

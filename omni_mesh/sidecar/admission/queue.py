@@ -15,6 +15,9 @@ is unit-tested on its own; :mod:`omni_mesh.sidecar.admission.admit` wraps it in 
   A waiter is shed as soon as its deadline can no longer be met (:meth:`hopeless_at`).
 - Before any admitted work has finished the service time is unknown and the estimate is
   optimistic (no shedding by estimate): the bounds and the per-waiter timer still hold.
+- **Waits** (:meth:`AdmissionQueue.mean_wait_s`): the mean wait of the requests admitted
+  since the last reading, at least the age of the oldest one still waiting (a queue whose
+  head does not move admits nobody, and a mean over the admitted would say 0).
 - **Slots held on average** (:meth:`AdmissionQueue.mean_in_use`): slot-seconds over an
   interval (:class:`~omni_mesh.observability.time_average.TimeAverage`), which a count read at
   one instant misses when each piece of work is short.
@@ -27,7 +30,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Literal
 
-from omni_mesh.observability.time_average import TimeAverage
+from omni_mesh.observability.time_average import TimeAverage, WindowMean
 from omni_mesh.sidecar.hop.shed import Shed, ShedReason
 
 
@@ -144,6 +147,7 @@ class AdmissionQueue:
         self.in_use = 0
         self.service = ServiceTime(alpha)
         self.slot_time = TimeAverage()
+        self.waited = WindowMean()  # seconds each admitted request waited
         self._classes = [_Class() for _ in Priority]
 
     # ---- reading ---------------------------------------------------------------------------
@@ -178,6 +182,16 @@ class AdmissionQueue:
     def mean_in_use(self, now: float) -> float:
         """Slots held on average since the previous call (:class:`TimeAverage`)."""
         return self.slot_time.take(now)
+
+    def oldest_wait_s(self, now: float) -> float:
+        """How long the longest-waiting request still queued has waited (0: none waits)."""
+        heads = (fifo[0].arrived for c in self._classes for fifo in c.tenants.values() if fifo)
+        return max((now - arrived for arrived in heads), default=0.0)
+
+    def mean_wait_s(self, now: float) -> float:
+        """The mean wait of the requests admitted since the previous call, at least the age of
+        the oldest still waiting."""
+        return max(self.waited.take(), self.oldest_wait_s(now))
 
     def hopeless_at(self, w: Waiter) -> float:
         """When a waiter still queued is shed: its deadline less one service time, or
@@ -269,6 +283,7 @@ class AdmissionQueue:
     def _admit(self, w: Waiter, now: float) -> Waiter:
         self.in_use += 1
         self.slot_time.change(self.in_use, now)
+        self.waited.add(max(0.0, now - w.arrived))
         w.state = "admitted"
         w.admitted_at = now
         return w

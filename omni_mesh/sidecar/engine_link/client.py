@@ -50,7 +50,7 @@ from omni_mesh.data_plane.shm import (
     externalize,
     unlink_prefix,
 )
-from omni_mesh.observability.time_average import TimeAverage
+from omni_mesh.observability.time_average import TimeAverage, WindowMean
 from omni_mesh.procutil import die_with_parent
 from omni_mesh.sidecar.engine_link.tmp_dirs import (
     make_engine_tmp,
@@ -136,6 +136,7 @@ class EngineClient:
         self._pending: dict[str, Work] = {}  # by transfer key
         # How many of them over time: the heartbeats' time-averaged occupancy (mean_in_flight).
         self._occupancy = TimeAverage()
+        self._queue_waits = WindowMean()  # ms each request waited in the engine's queue
         self._submitted: dict[str, asyncio.Event] = {}  # keys a feeder waits to see submitted
         # Work left early, aborted on the engine: its input slots are reused (and its output
         # slots released) once its last Result says the engine let go of them.
@@ -311,6 +312,8 @@ class EngineClient:
 
     def _on_result(self, key: str, out: StageOutput) -> None:
         work = self._pending.get(key)
+        if work is not None and work.delivered == 0 and out.error is None:
+            self._queue_waits.add(out.queue_ms)  # reported on a request's first output
         if work is None:
             abandoned = self._abandoned.get(key)
             if abandoned is None or abandoned.ends_with(out):
@@ -362,6 +365,11 @@ class EngineClient:
         the interval divided by the interval (the pod's next heartbeat reads it, as
         ``occupancy``). Read at one instant, a short request is there at few instants."""
         return self._occupancy.take(time.monotonic())
+
+    def mean_queue_wait_ms(self) -> float:
+        """The mean time the requests that started since the previous call waited in the
+        engine's queue (each request's first output says), ms; 0 when none started."""
+        return self._queue_waits.take()
 
     def is_running(self, key: str) -> bool:
         """Whether the work named ``key`` (:func:`transfer_key`) is running here, or still
