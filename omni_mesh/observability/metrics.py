@@ -60,6 +60,7 @@ CP_READY_REPLICAS = "omni_cp_ready_replicas"
 CP_STAGE_UTILIZATION = "omni_cp_stage_utilization"
 CP_STAGE_QUEUED = "omni_cp_stage_queued"
 CP_STAGE_LATENCY = "omni_cp_stage_estimated_latency_seconds"
+CP_STAGE_QUEUE_WAIT = "omni_cp_stage_queue_wait_seconds"
 CP_STAGE_KV_CACHE = "omni_cp_stage_kv_cache_usage"
 CP_SCALE_DECISIONS = "omni_cp_scale_decisions"
 CP_STANDBY_REPLICAS = "omni_cp_standby_replicas"
@@ -202,6 +203,13 @@ class AutoscaleMetrics:
             stage,
             registry=registry,
         )
+        self.queue_wait = Gauge(
+            CP_STAGE_QUEUE_WAIT,
+            "Mean time requests waited at the stage's replicas before their engines started "
+            "them, as the replicas last reported it (mean over them).",
+            stage,
+            registry=registry,
+        )
         self.kv_cache = Gauge(
             CP_STAGE_KV_CACHE,
             "Highest KV-cache use (0..1) reported by a ready replica of the stage.",
@@ -237,6 +245,7 @@ class AutoscaleMetrics:
             self.utilization,
             self.queued,
             self.latency,
+            self.queue_wait,
             self.kv_cache,
             self.standby,
         )

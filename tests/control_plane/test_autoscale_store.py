@@ -14,7 +14,12 @@ from prometheus_client import CollectorRegistry
 from omni_mesh.configs.autoscale import AutoscaleConfig
 from omni_mesh.control_plane.autoscaling.autoscaler import Autoscaler, refresh_gauges
 from omni_mesh.control_plane.autoscaling.policy import initial_decision
-from omni_mesh.control_plane.schema import LoadReport, RegisterRequest, ScaleInputs
+from omni_mesh.control_plane.schema import (
+    ENGINE_QUEUE_WAIT_MS,
+    LoadReport,
+    RegisterRequest,
+    ScaleInputs,
+)
 from omni_mesh.control_plane.store.instances import InstanceStore
 from omni_mesh.control_plane.store.keys import KeySchema
 from omni_mesh.observability.metrics import ControlPlaneMetrics
@@ -67,7 +72,8 @@ async def test_the_autoscaler_decides_from_heartbeats(redis_client: redis.asynci
             pipeline="synthetic", stage_id=2, address="http://127.0.0.1:9901", capacity=10
         )
     )
-    await store.heartbeat(reg.instance_id, LoadReport(in_flight=10, capacity=10))
+    load = LoadReport(in_flight=10, capacity=10, engine={ENGINE_QUEUE_WAIT_MS: 250.0})
+    await store.heartbeat(reg.instance_id, load)
     now = await store.scale.now_ms()
     fast = POLICY.model_copy(update={"scale_up_window_s": 0.0})
     await store.scale.put_policy(
@@ -85,6 +91,7 @@ async def test_the_autoscaler_decides_from_heartbeats(redis_client: redis.asynci
     labels = {"pipeline": "synthetic", "stage": "2"}
     assert registry.get_sample_value("omni_cp_desired_replicas", labels) == 2.0
     assert registry.get_sample_value("omni_cp_stage_utilization", labels) == 1.0
+    assert registry.get_sample_value("omni_cp_stage_queue_wait_seconds", labels) == 0.25
     assert (
         registry.get_sample_value(
             "omni_cp_scale_decisions_total", {**labels, "direction": "up", "reason": "utilization"}

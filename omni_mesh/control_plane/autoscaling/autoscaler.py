@@ -135,6 +135,8 @@ async def refresh_gauges(scale_store: ScaleStore, metrics: AutoscaleMetrics) -> 
         metrics.queued.labels(*labels).set(d.inputs.queued)
         if d.inputs.latency_ms is not None:
             metrics.latency.labels(*labels).set(d.inputs.latency_ms / 1000.0)
+        if d.inputs.queue_wait_ms is not None:
+            metrics.queue_wait.labels(*labels).set(d.inputs.queue_wait_ms / 1000.0)
         if d.inputs.kv_cache_usage is not None:
             metrics.kv_cache.labels(*labels).set(d.inputs.kv_cache_usage)
         metrics.standby.labels(*labels).set(d.inputs.standby)
