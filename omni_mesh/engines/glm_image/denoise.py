@@ -1,19 +1,32 @@
 """One request's denoising loop as ``GlmImagePipeline.__call__`` runs it, one step at a time, so
 the DiT stage can hand the core a step per ``next()`` (a cancel stops a request within a step,
-requests take turns at step boundaries).
+requests take turns at step boundaries), and several requests' steps in one forward.
 
 :class:`Denoising` holds what the loop keeps between steps: the latent, the glyph embeddings of
 the prompt and of the empty negative prompt, the upsampled prior tokens with their keep/drop
 masks, the size conditions, the request's own FlowMatch-Euler scheduler and its timesteps, and
-the (unused in text to image) DiT KV cache the pipeline passes.
+the (unused in text to image) DiT KV cache the pipeline passes. :meth:`Denoising.step` runs its
+next step alone: the pipeline's computation, bit for bit.
+
+:func:`step_together` runs the next step of many requests: those of one shape (latent size,
+glyph length, guidance on or off) in one conditional forward and one unconditional forward over
+their rows, each row at its own timestep and size condition, then each request's own guidance
+and scheduler step. The rows' results match their lone forwards up to the kernels' last float
+bits (a matmul over B rows is not bit-identical to B matmuls), so a batched request's image is
+within a few pixel levels of its lone one, not always equal to it.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
+
+logger = logging.getLogger(__name__)
 
 
 class Denoising:
@@ -32,24 +45,19 @@ class Denoising:
         guidance: float,
         generator: torch.Generator,
     ) -> None:
-        from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
-
         self.model = model
         self.latents = latents
         self.cond, self.uncond = cond, uncond
+        self.prior = prior
         self.guidance = guidance
         self.generator = generator  # the request's: it drew the noise (the VAE decode takes it)
         self.scheduler = scheduler
         self.timesteps: Tensor = scheduler.timesteps
         self.index = 0
+        self.stepped = False  # this core step's step was run by :func:`step_together`
         device, dtype = latents.device, cond.dtype
-        self.common = {
-            "prior_token_id": prior,
-            "target_size": torch.tensor([list(size)], dtype=dtype, device=device),
-            "crop_coords": torch.tensor([[0, 0]], dtype=dtype, device=device),
-            "return_dict": False,
-            "kv_caches": GlmImageKVCache(num_layers=model.config.num_layers),
-        }
+        self.target = torch.tensor([list(size)], dtype=dtype, device=device)
+        self.crop = torch.tensor([[0, 0]], dtype=dtype, device=device)
         self.keep = torch.zeros_like(prior, dtype=torch.bool)
         self.drop = torch.ones_like(prior, dtype=torch.bool)
 
@@ -57,24 +65,73 @@ class Denoising:
     def done(self) -> bool:
         return self.index >= len(self.timesteps)
 
+    @property
+    def shape(self) -> tuple[Any, ...]:
+        """What must agree for rows to share a forward."""
+        uncond = None if self.uncond is None else tuple(self.uncond.shape)
+        return (tuple(self.latents.shape), tuple(self.cond.shape), uncond)
+
+    def timestep(self) -> Tensor:
+        """[1]: the DiT's timestep input of the next step (the pipeline's ``t - 1``)."""
+        return self.timesteps[self.index].expand(1) - 1
+
     def step(self) -> None:
-        """One timestep: the conditional forward and, with guidance > 1, the unconditional one
-        (two forwards, as the pipeline runs them), guidance, an Euler step."""
+        """One timestep alone: the conditional forward and, with guidance > 1, the
+        unconditional one (two forwards, as the pipeline runs them), guidance, an Euler step."""
+        cond, uncond = _forwards(self.model, [self])
+        self.advance(cond, uncond)
+
+    def advance(self, cond: Tensor, uncond: Tensor | None) -> None:
+        """Guidance over this request's noise predictions, its scheduler's Euler step."""
+        noise = cond if uncond is None else uncond + self.guidance * (cond - uncond)
         t = self.timesteps[self.index]
-        inputs = {
-            "hidden_states": self.latents.to(self.model.dtype),
-            "timestep": t.expand(1) - 1,
-            **self.common,
-        }
-        noise = self.model(encoder_hidden_states=self.cond, prior_token_drop=self.keep, **inputs)
-        noise = noise[0].float()
-        if self.uncond is not None:
-            free = self.model(
-                encoder_hidden_states=self.uncond, prior_token_drop=self.drop, **inputs
-            )
-            free = free[0].float()
-            noise = free + self.guidance * (noise - free)
         self.latents = self.scheduler.step(noise, t, self.latents, return_dict=False)[0]
         self.index += 1
-        if self.done:
-            self.common["kv_caches"].clear()
+
+
+def step_together(model: Any, jobs: Sequence[Denoising]) -> None:
+    """The next step of every job, the jobs of one :attr:`~Denoising.shape` in shared forwards
+    (module docstring); each job's :attr:`~Denoising.stepped` set. A group whose batched
+    forward fails is left unstepped (each job then steps alone)."""
+    groups: dict[tuple[Any, ...], list[Denoising]] = defaultdict(list)
+    for job in jobs:
+        if not job.done:
+            groups[job.shape].append(job)
+    for group in groups.values():
+        try:
+            cond, uncond = _forwards(model, group)
+        except Exception:
+            logger.exception(
+                "a batched DiT step of %d requests failed; each steps alone", len(group)
+            )
+            continue
+        for i, job in enumerate(group):
+            job.advance(cond[i : i + 1], None if uncond is None else uncond[i : i + 1])
+            job.stepped = True
+
+
+def _forwards(model: Any, jobs: Sequence[Denoising]) -> tuple[Tensor, Tensor | None]:
+    """The conditional noise predictions [B, C, h, w] of ``jobs`` (one shape), and the
+    unconditional ones when they guide."""
+    from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
+
+    def cat(tensors: list[Tensor]) -> Tensor:
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+    common = {
+        "hidden_states": cat([job.latents.to(model.dtype) for job in jobs]),
+        "prior_token_id": cat([job.prior for job in jobs]),
+        "timestep": cat([job.timestep() for job in jobs]),
+        "target_size": cat([job.target for job in jobs]),
+        "crop_coords": cat([job.crop for job in jobs]),
+        "return_dict": False,
+        "kv_caches": GlmImageKVCache(num_layers=model.config.num_layers),
+    }
+    keep = cat([job.keep for job in jobs])
+    cond = model(encoder_hidden_states=cat([j.cond for j in jobs]), prior_token_drop=keep, **common)
+    if jobs[0].uncond is None:
+        return cond[0].float(), None
+    uncond_embeds = cat([j.uncond for j in jobs if j.uncond is not None])
+    drop = cat([job.drop for job in jobs])
+    uncond = model(encoder_hidden_states=uncond_embeds, prior_token_drop=drop, **common)
+    return cond[0].float(), uncond[0].float()
