@@ -1,12 +1,13 @@
 """glm-image through ``omni-up`` at 1:2 (one AR, two DiT replicas), asked with the official
 ``openai`` SDK's ``images.generate``: every PNG's pixels equal diffusers' monolithic
 ``GlmImagePipeline.__call__`` with a generator of the request's seed (the DiT's steps and
-guidance as the deploy file sets them); both DiT replicas take hops; nothing is left in
-/dev/shm."""
+guidance as the deploy file sets them); both DiT replicas take hops; ``/v1/run`` stage by stage
+gives the same pixels through a hand-off of under a kilobyte; nothing is left in /dev/shm."""
 
 from __future__ import annotations
 
 import base64
+import json
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from omni_mesh.configs.loader import bundled_deploy_path
 from tests.engines.glm_image import glm_reference
 from tests.procs import orphaned_shm_segments
 from tests.procs.omni_up import omni_up, stage_pools
-from tests.sidecar.topology import http_get
+from tests.sidecar.topology import http_get, post_json
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -52,6 +53,22 @@ def test_images_through_omni_up_1_2_equal_the_pipeline(tmp_path: Path) -> None:
                 break
             client.images.generate(prompt=f"one more {i}", size="32x32")
         assert all(_hops(dit) > 0 for dit in dits), [_hops(dit) for dit in dits]
+        # /v1/run stage by stage: the AR's opaque hand-off (token ids, prompt, size; the seed),
+        # then the DiT's image, the same pixels
+        seed, prompt = 6, "a lamp 'ON'"
+        want = glm_reference.pipeline_pixels(pipe, prompt, seed, 64, 64, STEPS, GUIDANCE)
+        first = {"stage_id": 0, "stage_input": {"prompt": prompt, "seed": seed, "size": 64}}
+        status, body = post_json(url + "/v1/run", first)
+        assert status == 200, body
+        hop = json.loads(body)
+        assert hop["next_stage_id"] == 1 and len(hop["stage_input"]) < 1024
+        status, body = post_json(
+            url + "/v1/run", {"stage_id": 1, "stage_input": hop["stage_input"]}
+        )
+        assert status == 200, body
+        output = json.loads(body)["output"]
+        assert output["kind"] == "image" and output["mime_type"] == "image/png"
+        assert np.array_equal(glm_reference.png_pixels(base64.b64decode(output["data"])), want)
         with pytest.raises(openai.BadRequestError, match="size"):
             client.images.generate(prompt="x", size="48x48", extra_body={"seed": 1})
     time.sleep(0.2)
