@@ -64,8 +64,8 @@ def sample_rate_of(head: bytes) -> int:
 
 
 async def speak(sess: aiohttp.ClientSession, url: str, model: str, text: str, seed: int) -> Speech:
-    """One timed speech request (response_format wav) to the API server at ``url``."""
-    body = {"model": model, "input": text, "response_format": "wav", "seed": seed}
+    """One timed speech request (response_format wav, streamed) to the API server at ``url``."""
+    body = {"model": model, "input": text, "response_format": "wav", "seed": seed, "stream": True}
     t0 = time.monotonic()
     buf = bytearray()
     header: int | None = None

@@ -37,10 +37,10 @@ time curl -sS --fail-with-body -o output.wav \
   "http://127.0.0.1:$PORT/v1/audio/speech"
 "$BIN/python" - <<'PY'
 import os, wave
-with wave.open("output.wav") as w:  # a streamed WAV's header cannot know its length: count
-    channels, rate, width = w.getnchannels(), w.getframerate(), w.getsampwidth()
-seconds = (os.path.getsize("output.wav") - 44) / (channels * width * rate)
-print(f"output.wav: {channels} channel(s), {rate} Hz, {seconds:.2f} s")
+with wave.open("output.wav") as w:  # not asked to stream: a whole WAV, its lengths true
+    channels, rate, frames = w.getnchannels(), w.getframerate(), w.getnframes()
+assert frames * w.getsampwidth() * channels + 44 == os.path.getsize("output.wav")
+print(f"output.wav: {channels} channel(s), {rate} Hz, {frames / rate:.2f} s")
 PY
 echo
 if [ -n "$CP" ]; then "$BIN/omni-cp" status --cp "$CP"; fi

@@ -1,5 +1,6 @@
 """async_chunk as a client sees it, across real processes: speech streamed through the openai SDK
-(the PCM of the unary answer, both code2wav replicas decoding chunks), SSE speech, the omni-run
+when asked (the PCM of the unary answer, both code2wav replicas decoding chunks), a WAV not asked
+to stream saved whole with its true lengths, SSE speech, the omni-run
 loop joining a streamed stage's chunks into the same bytes, chat completions streamed with audio,
 the first streamed bytes long before the whole answer, and a talker killed mid-stream replayed
 into the identical audio."""
@@ -14,6 +15,7 @@ import os
 import signal
 import threading
 import time
+import wave
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -88,7 +90,7 @@ def test_speech_streams_through_the_sdk_with_the_unary_pcm(tts: Topology) -> Non
         input=TEXT,
         voice="alloy",
         response_format="wav",
-        extra_body={"seed": SEED},
+        extra_body={"seed": SEED, "stream": True},  # a WAV streams when asked to
     ) as resp:
         assert resp.headers.get("transfer-encoding") == "chunked"
         assert "content-length" not in resp.headers
@@ -113,6 +115,28 @@ def test_speech_streams_through_the_sdk_with_the_unary_pcm(tts: Topology) -> Non
     assert tts.metric(tts.api_url, first, route="/v1/audio/speech") >= 2
 
 
+def test_a_wav_not_asked_to_stream_comes_whole_with_its_true_lengths(
+    tts: Topology, tmp_path: Path
+) -> None:
+    # As a new user saves one: a streamed WAV's header says 0xFFFFFFFF data bytes (24.8 hours
+    # to Python's wave module); one the client did not ask to stream is whole, its lengths true.
+    pcm, _ = media.wav_pcm(generated_wav(tts, TEXT, SEED, "alloy"))
+    client = _client(tts)
+    saved = tmp_path / "a.wav"
+    client.audio.speech.create(
+        model="tiny-tts", input=TEXT, voice="alloy", extra_body={"seed": SEED}
+    ).write_to_file(saved)
+    with wave.open(str(saved)) as wav:
+        assert wav.getframerate() == 24000 and wav.getnchannels() == 1
+        assert wav.getnframes() == len(pcm) // 2
+        assert wav.readframes(wav.getnframes()) == pcm
+    with client.audio.speech.with_streaming_response.create(
+        model="tiny-tts", input=TEXT, voice="alloy", extra_body={"seed": SEED, "stream": False}
+    ) as resp:
+        assert int(resp.headers["content-length"]) == saved.stat().st_size
+        assert resp.read() == saved.read_bytes()
+
+
 @pytest.mark.parametrize(
     ("path", "body", "needle"),
     [
@@ -132,6 +156,7 @@ def test_speech_streams_through_the_sdk_with_the_unary_pcm(tts: Topology) -> Non
             {"model": "tiny-tts", "input": "x", "stream_format": "chunks"},
             "stream_format",
         ),
+        ("/v1/audio/speech", {"model": "tiny-tts", "input": "x", "stream": "yes"}, "stream"),
     ],
 )
 def test_bad_streaming_options_are_a_400_naming_them(

@@ -98,6 +98,9 @@ class SpeechRequest(Struct):
     voice: str = "default"
     response_format: Literal["wav", "pcm"] = "wav"
     stream_format: Literal["audio", "sse"] = "audio"  # "sse": base64 PCM16 delta events
+    # vLLM-Omni's: a WAV streams only when asked (true), else it comes whole with its true
+    # lengths; unset, PCM streams (it has no header to get wrong); "sse" always streams.
+    stream: bool | None = None
     speed: Annotated[float, Meta(ge=0.25, le=4.0)] = 1.0
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
     priority: PriorityClass | None = None  # admission class; X-Omni-Priority wins over it

@@ -141,7 +141,8 @@ async def speech(request: web.Request) -> web.StreamResponse:
     if req.stream_format == "sse":
         sink = SpeechEvents(audio_stage, req.speed)
     else:
-        sink = SpeechAudio(audio_stage, req.response_format, req.speed)
+        streams = req.stream if req.stream is not None else req.response_format == "pcm"
+        sink = SpeechAudio(audio_stage, req.response_format, req.speed, streams=streams)
     return await respond(request, pod.pipeline, request_frames(pod, request, si), sink)
 
 

@@ -204,13 +204,17 @@ def _delta(samples: np.ndarray) -> bytes:
 
 class SpeechAudio:
     """``/v1/audio/speech`` audio: streamed as a WAV of unknown length (or raw PCM16) when the
-    pipeline streams; otherwise the whole file with its length, as without ``async_chunk``.
-    At a ``speed`` other than 1 the samples are time-stretched (``time_stretch.py``)."""
+    pipeline streams and the request asked for a stream (``streams``); otherwise the whole file
+    with its true lengths, once the answer is complete. At a ``speed`` other than 1 the samples
+    are time-stretched (``time_stretch.py``)."""
 
     always_stream = False
 
-    def __init__(self, audio_stage: int, response_format: str, speed: float = 1.0) -> None:
+    def __init__(
+        self, audio_stage: int, response_format: str, speed: float = 1.0, *, streams: bool = True
+    ) -> None:
         self.audio_stage = audio_stage
+        self.streams = streams
         self.raw = response_format == "pcm"
         self.content_type = "audio/pcm" if self.raw else "audio/wav"
         self.pace = SpeechPace(speed)
@@ -218,8 +222,8 @@ class SpeechAudio:
         self._rate = 0  # the sample rate of the stream, once its first piece is sent
 
     def piece(self, chunk: OutputChunk) -> bytes:
-        if chunk.stage_id != self.audio_stage or chunk.output.array is None:
-            return b""
+        if not self.streams or chunk.stage_id != self.audio_stage or chunk.output.array is None:
+            return b""  # not streamed: the whole answer goes at its end (unary)
         rate = chunk.sample_rate
         return self._send(self.pace.stream(chunk.output.array, rate), rate)
 

@@ -95,7 +95,7 @@ def test_sdk_speech_streams_a_wav(topo: Topology) -> None:
     client = openai.OpenAI(base_url=f"{topo.api_url}/v1", api_key="none", max_retries=0)
     pieces: list[bytes] = []
     with client.audio.speech.with_streaming_response.create(
-        model=PIPELINE, voice="echo", input="hello there", extra_body={"seed": 3}
+        model=PIPELINE, voice="echo", input="hello there", extra_body={"seed": 3, "stream": True}
     ) as response:
         assert response.headers.get("content-length") is None  # streamed, chunked
         pieces.extend(response.iter_bytes())
