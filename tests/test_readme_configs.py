@@ -34,7 +34,7 @@ def readme_configs() -> list[tuple[str, str]]:
 
 def test_the_readme_shows_its_gpu_configs() -> None:
     names = [name for name, _ in readme_configs()]
-    assert {"qwen3-omni", "csm-tts", "tiny-llm"} <= set(names), names
+    assert {"qwen3-omni", "csm-tts", "glm-image", "tiny-llm"} <= set(names), names
 
 
 @pytest.mark.parametrize(("pipeline", "body"), readme_configs())
