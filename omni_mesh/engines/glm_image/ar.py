@@ -96,7 +96,7 @@ class GlmImageArEngine(FrameEngine[ArInput]):
         self.processor = AutoProcessor.from_pretrained(str(part(ctx, folder, "processor")))
         self.device = torch_device(ctx)
         model = GlmImageForConditionalGeneration.from_pretrained(
-            str(ar_folder), **dtype_kwargs(ctx, "dtype")
+            str(ar_folder), **dtype_kwargs(ctx)
         )
         self.model = model.to(self.device).eval()
         generation = GenerationConfig.from_pretrained(str(ar_folder))

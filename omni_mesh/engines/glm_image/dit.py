@@ -88,13 +88,13 @@ class GlmImageDitEngine(TorchEngine[DitInput]):
         folder = stage_folder(ctx)
         self.device = device = torch_device(ctx)
         self.model = Dit.from_pretrained(
-            str(part(ctx, folder, "transformer")), **dtype_kwargs(ctx, "torch_dtype")
+            str(part(ctx, folder, "transformer")), **dtype_kwargs(ctx)
         ).to(device)
         self.vae = AutoencoderKL.from_pretrained(
-            str(part(ctx, folder, "vae")), **dtype_kwargs(ctx, "torch_dtype")
+            str(part(ctx, folder, "vae")), **dtype_kwargs(ctx)
         ).to(device)
         encoder = T5EncoderModel.from_pretrained(
-            str(part(ctx, folder, "text_encoder")), **dtype_kwargs(ctx, "dtype")
+            str(part(ctx, folder, "text_encoder")), **dtype_kwargs(ctx)
         ).to(device)
         tokenizer = ByT5Tokenizer.from_pretrained(str(part(ctx, folder, "tokenizer")))
         self.glyphs = GlyphEncoder(tokenizer, encoder.eval(), device)

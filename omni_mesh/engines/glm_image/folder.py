@@ -33,8 +33,9 @@ def part(ctx: EngineContext, folder: Path, name: str) -> Path:
     return path
 
 
-def dtype_kwargs(ctx: EngineContext, key: str) -> dict[str, Any]:
-    """``{key: dtype}`` for ``from_pretrained`` when the stage names a dtype; nothing (the
+def dtype_kwargs(ctx: EngineContext) -> dict[str, Any]:
+    """``{"dtype": ...}`` for ``from_pretrained`` (transformers' and diffusers' name alike;
+    diffusers 0.42 deprecates ``torch_dtype``) when the stage names a dtype; nothing (the
     library's default) when it is ``auto``."""
     dtype = torch_dtype(ctx)
-    return {key: dtype} if isinstance(dtype, torch.dtype) else {}
+    return {"dtype": dtype} if isinstance(dtype, torch.dtype) else {}

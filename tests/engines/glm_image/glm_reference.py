@@ -15,11 +15,13 @@ from omni_mesh.engines.hf.folders import resolve_folder
 MODEL = "tiny-glm-image"
 
 
-def monolithic() -> Any:
-    """``GlmImagePipeline.from_pretrained`` of the tiny folder (built if need be)."""
+def monolithic(dtype: torch.dtype | None = None) -> Any:
+    """``GlmImagePipeline.from_pretrained`` of the tiny folder (built if need be), in ``dtype``
+    (the checkpoint's when None)."""
     from diffusers import GlmImagePipeline
 
-    return GlmImagePipeline.from_pretrained(str(resolve_folder(MODEL)))
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    return GlmImagePipeline.from_pretrained(str(resolve_folder(MODEL)), **kwargs)
 
 
 def pipeline_pixels(

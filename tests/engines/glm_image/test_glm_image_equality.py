@@ -13,11 +13,19 @@ import numpy as np
 import pytest
 import torch
 
+from omni_mesh.configs.deploy import StageDeployConfig
 from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.data_plane.media import png_bytes
 from omni_mesh.data_plane.messages import Payload, StageInput, StageOutput
 from omni_mesh.data_plane.tensors import array_from_tensor
-from omni_mesh.engines.base import EngineRequest, EngineResult, StageData, StageEngine
+from omni_mesh.engines.base import (
+    EngineContext,
+    EngineRequest,
+    EngineResult,
+    StageData,
+    StageEngine,
+    import_object,
+)
 from omni_mesh.engines.core import EngineCore
 from omni_mesh.engines.glm_image.processors import ar_to_dit
 from tests.engines.glm_image import glm_reference
@@ -164,3 +172,27 @@ def test_the_engine_cores_hand_off_what_the_dit_needs(monolithic: Any) -> None:
     image = array_from_tensor(dit_out.final.tensors["image"])
     want = glm_reference.pipeline_pixels(monolithic, prompt, seed, 64, 64, STEPS, 1.5)
     assert np.array_equal(image, want)
+
+
+def test_bfloat16_stages_equal_the_bfloat16_pipeline() -> None:
+    """The stages in the stage's ``dtype: bfloat16`` (the real checkpoint's) against the
+    pipeline loaded in bfloat16: the same pixels."""
+    spec = get_pipeline("glm-image")
+
+    def engine(stage_id: int, **extras: Any) -> StageEngine:
+        config = StageDeployConfig(stage_id=stage_id, dtype="bfloat16", engine_extras=extras)
+        made: StageEngine = import_object(spec.stage(stage_id).engine)(
+            EngineContext(spec, spec.stage(stage_id), config)
+        )
+        made.load()
+        return made
+
+    ar, dit = engine(0), engine(1, steps=STEPS)
+    assert ar.model.dtype == dit.model.dtype == torch.bfloat16  # type: ignore[attr-defined]
+    pipe = glm_reference.monolithic(torch.bfloat16)
+    prompt, seed = "a 'red' fox", 2
+    want = glm_reference.pipeline_pixels(pipe, prompt, seed, 64, 64, STEPS, 1.5)
+    prior = one(ar, image_request(prompt, 64, 64), seed)
+    image = one(dit, ar_to_dit(prior.output), seed)
+    assert image.final is not None
+    assert np.array_equal(image.final.arrays["image"], want)
