@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from omni_mesh.observability.audio_slo import AudioSloMetrics
 from omni_mesh.observability.gc_metrics import ProcessGcMetrics
 from omni_mesh.observability.kv_metrics import KvMetrics
 
@@ -317,6 +318,7 @@ class SidecarMetrics:
         self.registry = registry
         self.gc = ProcessGcMetrics(registry)
         self.kv = KvMetrics(registry)  # a split stage's KV hand-offs and transfers
+        self.audio = AudioSloMetrics(registry)  # an API server's streamed audio answers
         self.requests = Counter(
             SC_REQUESTS,
             "Stage executions by entry point (hop, run) and outcome.",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from enum import StrEnum
 
 from opentelemetry import trace
@@ -78,11 +78,21 @@ def _otlp_exporter() -> SpanExporter:
     return exporter
 
 
+#: Attributes known only when a span ends (a streamed answer's audio figures).
+LateAttributes = Callable[[], Mapping[str, str | int | float]]
+
+
 @contextlib.contextmanager
-def stage_span(name: str, traceparent: str, attributes: Mapping[str, str | int]) -> Iterator[str]:
+def stage_span(
+    name: str,
+    traceparent: str,
+    attributes: Mapping[str, str | int],
+    late: LateAttributes | None = None,
+) -> Iterator[str]:
     """A span for one stage execution, child of ``traceparent`` (when valid); yields the
     ``traceparent`` that the next stages' inputs should carry (the parent's when tracing is
-    off, so a trace started upstream stays whole). An exception marks it failed."""
+    off, so a trace started upstream stays whole). An exception marks it failed; ``late``
+    gives attributes set as it ends."""
     span = open_stage_span(name, traceparent, attributes)
     if span is None:
         yield traceparent
@@ -90,8 +100,12 @@ def stage_span(name: str, traceparent: str, attributes: Mapping[str, str | int])
     try:
         yield span.traceparent
     except BaseException as exc:
+        if late is not None:
+            span.set_attributes(late())
         span.end(exc)
         raise
+    if late is not None:
+        span.set_attributes(late())
     span.end()
 
 
@@ -105,6 +119,9 @@ class StageSpan:
     def __init__(self, span: trace.Span, traceparent: str) -> None:
         self._span = span
         self.traceparent = traceparent
+
+    def set_attributes(self, attributes: Mapping[str, str | int | float]) -> None:
+        self._span.set_attributes(dict(attributes))
 
     def end(self, exc: BaseException | None = None) -> None:
         """End the span; an exception marks it failed (a cancellation does not)."""

@@ -15,7 +15,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
-from omni_mesh.observability import gc_metrics, kv_metrics, metrics
+from omni_mesh.observability import audio_slo, gc_metrics, kv_metrics, metrics
 
 REPO = Path(__file__).resolve().parents[2]
 OBS = REPO / "omni_mesh" / "observability"
@@ -58,6 +58,7 @@ def _metric_objects() -> Iterator[MetricWrapperBase]:
         metrics.SidecarMetrics,
         gc_metrics.ProcessGcMetrics,
         kv_metrics.KvMetrics,
+        audio_slo.AudioSloMetrics,
     ):
         instance = owner(CollectorRegistry())
         for value in vars(instance).values():
@@ -79,11 +80,11 @@ def catalogue() -> dict[str, Series]:
 
 
 def declared_names() -> set[str]:
-    """The metric-name constants of ``metrics.py``, ``gc_metrics.py`` and ``kv_metrics.py``
-    (every ``omni_*`` string constant)."""
+    """The metric-name constants of ``metrics.py``, ``gc_metrics.py``, ``kv_metrics.py`` and
+    ``audio_slo.py`` (every ``omni_*`` string constant)."""
     return {
         value
-        for module in (metrics, gc_metrics, kv_metrics)
+        for module in (metrics, gc_metrics, kv_metrics, audio_slo)
         for name, value in vars(module).items()
         if name.isupper() and isinstance(value, str) and value.startswith("omni_")
     }

@@ -156,6 +156,12 @@ def test_dashboards_cover_the_brief() -> None:
         "omni_realtime_responses_total",
         "omni_realtime_first_audio_seconds_bucket",
         "omni_cp_sessions",
+        # audio SLOs of streamed answers
+        "omni_api_audio_first_seconds_bucket",
+        "omni_api_audio_realtime_factor_bucket",
+        "omni_api_audio_underruns_total",
+        "omni_api_audio_underrun_seconds_total",
+        "omni_api_audio_seconds_total",
         # control plane
         "omni_cp_instances",
         "omni_cp_registrations_total",

@@ -1,6 +1,7 @@
 """async_chunk as a client sees it, across real processes: speech streamed through the openai SDK
 when asked (the PCM of the unary answer, both code2wav replicas decoding chunks), a WAV not asked
-to stream saved whole with its true lengths, SSE speech, the omni-run
+to stream saved whole with its true lengths, the API server's audio SLOs of streamed answers
+(speech and chat, by pipeline, route and tenant), SSE speech, the omni-run
 loop joining a streamed stage's chunks into the same bytes, chat completions streamed with audio,
 the first streamed bytes long before the whole answer, and a talker killed mid-stream replayed
 into the identical audio."""
@@ -105,6 +106,7 @@ def test_speech_streams_through_the_sdk_with_the_unary_pcm(tts: Topology) -> Non
         voice="alloy",
         response_format="pcm",
         extra_body={"seed": SEED},
+        extra_headers={"X-Omni-Tenant": "acme"},
     ) as resp:
         assert resp.read() == pcm
     # Every code2wav replica decoded chunks.
@@ -113,6 +115,16 @@ def test_speech_streams_through_the_sdk_with_the_unary_pcm(tts: Topology) -> Non
     # The API server recorded when each streamed answer's first bytes went out.
     first = "omni_api_first_chunk_seconds_count"
     assert tts.metric(tts.api_url, first, route="/v1/audio/speech") >= 2
+    # ... and the audio SLOs of each, by pipeline, route and tenant (the header's).
+    labels = {"pipeline": "tiny-tts", "route": "/v1/audio/speech", "tenant": "acme"}
+    assert tts.metric(tts.api_url, "omni_api_audio_first_seconds_count", **labels) == 1
+    audio_s = tts.metric(tts.api_url, "omni_api_audio_seconds_total", **labels)
+    assert audio_s == pytest.approx(len(pcm) / 2 / 24000)
+    assert tts.metric(tts.api_url, "omni_api_audio_realtime_factor_count", **labels) == 1
+    assert tts.metric(tts.api_url, "omni_api_audio_realtime_factor_sum", **labels) > 0
+    # The streamed WAV's tenant: the SDK's API key's hash (no header).
+    streams = tts.metric(tts.api_url, "omni_api_audio_first_seconds_count", route=labels["route"])
+    assert streams >= 2
 
 
 def test_a_wav_not_asked_to_stream_comes_whole_with_its_true_lengths(
@@ -259,6 +271,10 @@ def test_chat_streams_text_then_audio_through_the_sdk(tmp_path: Path) -> None:
         assert len(audio) >= 2  # the audio came in several deltas
         assert b"".join(base64.b64decode(a.data or "") for a in audio) == pcm
         assert chunks[-1].choices[0].finish_reason == "stop"
+        labels = {"pipeline": "tiny-omni", "route": "/v1/chat/completions"}
+        audio_s = topo.metric(topo.api_url, "omni_api_audio_seconds_total", **labels)
+        assert audio_s == pytest.approx(len(pcm) / 2 / 24000)
+        assert topo.metric(topo.api_url, "omni_api_audio_first_seconds_count", **labels) == 1
     finally:
         topo.close()
 

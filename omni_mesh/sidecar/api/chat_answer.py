@@ -18,6 +18,7 @@ from omni_mesh.configs.pipeline_spec import OutputKind, PipelineSpec
 from omni_mesh.data_plane import media
 from omni_mesh.sidecar.api.openai_text import finish_reason, usage_of
 from omni_mesh.sidecar.api.outputs import FinalOutput, OutputChunk, final_stage
+from omni_mesh.sidecar.api.playback import Playbacks
 from omni_mesh.sidecar.api.sinks import SSE_CONTENT_TYPE, sse
 from omni_mesh.sidecar.errors import ApiError, error_body
 
@@ -85,8 +86,10 @@ class ChatEvents:
         want_audio: bool,
         include_usage: bool,
         top_logprobs: int | None,
+        playbacks: Playbacks | None = None,
     ) -> None:
         self.model = pipeline.name
+        self.playbacks = playbacks  # the streamed audio's SLOs, per choice
         self.text_stage = final_stage(pipeline, OutputKind.TEXT)
         self.audio_stage = final_stage(pipeline, OutputKind.AUDIO) if want_audio else None
         self.include_usage = include_usage
@@ -131,6 +134,8 @@ class ChatEvents:
         if chunk.stage_id != self.audio_stage:
             return b""
         pcm = b"" if chunk.output.array is None else media.pcm_bytes(chunk.output.array)
+        if self.playbacks is not None:
+            self.playbacks.sent(len(pcm) // 2, chunk.sample_rate, index)
         audio: dict[str, object] = {"data": base64.b64encode(pcm).decode()}
         if index not in self._audio_id:
             self._audio_id[index] = f"audio_{uuid.uuid4().hex}"

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from omni_mesh.configs.pipeline_spec import PipelineSpec
 from omni_mesh.data_plane.messages import HopResult, Prompt, SamplingParams, StageInput
-from omni_mesh.observability.tracing import stage_span
+from omni_mesh.observability.tracing import LateAttributes, stage_span
 from omni_mesh.sidecar.admission.admit import admitted
 from omni_mesh.sidecar.admission.facts import admission_facts
 from omni_mesh.sidecar.admission.outcomes import counted
@@ -53,12 +53,14 @@ def entry(
 
 
 async def request_frames(
-    pod: Pod, request: web.Request, si: StageInput
+    pod: Pod, request: web.Request, si: StageInput, late: LateAttributes | None = None
 ) -> AsyncGenerator[HopResult, None]:
     """The answer frames of ``si``: run here when this pod runs the entry stage, else handed to
-    a replica of it. Admitted (counted, so a drain waits for it) until the iterator closes."""
+    a replica of it. Admitted (counted, so a drain waits for it) until the iterator closes. The
+    request's span ends with ``late``'s attributes (a streamed answer's audio figures)."""
     attributes = {"omni.request_id": si.request_id, "omni.pipeline": pod.pipeline.name}
-    with stage_span(f"{request.method} {request.path}", si.traceparent, attributes) as tp:
+    name = f"{request.method} {request.path}"
+    with stage_span(name, si.traceparent, attributes, late) as tp:
         si = msgspec.structs.replace(si, traceparent=tp)
         async with admitted(pod, si.request_id, "api", si):
             if pod.runner is None or pod.stage_id != pod.pipeline.entry_stage_id:

@@ -38,6 +38,7 @@ from omni_mesh.sidecar.api.client_requests import collect, entry, request_frames
 from omni_mesh.sidecar.api.openai_text import sampling_from
 from omni_mesh.sidecar.api.openai_types import ChatMessage, ChatRequest, ImageRequest, SpeechRequest
 from omni_mesh.sidecar.api.outputs import FinalOutput, final_stage
+from omni_mesh.sidecar.api.playback import Playbacks
 from omni_mesh.sidecar.api.realtime import route as realtime_route
 from omni_mesh.sidecar.api.sinks import (
     GenerateEvents,
@@ -137,13 +138,20 @@ async def speech(request: web.Request) -> web.StreamResponse:
     fields = _voice_field(pod, req.voice)
     prompt = Prompt(prompt=req.input, seed=req.seed, priority=req.priority, **fields)
     si = entry(pod, request, prompt)
+    playbacks = Playbacks.of_request(request, si.tenant)  # a streamed answer's audio SLOs
     sink: Sink
     if req.stream_format == "sse":
-        sink = SpeechEvents(audio_stage, req.speed)
+        sink = SpeechEvents(audio_stage, req.speed, playbacks=playbacks)
     else:
         streams = req.stream if req.stream is not None else req.response_format == "pcm"
-        sink = SpeechAudio(audio_stage, req.response_format, req.speed, streams=streams)
-    return await respond(request, pod.pipeline, request_frames(pod, request, si), sink)
+        sink = SpeechAudio(
+            audio_stage, req.response_format, req.speed, streams=streams, playbacks=playbacks
+        )
+    frames = request_frames(pod, request, si, playbacks.attributes())
+    try:
+        return await respond(request, pod.pipeline, frames, sink)
+    finally:
+        playbacks.record(pod.metrics.audio, pod.pipeline.name)
 
 
 def _voice_field(pod: Pod, voice: str | None) -> dict[str, Any]:
@@ -245,12 +253,16 @@ async def chat(request: web.Request) -> web.StreamResponse:
         raise bad_request("stream_options: only allowed when stream is true", "stream_options")
     text_stage = final_stage(pod.pipeline, OutputKind.TEXT)
     streams = []
-    for choice in choice_prompts(prompt, req.n):
+    playbacks: Playbacks | None = None  # a streamed answer's audio SLOs, per choice
+    for index, choice in enumerate(choice_prompts(prompt, req.n)):
         si = entry(pod, request, choice, sampling)
         si.payload.fields = {**si.payload.fields, "messages": messages}
         if not want_audio and text_stage is not None:  # the audio stages need not run
             si.final_stages = (text_stage,)
-        streams.append(request_frames(pod, request, si))
+        if req.stream and want_audio:
+            playbacks = playbacks or Playbacks.of_request(request, si.tenant)
+        late = playbacks.attributes(index) if playbacks is not None else None
+        streams.append(request_frames(pod, request, si, late))
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         sink = ChatEvents(
@@ -258,8 +270,13 @@ async def chat(request: web.Request) -> web.StreamResponse:
             want_audio=want_audio,
             include_usage=include_usage,
             top_logprobs=top_logprobs,
+            playbacks=playbacks,
         )
-        return await respond_choices(request, pod.pipeline, streams, sink)
+        try:
+            return await respond_choices(request, pod.pipeline, streams, sink)
+        finally:
+            if playbacks is not None:
+                playbacks.record(pod.metrics.audio, pod.pipeline.name)
     choices = await collect_choices(pod.pipeline, streams)
     return web.json_response(
         chat_completion(pod.pipeline, choices, want_audio=want_audio, top_logprobs=top_logprobs)

@@ -29,6 +29,7 @@ from omni_mesh.sidecar.api.outputs import (
     OutputChunk,
     joined_off_loop,
 )
+from omni_mesh.sidecar.api.playback import Playbacks
 from omni_mesh.sidecar.api.time_stretch import SpeechPace
 from omni_mesh.sidecar.appkeys import POD
 from omni_mesh.sidecar.errors import (
@@ -211,10 +212,17 @@ class SpeechAudio:
     always_stream = False
 
     def __init__(
-        self, audio_stage: int, response_format: str, speed: float = 1.0, *, streams: bool = True
+        self,
+        audio_stage: int,
+        response_format: str,
+        speed: float = 1.0,
+        *,
+        streams: bool = True,
+        playbacks: Playbacks | None = None,
     ) -> None:
         self.audio_stage = audio_stage
         self.streams = streams
+        self.playbacks = playbacks  # the streamed answer's audio SLOs
         self.raw = response_format == "pcm"
         self.content_type = "audio/pcm" if self.raw else "audio/wav"
         self.pace = SpeechPace(speed)
@@ -228,6 +236,8 @@ class SpeechAudio:
         return self._send(self.pace.stream(chunk.output.array, rate), rate)
 
     def _send(self, samples: np.ndarray, rate: int) -> bytes:
+        if self.playbacks is not None:
+            self.playbacks.sent(len(samples), rate)
         data = media.pcm_bytes(samples)
         if not self.raw and not self._rate:
             data = media.wav_stream_header(rate) + data
@@ -262,16 +272,26 @@ class SpeechEvents:
     encodes = False
     content_type = SSE_CONTENT_TYPE
 
-    def __init__(self, audio_stage: int, speed: float = 1.0) -> None:
+    def __init__(
+        self, audio_stage: int, speed: float = 1.0, *, playbacks: Playbacks | None = None
+    ) -> None:
         self.audio_stage = audio_stage
         self.pace = SpeechPace(speed)
         self.encodes = speed != 1.0  # stretching is compute: off the event loop
+        self.playbacks = playbacks  # the streamed answer's audio SLOs
+        self._rate = 24000
 
     def piece(self, chunk: OutputChunk) -> bytes:
         if chunk.stage_id != self.audio_stage or chunk.output.array is None:
             return b""
+        self._rate = chunk.sample_rate
         samples = self.pace.stream(chunk.output.array, chunk.sample_rate)
-        return _delta(samples) if len(samples) else b""  # the stretcher may hold it all yet
+        return self._sent(samples) if len(samples) else b""  # the stretcher may hold it all
+
+    def _sent(self, samples: np.ndarray) -> bytes:
+        if self.playbacks is not None:
+            self.playbacks.sent(len(samples), self._rate)
+        return _delta(samples)
 
     def unary(self, outputs: list[FinalOutput]) -> web.StreamResponse:
         raise AssertionError("an event stream is always streamed")
@@ -280,7 +300,7 @@ class SpeechEvents:
         rest = self.pace.rest()
         usage = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
         done = sse({"type": "speech.audio.done", "usage": usage})
-        return _delta(rest) + done if len(rest) else done
+        return self._sent(rest) + done if len(rest) else done
 
     def error_event(self, err: ApiError) -> bytes:
         return sse({"type": "error", "error": error_body(err)})

@@ -283,13 +283,15 @@ def test_a_manual_turn_in_g711_is_committed_and_answered_in_g711(sdk: openai.Ope
 
 def test_sessions_and_responses_are_counted_in_metrics(sdk: openai.OpenAI, topo: Topology) -> None:
     """The API server's /metrics: sessions by state while a socket holds one (and not after),
-    responses by status, the first audio's latency."""
+    responses by status, the first audio's latency, the response's audio SLOs."""
 
     def metric(name: str, **labels: str) -> float:
         return topo.metric(topo.api_url, name, pipeline=PIPELINE, **labels)
 
     responses = metric("omni_realtime_responses_total")
     first_audio = metric("omni_realtime_first_audio_seconds_count")
+    slo_first = metric("omni_api_audio_first_seconds_count", route="/v1/realtime")
+    slo_audio = metric("omni_api_audio_seconds_total", route="/v1/realtime")
     idle = metric("omni_realtime_sessions", state="idle")
     with session(sdk, max_output_tokens=4) as conn:
         assert metric("omni_realtime_sessions", state="idle") == idle + 1
@@ -300,6 +302,9 @@ def test_sessions_and_responses_are_counted_in_metrics(sdk: openai.OpenAI, topo:
         assert metric("omni_realtime_responses_total", status=status) >= 1
         assert metric("omni_realtime_responses_total") == responses + 1
         assert metric("omni_realtime_first_audio_seconds_count") == first_audio + 1
+        # The audio SLOs of the response (observability/audio_slo.py), route /v1/realtime.
+        assert metric("omni_api_audio_first_seconds_count", route="/v1/realtime") == slo_first + 1
+        assert metric("omni_api_audio_seconds_total", route="/v1/realtime") > slo_audio
     wait_until(lambda: metric("omni_realtime_sessions", state="idle") == idle, 10)
 
 

@@ -31,6 +31,7 @@ from aiohttp import web
 
 from omni_mesh.configs.pipeline_spec import OutputKind
 from omni_mesh.data_plane.messages import Prompt
+from omni_mesh.observability.audio_slo import AudioPlayback
 from omni_mesh.sidecar.api.client_requests import entry, request_frames
 from omni_mesh.sidecar.api.outputs import ChunkAssembler, OutputChunk, final_stage
 from omni_mesh.sidecar.api.realtime import audio_formats
@@ -92,6 +93,8 @@ class ResponseRun:
         self.reason: str | None = None
         self.error: dict[str, Any] | None = None
         self.stats = ResponseStats()
+        self.playback = AudioPlayback(started=time.monotonic())  # its audio SLOs
+        self.tenant = ""  # the response's tenant (its request's), once it runs
         self.transcript: list[str] = []
         self.text_fields: dict[str, Any] = {}
         self.item: Item | None = None
@@ -146,8 +149,9 @@ class ResponseRun:
             si.payload.fields = {**si.payload.fields, "messages": self.inp.messages_json}
             if not self.audio and self.text_stage is not None:  # the audio stages need not run
                 si.final_stages = (self.text_stage,)
+            self.tenant = si.tenant
             assembler = ChunkAssembler(self.pod.pipeline)
-            frames = request_frames(self.pod, self.request, si)
+            frames = request_frames(self.pod, self.request, si, self.playback.attributes)
             async with contextlib.aclosing(frames) as stream:
                 async for frame in stream:
                     for chunk in assembler.add(frame):
@@ -278,6 +282,7 @@ class ResponseRun:
             self.stats.first_audio_s = now
         ms = len(samples) * 1000.0 / rate
         self.stats.audio_ms += ms
+        self.playback.sent(ms / 1000.0, time.monotonic())
         delta = base64.b64encode(audio_formats.encode(fmt, samples)).decode()
         self.sender.send(
             {

@@ -78,6 +78,7 @@ class RealtimeHub(SessionHooks):
         self.pod.metrics.realtime_responses.labels(name, run.status).inc()
         if run.stats.first_audio_s is not None:
             self.pod.metrics.realtime_first_audio.labels(name).observe(run.stats.first_audio_s)
+        self.pod.metrics.audio.record(run.playback, name, REALTIME_PATH, run.tenant)
 
     @property
     def owner(self) -> str:
