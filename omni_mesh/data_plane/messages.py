@@ -25,6 +25,7 @@ from msgspec import Meta, Struct
 SCHEMA_VERSION = 1
 
 MAX_PROMPT_CHARS = 32_768
+MAX_IMAGE_SIDE = 4096  # the longest image side a prompt may ask for (engines set their own)
 MAX_REQUEST_ID = 128
 
 Scalar = str | int | float | bool | None
@@ -97,6 +98,13 @@ class Prompt(Struct, forbid_unknown_fields=True):
     max_tokens: Annotated[int, Meta(ge=1, le=8192)] | None = None
     size: Annotated[int, Meta(ge=16, le=512)] | None = None
     steps: Annotated[int, Meta(ge=1, le=200)] | None = None
+    # An image's sides in pixels, both or neither (a pipeline of non-square images; its
+    # engines check them against the model's own multiple and bounds).
+    width: Annotated[int, Meta(ge=16, le=MAX_IMAGE_SIDE)] | None = None
+    height: Annotated[int, Meta(ge=16, le=MAX_IMAGE_SIDE)] | None = None
+    guidance_scale: Annotated[float, Meta(ge=0.0, le=30.0)] | None = None
+    # Previews of the image streamed before it (OpenAI's ``partial_images``, 0-3).
+    partial_images: Annotated[int, Meta(ge=0, le=3)] | None = None
     request_id: RequestId | None = None
     priority: PriorityClass | None = None  # the body's class; an X-Omni-Priority header wins
 
@@ -313,6 +321,7 @@ class Stats(Struct, tag="stats"):
     step_ms: float
     steps: int
     engine: EngineStats | None = None  # the model engine's own view (vLLM); None otherwise
+    step_audio_s: float = 0.0  # audio seconds a step makes per stream (StageEngine's); 0: none
 
 
 class Shutdown(Struct, tag="shutdown"):

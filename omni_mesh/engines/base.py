@@ -143,6 +143,10 @@ class StageEngine(ABC):
     #: Whether the engine runs a split stage's prefill and decode requests (deploy
     #: ``prefill:``, ``data_plane/kv_transfer.py``): the vLLM engine and the qwen3-omni thinker do.
     splits_prefill: ClassVar[bool] = False
+    #: Seconds of audio one engine step makes for each running stream (a talker's codec frame),
+    #: 0 where a step is not an audio frame. The sidecar reports this over the step's time as
+    #: the stage's stream real-time factor (``omni_stage_stream_realtime_factor``).
+    step_audio_s: ClassVar[float] = 0.0
 
     @classmethod
     def engine_for(cls, ctx: EngineContext) -> type[StageEngine]:

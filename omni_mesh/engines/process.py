@@ -259,6 +259,7 @@ class EngineProc:
                         step_ms=self._last_step_ms,
                         steps=self._steps,
                         engine=core.engine.stats(),
+                        step_audio_s=core.engine.step_audio_s,
                     )
                 )
             if (

@@ -270,6 +270,7 @@ SC_HANDOFF_BYTES = "omni_stage_handoff_bytes"
 SC_HANDOFF_DURATION = "omni_stage_handoff_duration_seconds"
 SC_ENGINE_QUEUE = "omni_stage_engine_queued"
 SC_ENGINE_STEP = "omni_stage_engine_step_seconds"
+SC_STREAM_REALTIME = "omni_stage_stream_realtime_factor"
 SC_ENGINE_RUNNING = "omni_stage_engine_running_requests"
 SC_ENGINE_WAITING = "omni_stage_engine_waiting_requests"
 SC_ENGINE_KV_CACHE = "omni_stage_engine_kv_cache_usage"
@@ -373,6 +374,14 @@ class SidecarMetrics:
         self.engine_step = Gauge(
             SC_ENGINE_STEP,
             "Duration of the engine's last step.",
+            ["pipeline", "stage"],
+            registry=registry,
+        )
+        self.stream_realtime = Gauge(
+            SC_STREAM_REALTIME,
+            "An audio-frame stage (a talker): the audio seconds its last step made for each "
+            "running stream over that step's duration (below 1: its streams fall behind "
+            "playback).",
             ["pipeline", "stage"],
             registry=registry,
         )

@@ -110,6 +110,8 @@ def load_talker(folder: Path, ctx: EngineContext | None = None) -> Any:
 class CsmTalkerEngine(FrameEngine[TalkerInput]):
     """CSM's backbone + depth decoder (module docstring)."""
 
+    step_audio_s = 0.08  # one codec frame per row and step: 12.5 Hz
+
     model: Any
 
     def build(self, seed: int) -> int:

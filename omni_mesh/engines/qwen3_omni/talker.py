@@ -72,6 +72,8 @@ class TalkerInput:
 class Qwen3OmniTalkerEngine(FrameEngine[TalkerInput]):
     """Qwen3-Omni's talker + code predictor (module docstring)."""
 
+    step_audio_s = 0.08  # one codec frame per row and step: 12.5 Hz
+
     model: Any
 
     def build(self, seed: int) -> int:

@@ -23,6 +23,7 @@ from tests.engines.qwen3_omni.omni_reference import (
     expected,
     sdk_chat,
 )
+from tests.procs import wait_until
 from tests.sidecar.topology import Topology, answers_while_killing
 
 pytestmark = [
@@ -141,6 +142,13 @@ def test_speech_streams_before_the_answer_ends(topo: Topology) -> None:
     total = time.perf_counter() - started
     assert len(data) > 1920 * 2 * 60
     assert firsts[0] < total * 0.8, (firsts[0], total)  # audio before the whole answer
+
+    # The talkers report how their steps keep up with playback (80 ms of audio per stream and
+    # step over the step's time); a talker that ran the speech has stepped.
+    def factor() -> float:
+        return max(topo.metric(url, "omni_stage_stream_realtime_factor") for url in topo.urls[1])
+
+    wait_until(lambda: factor() > 0, 10, message=lambda: "no talker reported its factor")
     with pytest.raises(openai.BadRequestError, match="unknown voice 'alloy'"):
         client(topo).audio.speech.create(model=PIPELINE, input="hi", voice="alloy")
 
