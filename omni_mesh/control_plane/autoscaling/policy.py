@@ -17,7 +17,7 @@
    utilization is the mean over its ready replicas.
 2. **Recommendation** (:func:`recommend`): ``ceil(sum of utilizations / target)`` replicas
    (Kubernetes HPA's rule), unchanged while the mean is within ``target x (1 +- tolerance)``;
-   0 when nothing is running or queued (idle); more when the estimated queue + step time
+   0 when nothing ran, queued or waited (idle); more when the estimated queue + step time
    exceeds ``target_latency_ms``, or the replicas' reported queue wait (mean over them)
    exceeds ``target_queue_wait_ms``: ``ceil(ready x figure / target)`` where that is more; at
    least enough for the waiting requests of a stage at zero.
