@@ -200,7 +200,7 @@ GLM_IMAGE = PipelineSpec(
     description="GLM-Image: ar (GlmImageForConditionalGeneration: prior token ids) -> dit (glyph "
     "encoder, GlmImageTransformer2DModel with CFG, FlowMatch-Euler, VAE decode) -> PNG "
     "(tiny-glm-image by default; engine_extras.model).",
-    prompt_fields=("seed", "size", "steps"),
+    prompt_fields=("seed", "size", "steps", "width", "height", "guidance_scale", "partial_images"),
     stages=(
         StageSpec(stage_id=0, name="ar", engine=f"{_GLM_IMAGE}.ar:GlmImageArEngine"),
         StageSpec(

@@ -14,7 +14,8 @@ from omni_mesh.data_plane.messages import RunOutputBin, Scalar
 def join_run_outputs(parts: Sequence[RunOutputBin]) -> RunOutputBin:
     """One stage's output chunks, in chunk order, as one output: WAV audio → one WAV of the
     concatenated PCM (the bytes of the orchestrated path's joined audio), text and raw data
-    concatenated; an image cannot come in chunks. One part is returned as it is."""
+    concatenated; an image's chunks are its previews (partial images) then itself: the last.
+    One part is returned as it is."""
     if not parts:
         raise ValueError("no output chunks to join")
     if len(parts) == 1:
@@ -24,7 +25,7 @@ def join_run_outputs(parts: Sequence[RunOutputBin]) -> RunOutputBin:
     for part in parts:
         fields.update(part.fields)
     if first.kind == "image":
-        raise ValueError("an image output cannot come in chunks")
+        return parts[-1]
     if first.text is not None and first.data is None:
         text = "".join(p.text or "" for p in parts)
         return RunOutputBin(first.kind, text=text, mime_type=first.mime_type, fields=fields)

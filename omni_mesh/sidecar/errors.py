@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -60,7 +61,14 @@ def decode_body(body: bytearray, type_: type[T], *, what: str, binary: bool = Fa
         if exc.malformed:
             kind = "msgpack" if binary else "JSON"
             raise bad_request(f"{what} is not valid {kind}: {exc.detail}") from None
-        raise bad_request(f"invalid {what}: {exc.detail}") from None
+        raise bad_request(f"invalid {what}: {exc.detail}", _field(exc.path)) from None
+
+
+def _field(path: str | None) -> str | None:
+    """The top-level field of msgspec's path (``$.n`` → ``n``, ``$.a[0].b`` → ``a``)."""
+    if not path or not path.startswith("$."):
+        return None
+    return re.split(r"[.\[]", path[2:], maxsplit=1)[0] or None
 
 
 _STAGE_ERROR_STATUS = {

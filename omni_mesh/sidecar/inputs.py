@@ -10,7 +10,17 @@ import uuid
 from omni_mesh.configs.pipeline_spec import PipelineSpec
 from omni_mesh.data_plane.messages import Payload, Prompt, SamplingParams, Scalar, StageInput
 
-_OPTIONAL = ("seed", "voice", "max_tokens", "size", "steps")
+_OPTIONAL = (
+    "seed",
+    "voice",
+    "max_tokens",
+    "size",
+    "steps",
+    "width",
+    "height",
+    "guidance_scale",
+    "partial_images",
+)
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 
 

@@ -141,11 +141,16 @@ def test_join_text_data_and_single_parts() -> None:
     assert join_outputs(blobs * 2).data == bytes([0, 1, 2, 3] * 2)
 
 
-def test_an_image_cannot_be_chunked_nor_audio_change_rate() -> None:
+def test_an_images_chunks_are_previews_then_itself_and_audio_keeps_its_rate() -> None:
     image = get_pipeline("tiny-image")
-    png = final_output(image, 1, payload_from_arrays({}, {"image": np.zeros((4, 4, 3), np.uint8)}))
-    with pytest.raises(ValueError, match="cannot come in chunks"):
-        join_outputs([png, png])
+    previews = [
+        final_output(image, 1, payload_from_arrays({"partial_image_index": i}, {"image": px}))
+        for i, px in enumerate([np.zeros((4, 4, 3), np.uint8), np.ones((4, 4, 3), np.uint8)])
+    ]
+    last = final_output(
+        image, 1, payload_from_arrays({}, {"image": np.full((4, 4, 3), 9, np.uint8)})
+    )
+    assert join_outputs([*previews, last]) is last
     slow = payload_from_arrays({"sample_rate": 16000}, {"waveform": wave(1)})
     with pytest.raises(ValueError, match="several rates"):
         join_outputs([final_output(OMNI, 2, audio(0)), final_output(OMNI, 2, slow)])
@@ -164,5 +169,5 @@ def test_the_client_join_gives_the_servers_bytes() -> None:
     assert blob.data == b"abc"
     single = RunOutputBin("image", data=b"png")
     assert join_run_outputs([single]) is single
-    with pytest.raises(ValueError, match="cannot come in chunks"):
-        join_run_outputs([single, single])
+    preview = RunOutputBin("image", data=b"preview", fields={"partial_image_index": 0})
+    assert join_run_outputs([preview, single]) is single

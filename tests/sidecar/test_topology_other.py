@@ -60,6 +60,19 @@ def test_tiny_image_1_2(tmp_path: Path, no_shm_leak: None) -> None:
                 break
             client.images.generate(prompt=f"one more {i}", size="64x64")
         assert all(hops(url) > 0 for url in topo.urls[1]), [hops(u) for u in topo.urls[1]]
+        # streamed: the image alone (its DiT sends no previews); square sizes only, and no
+        # partial images from a pipeline that does not make them: 400s naming the field
+        (done,) = list(client.images.generate(prompt="streamed", size="32x32", stream=True))
+        assert done.type == "image_generation.completed" and done.size == "32x32"
+        assert media_readers.read_png_size(base64.b64decode(done.b64_json)) == (32, 32)
+        for kwargs, field in [
+            ({"size": "64x32"}, "size"),
+            ({"stream": True, "partial_images": 2}, "partial_images"),
+            ({"extra_body": {"guidance_scale": 2.0}}, "guidance_scale"),
+        ]:
+            with pytest.raises(openai.BadRequestError) as caught:
+                client.images.generate(prompt="x", **kwargs)
+            assert isinstance(caught.value.body, dict) and caught.value.body["param"] == field
     finally:
         topo.close()
 

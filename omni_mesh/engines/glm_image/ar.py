@@ -15,9 +15,9 @@ pipeline call whatever else runs. An end-of-image token before the grids are ful
 request (the pipeline would crash on the short grid).
 
 Input fields: ``prompt`` (str), the size (``inputs.py``: ``size``, or ``width`` and ``height``),
-``steps`` and ``guidance_scale`` (checked by the DiT, handed on). Output: array
+``steps``, ``guidance_scale`` and ``partial_images`` (checked by the DiT, handed on). Output: array
 ``prior_token_ids`` int64 [H/32, W/32] (the target grid, before the DiT's 2x upsampling); fields
-``prompt``, ``width``, ``height`` (and ``steps``, ``guidance_scale`` when given).
+``prompt``, ``width``, ``height`` (and the DiT's fields when given).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from omni_mesh.engines.hf.common import parameter_count
 logger = logging.getLogger(__name__)
 
 #: Fields the DiT reads, handed on as the request gave them.
-HANDED_ON = ("steps", "guidance_scale")
+HANDED_ON = ("steps", "guidance_scale", "partial_images")
 
 
 @dataclass(frozen=True)

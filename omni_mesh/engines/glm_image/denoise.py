@@ -6,7 +6,10 @@ requests take turns at step boundaries), and several requests' steps in one forw
 the prompt and of the empty negative prompt, the upsampled prior tokens with their keep/drop
 masks, the size conditions, the request's own FlowMatch-Euler scheduler and its timesteps, and
 the (unused in text to image) DiT KV cache the pipeline passes. :meth:`Denoising.step` runs its
-next step alone: the pipeline's computation, bit for bit.
+next step alone: the pipeline's computation, bit for bit. At the steps a request asks previews
+after (partial images), it also keeps the flow's estimate of the clean latent,
+``x_t - sigma_t * v`` (v the guided velocity the step used): a read of the state, nothing the
+loop itself uses, so the final image is unchanged.
 
 :func:`step_together` runs the next step of many requests: those of one shape (latent size,
 glyph length, guidance on or off) in one conditional forward and one unconditional forward over
@@ -44,6 +47,7 @@ class Denoising:
         scheduler: Any,
         guidance: float,
         generator: torch.Generator,
+        previews: frozenset[int] = frozenset(),
     ) -> None:
         self.model = model
         self.latents = latents
@@ -55,6 +59,8 @@ class Denoising:
         self.timesteps: Tensor = scheduler.timesteps
         self.index = 0
         self.stepped = False  # this core step's step was run by :func:`step_together`
+        self.previews = previews  # after which steps (counted from 1) to estimate the image
+        self.estimate: Tensor | None = None  # the clean latent estimated at a preview step
         device, dtype = latents.device, cond.dtype
         self.target = torch.tensor([list(size)], dtype=dtype, device=device)
         self.crop = torch.tensor([[0, 0]], dtype=dtype, device=device)
@@ -71,6 +77,11 @@ class Denoising:
         uncond = None if self.uncond is None else tuple(self.uncond.shape)
         return (tuple(self.latents.shape), tuple(self.cond.shape), uncond)
 
+    def take_estimate(self) -> Tensor | None:
+        """The clean latent estimated at the step just run, if it was a preview step."""
+        estimate, self.estimate = self.estimate, None
+        return estimate
+
     def timestep(self) -> Tensor:
         """[1]: the DiT's timestep input of the next step (the pipeline's ``t - 1``)."""
         return self.timesteps[self.index].expand(1) - 1
@@ -84,6 +95,9 @@ class Denoising:
     def advance(self, cond: Tensor, uncond: Tensor | None) -> None:
         """Guidance over this request's noise predictions, its scheduler's Euler step."""
         noise = cond if uncond is None else uncond + self.guidance * (cond - uncond)
+        if self.index + 1 in self.previews:  # the flow's clean estimate, x_t - sigma_t * v
+            sigma = self.scheduler.sigmas[self.index]
+            self.estimate = self.latents.to(torch.float32) - sigma * noise
         t = self.timesteps[self.index]
         self.latents = self.scheduler.step(noise, t, self.latents, return_dict=False)[0]
         self.index += 1

@@ -26,7 +26,14 @@ pixel levels of its lone run instead of equal to it.
 Input: array ``prior_token_ids`` int64 [H/32, W/32] (ids of the DiT's prior codebook, upsampled
 2x here as the pipeline does); fields ``prompt``, ``width``, ``height``, ``steps`` (default
 ``engine_extras.steps``, 50), ``guidance_scale`` (a number, default ``engine_extras.
-guidance_scale``, 1.5). Final: array ``image`` uint8 [H, W, 3]; fields ``width``, ``height``.
+guidance_scale``, 1.5), ``partial_images`` (0-3, default 0). Final: array ``image`` uint8
+[H, W, 3]; fields ``width``, ``height``.
+
+Partial images (OpenAI's ``partial_images``): after ``partial_images`` evenly spaced steps
+(:func:`preview_steps`) the stream yields a chunk for the client alone (``forward=False``) whose
+final output is a preview: the VAE decode of the step's estimate of the clean latent
+(``denoise.py``), with field ``partial_image_index``; the image itself is the last chunk,
+unchanged by them.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from omni_mesh.data_plane.messages import Scalar
 from omni_mesh.engines.base import EngineRequest, EngineResult, StageData
 from omni_mesh.engines.batching.row_sampling import row_generator
 from omni_mesh.engines.devices import torch_device
@@ -54,6 +62,7 @@ from omni_mesh.engines.torch_engine import TorchEngine
 
 STEPS_RANGE = (1, 200)
 GUIDANCE_RANGE = (0.0, 30.0)
+PARTIAL_RANGE = (0, 3)  # OpenAI's partial_images
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,7 @@ class DitInput:
     prior: np.ndarray  # int64 [H/32, W/32]
     steps: int
     guidance: float
+    partial_images: int = 0  # previews streamed before the image
 
 
 class GlmImageDitEngine(TorchEngine[DitInput]):
@@ -117,10 +127,10 @@ class GlmImageDitEngine(TorchEngine[DitInput]):
         rows, cols = size.grid
         prior = fields.int_array("prior_token_ids", (rows, cols), self.codebook, rows)
         steps = fields.optional_int("steps", self.default_steps, *STEPS_RANGE)
-        assert steps is not None
-        return DitInput(
-            fields.optional_str("prompt", ""), size, prior, steps, self._guidance(fields)
-        )
+        partial = fields.optional_int("partial_images", 0, *PARTIAL_RANGE)
+        assert steps is not None and partial is not None
+        prompt = fields.optional_str("prompt", "")
+        return DitInput(prompt, size, prior, steps, self._guidance(fields), partial)
 
     def _guidance(self, fields: FieldReader) -> float:
         value = fields.data.fields.get("guidance_scale")
@@ -157,7 +167,9 @@ class GlmImageDitEngine(TorchEngine[DitInput]):
                     job.step()
                 if job.done:
                     break
-                yield None  # the core's other streams (and aborts) get their turn
+                # a preview (partial image) when this step was one, else nothing: the core's
+                # other streams (and aborts) get their turn
+                yield self.preview(request, inputs, job)
         finally:
             self.jobs.remove(job)  # done, failed or closed (a cancel): it steps no more
         yield self.finish(request, inputs, job)
@@ -197,7 +209,26 @@ class GlmImageDitEngine(TorchEngine[DitInput]):
             scheduler,
             inputs.guidance,
             generator,
+            preview_steps(inputs.steps, inputs.partial_images),
         )
+
+    def preview(
+        self, request: EngineRequest, inputs: DitInput, job: Denoising
+    ) -> EngineResult | None:
+        """The image estimated at the step just run, when it was a preview step: a chunk for
+        the client alone, numbered by ``partial_image_index``; None otherwise."""
+        estimate = job.take_estimate()
+        if estimate is None:
+            return None
+        index = sorted(job.previews).index(job.index)
+        size = inputs.size
+        fields: dict[str, Scalar] = {
+            "width": size.width,
+            "height": size.height,
+            "partial_image_index": index,
+        }
+        final = StageData(fields=fields, arrays={"image": self.decode(estimate, None)})
+        return EngineResult(request.request_id, final=final, last=False, forward=False)
 
     def finish(self, request: EngineRequest, inputs: DitInput, job: Denoising) -> EngineResult:
         """Step 5 of the module docstring: the request's final image."""
@@ -228,7 +259,7 @@ class GlmImageDitEngine(TorchEngine[DitInput]):
         scheduler.set_timesteps(timesteps=timesteps, sigmas=sigmas, device=self.device, mu=mu)
         return scheduler
 
-    def decode(self, latents: Tensor, generator: torch.Generator) -> np.ndarray:
+    def decode(self, latents: Tensor, generator: torch.Generator | None) -> np.ndarray:
         """Step 5: the latent → uint8 [H, W, 3], as the pipeline's ``output_type="pil"``."""
         vae = self.vae
         latents = latents.to(vae.dtype)
@@ -245,6 +276,13 @@ class GlmImageDitEngine(TorchEngine[DitInput]):
         super().close()
         for name in ("vae", "glyphs"):
             vars(self).pop(name, None)
+
+
+def preview_steps(steps: int, partial_images: int) -> frozenset[int]:
+    """After which steps (counted from 1) the previews come: ``partial_images`` evenly spaced
+    through the loop, none at its last step (the image itself); fewer when steps are few."""
+    marks = (round(steps * j / (partial_images + 1)) for j in range(1, partial_images + 1))
+    return frozenset(m for m in marks if 1 <= m < steps)
 
 
 def _upsampled(grid: Tensor) -> Tensor:

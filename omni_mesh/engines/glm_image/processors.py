@@ -7,12 +7,12 @@ from __future__ import annotations
 from omni_mesh.engines.base import EngineInputError, StageData
 from omni_mesh.engines.fields import passthrough
 
-_FIELDS = ("prompt", "width", "height", "steps", "guidance_scale")
+_FIELDS = ("prompt", "width", "height", "steps", "guidance_scale", "partial_images")
 
 
 def ar_to_dit(data: StageData) -> StageData:
     """``prior_token_ids`` int64 [H/32, W/32]; fields ``prompt``, ``width``, ``height`` (and
-    ``steps``, ``guidance_scale`` when set)."""
+    ``steps``, ``guidance_scale``, ``partial_images`` when set)."""
     ids = data.arrays.get("prior_token_ids")
     if ids is None:
         raise EngineInputError("processor ar_to_dit: upstream output lacks 'prior_token_ids'")

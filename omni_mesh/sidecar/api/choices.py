@@ -107,6 +107,16 @@ async def _merged(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def _pieces(sink: ChoiceSink, index: int, chunks: list[OutputChunk]) -> bytes:
+    """What ``sink`` sends for choice ``index``'s ``chunks``; in a worker thread when the sink
+    encodes media (``encodes``: an image sink's PNG previews)."""
+    if not chunks:
+        return b""
+    if getattr(sink, "encodes", False):
+        return await asyncio.to_thread(lambda: b"".join(sink.piece(index, c) for c in chunks))
+    return b"".join(sink.piece(index, c) for c in chunks)
+
+
 async def respond_choices(
     request: web.Request,
     pipeline: PipelineSpec,
@@ -131,7 +141,7 @@ async def respond_choices(
                 ready = assembler.add(frame)
                 if assembler.error is not None:
                     raise from_stage_error(assembler.error)
-                await out.write(b"".join(sink.piece(index, c) for c in ready))
+                await out.write(await _pieces(sink, index, ready))
         await out.write(sink.tail(finals))
         return await out.finish()
     except Exception as exc:

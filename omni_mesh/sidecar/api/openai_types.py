@@ -107,10 +107,18 @@ class SpeechRequest(Struct):
 
 
 class ImageRequest(Struct):
+    """``/v1/images/generations`` (``images.py``); ``seed``, ``steps`` and ``guidance_scale`` are
+    extensions (the SDK's ``extra_body``)."""
+
     prompt: Annotated[str, Meta(min_length=1, max_length=32_768)]
     model: str | None = None
-    n: Annotated[int, Meta(ge=1, le=8)] = 1
-    size: str = "64x64"
-    response_format: Literal["b64_json"] = "b64_json"
+    n: Annotated[int, Meta(ge=1, le=10)] = 1  # n requests seeded seed + i (``choices.py``)
+    size: str | None = None  # "WIDTHxHEIGHT"; None or "auto": the pipeline's default
+    response_format: str | None = None  # b64_json only (no image store to serve urls from)
+    output_format: str | None = None  # png only
+    stream: bool = False  # image_generation.* events
+    partial_images: Annotated[int, Meta(ge=0, le=3)] | None = None  # previews when streaming
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    steps: Annotated[int, Meta(ge=1, le=200)] | None = None
+    guidance_scale: Annotated[float, Meta(ge=0.0, le=30.0)] | None = None
     priority: PriorityClass | None = None  # admission class; X-Omni-Priority wins over it

@@ -142,7 +142,8 @@ class OutputChunk:
 def join_outputs(parts: Sequence[FinalOutput]) -> FinalOutput:
     """One stage's output chunks, in chunk order, as one output: audio → one WAV of the
     concatenated waveforms, text → the concatenated text, data → the concatenated bytes; an
-    image cannot be chunked. A single part is returned as it is (the bytes of a whole output).
+    image's chunks are pictures of it, its previews then itself: the last. A single part is
+    returned as it is (the bytes of a whole output).
     Audio is joined from the parts' arrays and encoded here: call it off the event loop."""
     if not parts:
         raise ValueError("no output chunks to join")
@@ -168,8 +169,8 @@ def join_outputs(parts: Sequence[FinalOutput]) -> FinalOutput:
             raise ValueError(f"stage {first.stage_id}: audio chunks at several rates {rates}")
         wave = np.concatenate([np.asarray(p.array).reshape(-1) for p in parts])
         return FinalOutput(first.stage_id, kind, fields=fields, array=wave).encoded()
-    if kind is OutputKind.IMAGE:
-        raise ValueError(f"stage {first.stage_id}: an image output cannot come in chunks")
+    if kind is OutputKind.IMAGE:  # previews of the image (partial images), then the image
+        return parts[-1]
     return FinalOutput(
         first.stage_id,
         kind,

@@ -19,9 +19,7 @@ seeded ``seed + i`` (``choices.py``); the sampling fields of ``openai_text.py``.
 
 from __future__ import annotations
 
-import base64
 import json
-import time
 from typing import Any
 
 import msgspec
@@ -32,11 +30,12 @@ from omni_mesh.configs.pipeline_spec import OutputKind
 from omni_mesh.data_plane import wire
 from omni_mesh.data_plane.messages import Prompt, SamplingParams
 from omni_mesh.sidecar.api import completions as routes_completions
+from omni_mesh.sidecar.api import images as routes_images
 from omni_mesh.sidecar.api.chat_answer import ChatEvents, chat_completion
 from omni_mesh.sidecar.api.choices import choice_prompts, collect_choices, respond_choices
 from omni_mesh.sidecar.api.client_requests import collect, entry, request_frames
 from omni_mesh.sidecar.api.openai_text import sampling_from
-from omni_mesh.sidecar.api.openai_types import ChatMessage, ChatRequest, ImageRequest, SpeechRequest
+from omni_mesh.sidecar.api.openai_types import ChatMessage, ChatRequest, SpeechRequest
 from omni_mesh.sidecar.api.outputs import FinalOutput, final_stage
 from omni_mesh.sidecar.api.playback import Playbacks
 from omni_mesh.sidecar.api.realtime import route as realtime_route
@@ -75,10 +74,6 @@ async def generate_outputs(
     """The orchestrated path, its outputs joined (the same answer with async_chunk on or off)."""
     si = entry(pod, request, prompt, sampling)
     return await collect(pod.pipeline, request_frames(pod, request, si))
-
-
-def _pick(outputs: list[FinalOutput], kind: OutputKind) -> FinalOutput | None:
-    return next((o for o in outputs if o.kind is kind), None)
 
 
 # ---- routes ----------------------------------------------------------------------------------
@@ -293,33 +288,6 @@ def _chat_logprobs(req: ChatRequest) -> int | None:
     return req.top_logprobs or 0
 
 
-def _parse_size(size: str) -> int:
-    try:
-        w, h = (int(x) for x in size.lower().split("x"))
-    except ValueError:
-        raise bad_request(f"size: {size!r} is not WIDTHxHEIGHT", "size") from None
-    if w != h or not 16 <= w <= 512:
-        raise bad_request(f"size: {size!r} must be square, 16x16 .. 512x512", "size")
-    return w
-
-
-async def images(request: web.Request) -> web.Response:
-    pod = request.app[POD]
-    req: ImageRequest = await _body(request, ImageRequest)
-    _check_model(pod, req.model)
-    if final_stage(pod.pipeline, OutputKind.IMAGE) is None:
-        raise bad_request(f"pipeline {pod.pipeline.name!r} produces no images", "model")
-    size = _parse_size(req.size)
-    data = []
-    for i in range(req.n):
-        seed = None if req.seed is None else req.seed + i
-        prompt = Prompt(prompt=req.prompt, seed=seed, size=size, priority=req.priority)
-        image = _pick(await generate_outputs(pod, request, prompt), OutputKind.IMAGE)
-        assert image is not None and image.data is not None
-        data.append({"b64_json": base64.b64encode(image.data).decode()})
-    return web.json_response({"created": int(time.time()), "data": data})
-
-
 async def health(request: web.Request) -> web.Response:
     pod = request.app[POD]
     if pod.draining:
@@ -364,5 +332,5 @@ def add_routes(app: web.Application, *, client_api: bool) -> None:
         app.router.add_post("/v1/audio/speech", speech)
         app.router.add_post("/v1/chat/completions", chat)
         routes_completions.add_routes(app)  # /v1/completions
-        app.router.add_post("/v1/images/generations", images)
+        routes_images.add_routes(app)  # /v1/images/generations
         realtime_route.add_routes(app)  # /v1/realtime (WebSocket)

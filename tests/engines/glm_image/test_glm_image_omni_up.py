@@ -1,7 +1,10 @@
 """glm-image through ``omni-up`` at 1:2 (one AR, two DiT replicas), asked with the official
 ``openai`` SDK's ``images.generate``: every PNG's pixels equal diffusers' monolithic
 ``GlmImagePipeline.__call__`` with a generator of the request's seed (the DiT's steps and
-guidance as the deploy file sets them); both DiT replicas take hops; ``/v1/run`` stage by stage
+guidance as the deploy file sets them, or as a request's ``extra_body`` does; non-square sizes,
+``n`` images seeded ``seed + i``); bad sizes, counts and formats are 400s naming the field;
+streamed with ``partial_images`` the previews come first and the completed image is still the
+pipeline's; both DiT replicas take hops; ``/v1/run`` stage by stage
 gives the same pixels through a hand-off of under a kilobyte; a DiT replica killed (kill -9 of
 its engine) mid-denoise costs nothing but time: the hop is replayed on the other replica and the
 image is the same; nothing is left in /dev/shm."""
@@ -83,6 +86,72 @@ def test_images_through_omni_up_1_2_equal_the_pipeline(deployment: Deployment) -
     assert all(_hops(dit) > 0 for dit in deployment.dits), [_hops(d) for d in deployment.dits]
     with pytest.raises(openai.BadRequestError, match="size"):
         client.images.generate(prompt="x", size="48x48", extra_body={"seed": 1})
+
+
+def test_the_images_route_takes_sizes_counts_and_extensions(deployment: Deployment) -> None:
+    """A non-square size, ``n`` images seeded ``seed + i``, ``steps`` and ``guidance_scale``
+    (``extra_body``): each PNG is the pipeline's for its seed. Bad sizes, counts and formats:
+    a 400 naming the field."""
+    client = openai.OpenAI(base_url=deployment.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    seed, prompt, steps, guidance = 30, "a 'wide' bridge", 4, 2.0
+    extra = {"seed": seed, "steps": steps, "guidance_scale": guidance}
+    answer = client.images.generate(
+        prompt=prompt, size="96x64", n=2, response_format="b64_json", extra_body=extra
+    )
+    assert len(answer.data) == 2
+    for i, image in enumerate(answer.data):
+        assert image.b64_json is not None
+        got = glm_reference.png_pixels(base64.b64decode(image.b64_json))
+        want = glm_reference.pipeline_pixels(
+            deployment.pipe, prompt, seed + i, 96, 64, steps, guidance
+        )
+        assert np.array_equal(got, want), i
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({"size": "48x64"}, "size"),  # not a multiple of 32 (the AR's check)
+        ({"size": "64x4096"}, "size"),  # past the deploy's max_size
+        ({"size": "64 by 64"}, "size"),
+        ({"n": 11}, "n"),
+        ({"n": 0}, "n"),
+        ({"response_format": "url"}, "response_format"),
+        ({"extra_body": {"steps": 0}}, "steps"),
+        ({"extra_body": {"guidance_scale": "high"}}, "guidance_scale"),
+    ]
+    for kwargs, field in bad:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.images.generate(prompt="x", **kwargs)
+        error = caught.value.body
+        assert isinstance(error, dict) and error["param"] == field, (kwargs, error)
+        assert field in error["message"], (kwargs, error)
+
+
+def test_streamed_partial_images_then_the_pipelines_image(deployment: Deployment) -> None:
+    """``stream=True, partial_images=2`` through the SDK: two ``image_generation.partial_image``
+    events (indices 0, 1: previews the DiT decoded mid-loop), then ``image_generation.completed``
+    whose PNG is the pipeline's; ``partial_images=0`` streams the image alone."""
+    from openai.types import ImageGenCompletedEvent, ImageGenPartialImageEvent
+
+    client = openai.OpenAI(base_url=deployment.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    seed, prompt = 31, "a 'slow' reveal"
+    want = glm_reference.pipeline_pixels(deployment.pipe, prompt, seed, 64, 96, STEPS, GUIDANCE)
+    stream = client.images.generate(
+        prompt=prompt, size="64x96", stream=True, partial_images=2, extra_body={"seed": seed}
+    )
+    events = list(stream)
+    assert [e.type for e in events] == [
+        "image_generation.partial_image",
+        "image_generation.partial_image",
+        "image_generation.completed",
+    ]
+    *partials, done = events
+    for index, event in enumerate(partials):
+        assert isinstance(event, ImageGenPartialImageEvent)
+        assert event.partial_image_index == index and event.size == "64x96"
+        preview = glm_reference.png_pixels(base64.b64decode(event.b64_json))
+        assert preview.shape == want.shape and not np.array_equal(preview, want)
+    assert isinstance(done, ImageGenCompletedEvent) and done.size == "64x96"
+    assert np.array_equal(glm_reference.png_pixels(base64.b64decode(done.b64_json)), want)
+    alone = list(client.images.generate(prompt=prompt, size="64x96", stream=True, partial_images=0))
+    assert [e.type for e in alone] == ["image_generation.completed"]
 
 
 def test_run_stage_by_stage_gives_the_same_pixels(deployment: Deployment) -> None:
