@@ -9,6 +9,7 @@ joined with :func:`join_wavs` (the PCM of every part, in order, under one header
 
 from __future__ import annotations
 
+import base64
 import io
 import struct
 import wave
@@ -137,3 +138,22 @@ def png_bytes(image: np.ndarray, compression: int = 6) -> bytes:
             _chunk(b"IEND", b""),
         )
     )
+
+
+def b64_wav_seconds(data: str) -> float:
+    """The duration of a base64 WAV (a client's input audio) read from its header and its
+    length, without decoding it: 0.0 for anything that is not a PCM WAV with the canonical
+    44-byte header (the duration is approximate for WAVs with extra chunks)."""
+    try:
+        head = base64.b64decode(data[:64], validate=False)
+    except ValueError:
+        return 0.0
+    if len(head) < 44 or head[:4] != b"RIFF" or head[8:12] != b"WAVE" or head[12:16] != b"fmt ":
+        return 0.0
+    channels, rate = (int(v) for v in struct.unpack_from("<HI", head, 22))
+    bits = int(struct.unpack_from("<H", head, 34)[0])
+    frame = channels * max(1, bits // 8)
+    if not rate or not frame:
+        return 0.0
+    size = len(data.rstrip("=")) * 3 // 4 - 44
+    return max(0, size) / (rate * frame)

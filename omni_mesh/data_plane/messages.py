@@ -180,6 +180,9 @@ class StageTiming(Struct):
     queue_ms: float
     total_ms: float
     output_bytes: int = 0
+    # Engine time attributed to the request (each engine step's time shared among the
+    # requests it advanced): what it used of the stage, for usage and billing.
+    used_ms: float = 0.0
 
 
 class StageError(Struct):
@@ -204,6 +207,9 @@ class StageOutput(Struct, kw_only=True):
     engine_ms: float = 0.0
     queue_ms: float = 0.0
     kv_transfer: str = ""  # a prefill request's answer: where its KV blocks wait
+    # The request's share of the engine steps since its previous output (each step's time
+    # divided among the requests it advanced); summed over its outputs: the stage's use.
+    used_ms: float = 0.0
 
 
 class HopResult(Struct, kw_only=True):
@@ -322,6 +328,7 @@ class Stats(Struct, tag="stats"):
     steps: int
     engine: EngineStats | None = None  # the model engine's own view (vLLM); None otherwise
     step_audio_s: float = 0.0  # audio seconds a step makes per stream (StageEngine's); 0: none
+    busy_ms: float = 0.0  # the engine's stepping time since it started (usage's reference)
 
 
 class Shutdown(Struct, tag="shutdown"):

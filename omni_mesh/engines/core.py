@@ -92,6 +92,7 @@ class _Stream:
     emitted: int = 0  # results turned into outputs so far
     forwarded: int = 0  # of which built next-stage inputs (``EngineResult.forward``)
     fed: FedRequest | None = None  # a streamed input's request, its later chunks merged
+    used_ms: float = 0.0  # its share of the steps since its last output (StageOutput.used_ms)
     whole: bool = field(init=False)  # its answer may stream (a whole input, or a streamed one)
 
     def __post_init__(self) -> None:
@@ -188,6 +189,7 @@ class EngineCore:
         then the next chunk of each stream admitted earlier (in admission order), then exactly
         one output per input of ``batch`` in its order (its first chunk, or its error). A
         whole-output engine thus answers each request in the step that admits it."""
+        started = time.monotonic()
         outputs = self._expire(time.time() * 1000.0)
         t0 = time.monotonic()
         # 1) Resolve every input; a bad one fails alone, as data.
@@ -225,6 +227,7 @@ class EngineCore:
                 self._running.append(stream)
             else:
                 stream.close()
+        self._share(streams, produced, started)
         outputs += [(s.si, produced[id(s)]) for s in earlier if id(s) in produced]
         outputs += [
             slot if isinstance(slot, tuple) else (slot.si, produced[id(slot)])
@@ -234,6 +237,20 @@ class EngineCore:
         return outputs
 
     # ---- helpers -------------------------------------------------------------------------
+
+    @staticmethod
+    def _share(streams: list[_Stream], produced: dict[int, StageOutput], started: float) -> None:
+        """Usage: the step's whole time (its outputs built and written too) shared among the
+        requests it advanced; each output carries its request's shares since its previous one
+        (``StageOutput.used_ms``)."""
+        if not streams:
+            return
+        share = (time.monotonic() - started) * 1000.0 / len(streams)
+        for stream in streams:
+            stream.used_ms += share
+            out = produced.get(id(stream))
+            if out is not None:
+                out.used_ms, stream.used_ms = stream.used_ms, 0.0
 
     def _expire(self, now_ms: float) -> list[tuple[StageInput, StageOutput]]:
         """Close the running streams whose deadline passed; answer each with the reason."""

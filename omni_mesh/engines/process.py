@@ -110,6 +110,7 @@ class EngineProc:
         self._core: EngineCore | None = None
         self._steps = 0
         self._last_step_ms = 0.0
+        self._busy_ms = 0.0  # every step's time since the start (Stats.busy_ms)
         self._last_batch = 0
         self._cleaned = False
 
@@ -236,6 +237,7 @@ class EngineProc:
                 advanced = len(batch) + core.running
                 outputs = core.advance(batch, self._read, self._write)
                 self._last_step_ms = (time.monotonic() - t0) * 1000.0
+                self._busy_ms += self._last_step_ms
                 self._last_batch = advanced
                 self._steps += 1
                 if len(outputs) == 1:
@@ -260,6 +262,7 @@ class EngineProc:
                         steps=self._steps,
                         engine=core.engine.stats(),
                         step_audio_s=core.engine.step_audio_s,
+                        busy_ms=self._busy_ms,
                     )
                 )
             if (

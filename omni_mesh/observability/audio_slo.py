@@ -13,28 +13,22 @@ as a listener plays it:
   gap (one late chunk is one underrun, not one for every chunk after it).
 
 :class:`AudioSloMetrics` records them per pipeline, route and tenant; the request's span carries
-them as ``omni.audio.*`` attributes. Tenants (the ``X-Omni-Tenant`` header) are a label, so the
-first :data:`MAX_TENANT_LABELS` a process sees keep their name and later ones count as
-``other``: a client inventing tenants cannot grow the series without bound.
+them as ``omni.audio.*`` attributes. Tenants are a bounded label (``tenant_labels.py``).
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from omni_mesh.observability.tenant_labels import TenantLabels
 
 SC_AUDIO_FIRST = "omni_api_audio_first_seconds"
 SC_AUDIO_RTF = "omni_api_audio_realtime_factor"
 SC_AUDIO_SECONDS = "omni_api_audio_seconds"
 SC_AUDIO_UNDERRUNS = "omni_api_audio_underruns"
 SC_AUDIO_UNDERRUN_SECONDS = "omni_api_audio_underrun_seconds"
-
-#: Distinct tenant label values per process; later tenants are labelled ``other``.
-MAX_TENANT_LABELS = 100
-ANONYMOUS = "anonymous"  # requests without a tenant
-OTHER = "other"
 
 FIRST_AUDIO_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 RTF_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0, 25.0, 100.0)
@@ -93,7 +87,8 @@ class AudioPlayback:
 class AudioSloMetrics:
     """The API server's audio SLO series (module docstring), registered in ``registry``."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, tenants: TenantLabels | None = None) -> None:
+        self.tenant_label = tenants or TenantLabels()
         labels = ["pipeline", "route", "tenant"]
         self.first = Histogram(
             SC_AUDIO_FIRST,
@@ -129,19 +124,6 @@ class AudioSloMetrics:
             labels,
             registry=registry,
         )
-        self._tenants: set[str] = set()
-        self._lock = threading.Lock()
-
-    def tenant_label(self, tenant: str) -> str:
-        """``tenant`` as a label value (module docstring: at most MAX_TENANT_LABELS)."""
-        name = tenant or ANONYMOUS
-        with self._lock:
-            if name in self._tenants:
-                return name
-            if len(self._tenants) >= MAX_TENANT_LABELS:
-                return OTHER
-            self._tenants.add(name)
-            return name
 
     def record(self, playback: AudioPlayback, pipeline: str, route: str, tenant: str) -> None:
         """One finished answer's figures (once; nothing for an answer that sent no audio)."""

@@ -17,6 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from omni_mesh.observability.audio_slo import AudioSloMetrics
 from omni_mesh.observability.gc_metrics import ProcessGcMetrics
 from omni_mesh.observability.kv_metrics import KvMetrics
+from omni_mesh.observability.tenant_labels import TenantLabels
+from omni_mesh.observability.usage_metrics import UsageMetrics
 
 # Latency buckets (seconds) for in-cluster HTTP APIs: 0.5 ms .. 10 s.
 HTTP_LATENCY_BUCKETS: tuple[float, ...] = (
@@ -271,6 +273,7 @@ SC_HANDOFF_DURATION = "omni_stage_handoff_duration_seconds"
 SC_ENGINE_QUEUE = "omni_stage_engine_queued"
 SC_ENGINE_STEP = "omni_stage_engine_step_seconds"
 SC_STREAM_REALTIME = "omni_stage_stream_realtime_factor"
+SC_ENGINE_BUSY = "omni_stage_engine_busy_seconds"
 SC_ENGINE_RUNNING = "omni_stage_engine_running_requests"
 SC_ENGINE_WAITING = "omni_stage_engine_waiting_requests"
 SC_ENGINE_KV_CACHE = "omni_stage_engine_kv_cache_usage"
@@ -319,7 +322,9 @@ class SidecarMetrics:
         self.registry = registry
         self.gc = ProcessGcMetrics(registry)
         self.kv = KvMetrics(registry)  # a split stage's KV hand-offs and transfers
-        self.audio = AudioSloMetrics(registry)  # an API server's streamed audio answers
+        tenants = TenantLabels()  # one bound on tenant label values for the whole process
+        self.audio = AudioSloMetrics(registry, tenants)  # an API server's streamed audio answers
+        self.usage = UsageMetrics(registry, tenants)  # what client requests used, per tenant
         self.requests = Counter(
             SC_REQUESTS,
             "Stage executions by entry point (hop, run) and outcome.",
@@ -377,6 +382,13 @@ class SidecarMetrics:
             ["pipeline", "stage"],
             registry=registry,
         )
+        self.engine_busy = Counter(
+            SC_ENGINE_BUSY,
+            "The engine's stepping time (what usage's engine seconds are shares of).",
+            ["pipeline", "stage"],
+            registry=registry,
+        )
+        self._busy_exported = 0.0  # the engine's busy total at the last scrape
         self.stream_realtime = Gauge(
             SC_STREAM_REALTIME,
             "An audio-frame stage (a talker): the audio seconds its last step made for each "
@@ -495,3 +507,11 @@ class SidecarMetrics:
             buckets=STAGE_LATENCY_BUCKETS,
             registry=registry,
         )
+
+    def export_busy(self, labels: tuple[str, str], busy_s: float) -> None:
+        """Add what the engine's busy total grew by since the last scrape (an engine that
+        restarted counts from zero again)."""
+        last, self._busy_exported = self._busy_exported, busy_s
+        grown = busy_s - last if busy_s >= last else busy_s
+        if grown > 0:
+            self.engine_busy.labels(*labels).inc(grown)

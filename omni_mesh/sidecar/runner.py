@@ -345,6 +345,7 @@ class StageRunner:
         """This stage's final part of ``out`` (if it has one; no timings: the last frame
         carries them); adds ``out`` to ``timing``."""
         timing.engine_ms += out.engine_ms
+        timing.used_ms += out.used_ms
         timing.queue_ms += out.queue_ms
         timing.output_bytes += sum(payload_nbytes(n.payload) for n in out.next)
         frame = HopResult(request_id=si.request_id, more=more)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import struct
 import zlib
 
@@ -11,6 +12,7 @@ import pytest
 from omni_mesh.data_plane.media import (
     PNG_SIGNATURE,
     WAV_UNKNOWN_SIZE,
+    b64_wav_seconds,
     join_wavs,
     pcm_bytes,
     png_bytes,
@@ -121,3 +123,14 @@ def test_join_wavs_copies_the_pcm_of_every_part() -> None:
         join_wavs([wav_bytes(waves[0], 16_000), wav_bytes(waves[0], 24_000)])
     with pytest.raises(ValueError, match="no WAV parts"):
         join_wavs([])
+
+
+def test_a_base64_wav_says_its_duration_from_its_header() -> None:
+    half_second = wav_bytes(np.zeros(8000, np.float32), 16000)
+    assert b64_wav_seconds(base64.b64encode(half_second).decode()) == pytest.approx(0.5)
+    stereo = bytearray(wav_bytes(np.zeros(4000, np.float32), 8000))
+    stereo[22:24] = struct.pack("<H", 2)  # the same bytes read as 2 channels: half as long
+    assert b64_wav_seconds(base64.b64encode(bytes(stereo)).decode()) == pytest.approx(0.25)
+    for other in (b"ID3 an mp3", b"RIFF....AVI LIST", b""):
+        assert b64_wav_seconds(base64.b64encode(other).decode()) == 0.0
+    assert b64_wav_seconds("not base64 at all!") == 0.0

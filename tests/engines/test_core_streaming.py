@@ -201,6 +201,30 @@ def test_queue_time_goes_on_the_first_chunk_engine_time_on_every_chunk() -> None
     assert first.engine_ms >= 19.0 and second.engine_ms >= 19.0
 
 
+class SlowChunkyEngine(ChunkyEngine):
+    """A ChunkyEngine whose every step takes 10 ms."""
+
+    def before_step(self, streams: int) -> None:
+        super().before_step(streams)
+        time.sleep(0.01)
+
+
+def test_a_steps_time_is_shared_among_the_requests_it_advanced() -> None:
+    stage = SYNTHETIC.stage(1)
+    engine = SlowChunkyEngine(EngineContext(SYNTHETIC, stage, StageDeployConfig(stage_id=1)))
+    core = EngineCore(SYNTHETIC, stage, engine)
+    t0 = time.monotonic()
+    (a0,) = step(core, si("a", chunks=3))  # a alone
+    a1, b0 = step(core, si("b"))  # a and b: the step's time halved
+    (a2,) = step(core)  # a alone again
+    wall_ms = (time.monotonic() - t0) * 1000.0
+    assert a1.used_ms == pytest.approx(b0.used_ms)
+    assert a0.used_ms >= 10.0 and a2.used_ms >= 10.0 and b0.used_ms >= 5.0
+    assert a0.used_ms > 1.5 * a1.used_ms
+    total = a0.used_ms + a1.used_ms + b0.used_ms + a2.used_ms
+    assert 30.0 <= total <= wall_ms  # every step's whole time, shared, nothing counted twice
+
+
 # ---- the chunk numbering rule ----------------------------------------------------------------
 
 

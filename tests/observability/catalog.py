@@ -15,7 +15,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
-from omni_mesh.observability import audio_slo, gc_metrics, kv_metrics, metrics
+from omni_mesh.observability import audio_slo, gc_metrics, kv_metrics, metrics, usage_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 OBS = REPO / "omni_mesh" / "observability"
@@ -59,6 +59,7 @@ def _metric_objects() -> Iterator[MetricWrapperBase]:
         gc_metrics.ProcessGcMetrics,
         kv_metrics.KvMetrics,
         audio_slo.AudioSloMetrics,
+        usage_metrics.UsageMetrics,
     ):
         instance = owner(CollectorRegistry())
         for value in vars(instance).values():
@@ -80,11 +81,11 @@ def catalogue() -> dict[str, Series]:
 
 
 def declared_names() -> set[str]:
-    """The metric-name constants of ``metrics.py``, ``gc_metrics.py``, ``kv_metrics.py`` and
-    ``audio_slo.py`` (every ``omni_*`` string constant)."""
+    """The metric-name constants of ``metrics.py``, ``gc_metrics.py``, ``kv_metrics.py``,
+    ``audio_slo.py`` and ``usage_metrics.py`` (every ``omni_*`` string constant)."""
     return {
         value
-        for module in (metrics, gc_metrics, kv_metrics, audio_slo)
+        for module in (metrics, gc_metrics, kv_metrics, audio_slo, usage_metrics)
         for name, value in vars(module).items()
         if name.isupper() and isinstance(value, str) and value.startswith("omni_")
     }

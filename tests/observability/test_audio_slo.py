@@ -21,11 +21,8 @@ from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.data_plane.messages import HopResult
 from omni_mesh.data_plane.tensors import payload_from_arrays
 from omni_mesh.launcher.supervisor import free_port
-from omni_mesh.observability.audio_slo import (
-    MAX_TENANT_LABELS,
-    AudioPlayback,
-    AudioSloMetrics,
-)
+from omni_mesh.observability.audio_slo import AudioPlayback, AudioSloMetrics
+from omni_mesh.observability.tenant_labels import MAX_TENANT_LABELS
 from omni_mesh.sidecar.api.playback import Playbacks
 from omni_mesh.sidecar.api.sinks import SpeechAudio, SpeechEvents, respond
 from omni_mesh.sidecar.middleware import error_middleware

@@ -149,6 +149,56 @@ def test_a_wav_not_asked_to_stream_comes_whole_with_its_true_lengths(
         assert resp.read() == saved.read_bytes()
 
 
+def test_usage_per_stage_adds_up_to_the_engines_busy_time(tts: Topology) -> None:
+    """Each answer's ``usage.omni`` gives every stage's engine seconds attributed to it (each
+    engine step's time shared among the requests it advanced); over concurrent requests their
+    sum is each stage's own stepping time (its pods' omni_stage_engine_busy_seconds_total)
+    within 5%, and the API server counts the same per tenant and stage."""
+
+    def busy(stage: int) -> float:
+        return sum(tts.metric(u, "omni_stage_engine_busy_seconds_total") for u in tts.urls[stage])
+
+    def counted(stage: int) -> float:
+        return tts.metric(
+            tts.api_url, "omni_usage_engine_seconds_total", tenant="billing", stage=str(stage)
+        )
+
+    time.sleep(1.2)  # every engine's stats report of earlier traffic is in
+    before = {stage: busy(stage) for stage in (0, 1)}
+    counted_before = {stage: counted(stage) for stage in (0, 1)}
+    usages: list[dict[str, float]] = []
+    audio: list[float] = []
+
+    def one(i: int) -> None:
+        body = {"prompt": f"{TEXT} {i}", "seed": i, "voice": "alloy"}
+        headers = {"X-Omni-Tenant": "billing"}
+        status, raw = post_json(tts.api_url + "/v1/generate", body, headers=headers)
+        assert status == 200, raw
+        omni = json.loads(raw)["usage"]["omni"]
+        usages.append(omni["engine_seconds"])
+        audio.append(omni["audio_out_seconds"])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(usages) == 8 and all(a > 0 for a in audio)
+    used = {stage: sum(u.get(str(stage), 0.0) for u in usages) for stage in (0, 1)}
+    for stage in (0, 1):
+        assert used[stage] > 0, usages
+
+        def settled(stage: int = stage) -> bool:
+            return busy(stage) - before[stage] >= used[stage] * 0.95
+
+        wait_until(settled, 10, interval=0.3, message=lambda: f"{used}, {before}")
+        time.sleep(1.2)  # the last stats report is in
+        grown = busy(stage) - before[stage]
+        assert abs(used[stage] - grown) <= 0.05 * grown, (stage, used[stage], grown)
+        billed = counted(stage) - counted_before[stage]
+        assert billed == pytest.approx(used[stage], rel=1e-3, abs=1e-5)
+
+
 @pytest.mark.parametrize(
     ("path", "body", "needle"),
     [
@@ -190,6 +240,10 @@ def test_sse_speech_carries_the_same_pcm(tts: Topology) -> None:
     deltas = [e for e in events if e["type"] == "speech.audio.delta"]
     assert len(deltas) >= 2 and events[-1]["type"] == "speech.audio.done"
     assert b"".join(base64.b64decode(e["audio"]) for e in deltas) == reference
+    # The done event's usage says what each stage's engines spent on it, and the audio out.
+    omni = events[-1]["usage"]["omni"]
+    assert set(omni["engine_seconds"]) == {"0", "1"} and min(omni["engine_seconds"].values()) > 0
+    assert omni["audio_out_seconds"] == pytest.approx(len(reference) / 2 / 24000, abs=1e-4)
 
 
 @pytest.mark.parametrize("binary", [False, True], ids=["json", "msgpack"])

@@ -157,9 +157,13 @@ def http_get(url: str, timeout: float = 10.0) -> bytes:
     return body
 
 
-def post_json(url: str, body: object, timeout: float = 60.0) -> tuple[int, bytes]:
+def post_json(
+    url: str, body: object, timeout: float = 60.0, headers: dict[str, str] | None = None
+) -> tuple[int, bytes]:
     req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
     )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:

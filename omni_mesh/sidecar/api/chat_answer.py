@@ -20,6 +20,7 @@ from omni_mesh.sidecar.api.openai_text import finish_reason, usage_of
 from omni_mesh.sidecar.api.outputs import FinalOutput, OutputChunk, final_stage
 from omni_mesh.sidecar.api.playback import Playbacks
 from omni_mesh.sidecar.api.sinks import SSE_CONTENT_TYPE, sse
+from omni_mesh.sidecar.api.usage import Usage, merged
 from omni_mesh.sidecar.errors import ApiError, error_body
 
 
@@ -87,9 +88,11 @@ class ChatEvents:
         include_usage: bool,
         top_logprobs: int | None,
         playbacks: Playbacks | None = None,
+        usages: list[Usage] | None = None,
     ) -> None:
         self.model = pipeline.name
         self.playbacks = playbacks  # the streamed audio's SLOs, per choice
+        self.usages = usages or []  # what each choice used (usage.omni)
         self.text_stage = final_stage(pipeline, OutputKind.TEXT)
         self.audio_stage = final_stage(pipeline, OutputKind.AUDIO) if want_audio else None
         self.include_usage = include_usage
@@ -153,7 +156,10 @@ class ChatEvents:
         out = b""
         if self.include_usage:
             texts = [next((o for o in c if o.stage_id == self.text_stage), None) for c in choices]
-            out += self._event([], usage=usage_of(texts))
+            usage: dict[str, object] = {**usage_of(texts)}
+            if self.usages:
+                usage["omni"] = merged(self.usages).extension()
+            out += self._event([], usage=usage)
         return out + b"data: [DONE]\n\n"
 
     def error_event(self, err: ApiError) -> bytes:

@@ -14,13 +14,19 @@ from collections.abc import AsyncGenerator
 import msgspec
 from aiohttp import web
 
-from omni_mesh.configs.pipeline_spec import PipelineSpec
+from omni_mesh.configs.pipeline_spec import OutputKind, PipelineSpec
 from omni_mesh.data_plane.messages import HopResult, Prompt, SamplingParams, StageInput
 from omni_mesh.observability.tracing import LateAttributes, stage_span
 from omni_mesh.sidecar.admission.admit import admitted
 from omni_mesh.sidecar.admission.facts import admission_facts
 from omni_mesh.sidecar.admission.outcomes import counted
-from omni_mesh.sidecar.api.outputs import ChunkAssembler, FinalOutput, joined_off_loop
+from omni_mesh.sidecar.api.outputs import (
+    ChunkAssembler,
+    FinalOutput,
+    final_stage,
+    joined_off_loop,
+)
+from omni_mesh.sidecar.api.usage import Usage
 from omni_mesh.sidecar.errors import bad_request, from_stage_error
 from omni_mesh.sidecar.inputs import BadPrompt, entry_input
 from omni_mesh.sidecar.pod import Pod
@@ -53,28 +59,42 @@ def entry(
 
 
 async def request_frames(
-    pod: Pod, request: web.Request, si: StageInput, late: LateAttributes | None = None
+    pod: Pod,
+    request: web.Request,
+    si: StageInput,
+    late: LateAttributes | None = None,
+    usage: Usage | None = None,
 ) -> AsyncGenerator[HopResult, None]:
     """The answer frames of ``si``: run here when this pod runs the entry stage, else handed to
     a replica of it. Admitted (counted, so a drain waits for it) until the iterator closes. The
-    request's span ends with ``late``'s attributes (a streamed answer's audio figures)."""
+    request's span ends with ``late``'s attributes (a streamed answer's audio figures); its
+    usage is tallied into ``usage`` (a fresh one if None) and recorded when it ends."""
+    if usage is None:
+        usage = Usage()
+    if usage.audio_stage is None:
+        usage.audio_stage = final_stage(pod.pipeline, OutputKind.AUDIO)
     attributes = {"omni.request_id": si.request_id, "omni.pipeline": pod.pipeline.name}
     name = f"{request.method} {request.path}"
-    with stage_span(name, si.traceparent, attributes, late) as tp:
-        si = msgspec.structs.replace(si, traceparent=tp)
-        async with admitted(pod, si.request_id, "api", si):
-            if pod.runner is None or pod.stage_id != pod.pipeline.entry_stage_id:
-                async with contextlib.aclosing(pod.hop.stream(si)) as stream:
-                    async for frame in stream:
-                        yield frame
-                return
-            # This pod's own engine runs the entry stage: an execution, counted as one.
-            with counted(pod, "api") as execution:
-                async with contextlib.aclosing(pod.runner.run_stream(si)) as stream:
-                    async for frame in stream:
-                        if frame.error is not None:
-                            execution.failed(frame.error.code)
-                        yield frame
+    try:
+        with stage_span(name, si.traceparent, attributes, late) as tp:
+            si = msgspec.structs.replace(si, traceparent=tp)
+            async with admitted(pod, si.request_id, "api", si):
+                if pod.runner is None or pod.stage_id != pod.pipeline.entry_stage_id:
+                    async with contextlib.aclosing(pod.hop.stream(si)) as stream:
+                        async for frame in stream:
+                            usage.add(frame)
+                            yield frame
+                    return
+                # This pod's own engine runs the entry stage: an execution, counted as one.
+                with counted(pod, "api") as execution:
+                    async with contextlib.aclosing(pod.runner.run_stream(si)) as stream:
+                        async for frame in stream:
+                            if frame.error is not None:
+                                execution.failed(frame.error.code)
+                            usage.add(frame)
+                            yield frame
+    finally:
+        usage.record(pod.metrics.usage, pod.pipeline.name, si.tenant)
 
 
 async def collect(

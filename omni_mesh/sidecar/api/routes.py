@@ -27,7 +27,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from omni_mesh.configs.pipeline_spec import OutputKind
-from omni_mesh.data_plane import wire
+from omni_mesh.data_plane import media, wire
 from omni_mesh.data_plane.messages import Prompt, SamplingParams
 from omni_mesh.sidecar.api import completions as routes_completions
 from omni_mesh.sidecar.api import images as routes_images
@@ -46,6 +46,7 @@ from omni_mesh.sidecar.api.sinks import (
     SpeechEvents,
     respond,
 )
+from omni_mesh.sidecar.api.usage import Usage, merged
 from omni_mesh.sidecar.appkeys import POD
 from omni_mesh.sidecar.errors import ApiError, bad_request, decode_body
 from omni_mesh.sidecar.pod import Pod
@@ -69,11 +70,16 @@ def _check_model(pod: Pod, model: str | None) -> None:
 
 
 async def generate_outputs(
-    pod: Pod, request: web.Request, prompt: Prompt, sampling: SamplingParams | None = None
+    pod: Pod,
+    request: web.Request,
+    prompt: Prompt,
+    sampling: SamplingParams | None = None,
+    usage: Usage | None = None,
 ) -> list[FinalOutput]:
-    """The orchestrated path, its outputs joined (the same answer with async_chunk on or off)."""
+    """The orchestrated path, its outputs joined (the same answer with async_chunk on or off);
+    what it used tallied into ``usage``."""
     si = entry(pod, request, prompt, sampling)
-    return await collect(pod.pipeline, request_frames(pod, request, si))
+    return await collect(pod.pipeline, request_frames(pod, request, si, usage=usage))
 
 
 # ---- routes ----------------------------------------------------------------------------------
@@ -103,10 +109,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
         si = entry(pod, request, prompt)
         sink = GenerateEvents(pod.pipeline)
         return await respond(request, pod.pipeline, request_frames(pod, request, si), sink)
-    outputs = await generate_outputs(pod, request, prompt)
+    usage = Usage()
+    outputs = await generate_outputs(pod, request, prompt, usage=usage)
     body = {
         "pipeline": pod.pipeline.name,
         "outputs": {str(o.stage_id): msgspec.to_builtins(o.to_run_output()) for o in outputs},
+        "usage": {"omni": usage.extension()},
     }
     return web.json_response(body)
 
@@ -134,15 +142,16 @@ async def speech(request: web.Request) -> web.StreamResponse:
     prompt = Prompt(prompt=req.input, seed=req.seed, priority=req.priority, **fields)
     si = entry(pod, request, prompt)
     playbacks = Playbacks.of_request(request, si.tenant)  # a streamed answer's audio SLOs
+    usage = Usage()
     sink: Sink
     if req.stream_format == "sse":
-        sink = SpeechEvents(audio_stage, req.speed, playbacks=playbacks)
+        sink = SpeechEvents(audio_stage, req.speed, playbacks=playbacks, usage=usage)
     else:
         streams = req.stream if req.stream is not None else req.response_format == "pcm"
         sink = SpeechAudio(
             audio_stage, req.response_format, req.speed, streams=streams, playbacks=playbacks
         )
-    frames = request_frames(pod, request, si, playbacks.attributes())
+    frames = request_frames(pod, request, si, playbacks.attributes(), usage)
     try:
         return await respond(request, pod.pipeline, frames, sink)
     finally:
@@ -201,13 +210,14 @@ def _content_parts(i: int, message: ChatMessage, audio_in: bool) -> list[dict[st
     return parts if has_audio else None
 
 
-def _conversation(req: ChatRequest, audio_in: bool) -> tuple[str, str]:
-    """The last user message's text (the ``prompt`` every engine reads) and the whole
+def _conversation(req: ChatRequest, audio_in: bool) -> tuple[str, str, float]:
+    """The last user message's text (the ``prompt`` every engine reads), the whole
     conversation as JSON text (the ``messages`` a chat-templated stage reads: each message's
     text parts joined by newlines, as vLLM's server joins them, or, for a message with audio
-    parts, the parts themselves)."""
+    parts, the parts themselves) and the seconds of its input audio (usage)."""
     messages: list[dict[str, Any]] = []
     audio_turns: set[int] = set()
+    audio_s = 0.0
     for i, message in enumerate(req.messages):
         if message.role not in CHAT_ROLES:
             raise bad_request(
@@ -218,6 +228,11 @@ def _conversation(req: ChatRequest, audio_in: bool) -> tuple[str, str]:
         parts = _content_parts(i, message, audio_in)
         if parts is not None:
             audio_turns.add(i)
+            audio_s += sum(
+                media.b64_wav_seconds(p["input_audio"]["data"])
+                for p in parts
+                if p["type"] == "input_audio"
+            )
         content: Any = parts if parts is not None else _content_text(message, "\n")
         messages.append({"role": message.role, "content": content})
     for i in range(len(req.messages) - 1, -1, -1):
@@ -225,7 +240,7 @@ def _conversation(req: ChatRequest, audio_in: bool) -> tuple[str, str]:
         if message.role == "user":
             text = _content_text(message, " ") or (AUDIO_ONLY_PROMPT if i in audio_turns else "")
             if text:
-                return text, json.dumps(messages, ensure_ascii=False)
+                return text, json.dumps(messages, ensure_ascii=False), audio_s
     raise bad_request("messages: no user message with text or audio content", "messages")
 
 
@@ -240,7 +255,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     max_tokens = req.max_completion_tokens or req.max_tokens
     if max_tokens is not None and "max_tokens" in pod.pipeline.prompt_fields:
         fields["max_tokens"] = max_tokens
-    last_user, messages = _conversation(req, pod.pipeline.input_audio)
+    last_user, messages, audio_in_s = _conversation(req, pod.pipeline.input_audio)
     prompt = Prompt(prompt=last_user, seed=req.seed, priority=req.priority, **fields)
     top_logprobs = _chat_logprobs(req)
     sampling = sampling_from(req, max_tokens=None, logprobs=top_logprobs)
@@ -249,6 +264,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     text_stage = final_stage(pod.pipeline, OutputKind.TEXT)
     streams = []
     playbacks: Playbacks | None = None  # a streamed answer's audio SLOs, per choice
+    usages: list[Usage] = []  # what each choice used
     for index, choice in enumerate(choice_prompts(prompt, req.n)):
         si = entry(pod, request, choice, sampling)
         si.payload.fields = {**si.payload.fields, "messages": messages}
@@ -257,7 +273,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
         if req.stream and want_audio:
             playbacks = playbacks or Playbacks.of_request(request, si.tenant)
         late = playbacks.attributes(index) if playbacks is not None else None
-        streams.append(request_frames(pod, request, si, late))
+        usages.append(Usage(audio_in_s=audio_in_s if index == 0 else 0.0))
+        streams.append(request_frames(pod, request, si, late, usages[-1]))
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         sink = ChatEvents(
@@ -266,6 +283,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
             include_usage=include_usage,
             top_logprobs=top_logprobs,
             playbacks=playbacks,
+            usages=usages,
         )
         try:
             return await respond_choices(request, pod.pipeline, streams, sink)
@@ -273,9 +291,9 @@ async def chat(request: web.Request) -> web.StreamResponse:
             if playbacks is not None:
                 playbacks.record(pod.metrics.audio, pod.pipeline.name)
     choices = await collect_choices(pod.pipeline, streams)
-    return web.json_response(
-        chat_completion(pod.pipeline, choices, want_audio=want_audio, top_logprobs=top_logprobs)
-    )
+    body = chat_completion(pod.pipeline, choices, want_audio=want_audio, top_logprobs=top_logprobs)
+    body["usage"] = {**body["usage"], "omni": merged(usages).extension()}
+    return web.json_response(body)
 
 
 def _chat_logprobs(req: ChatRequest) -> int | None:
@@ -308,6 +326,7 @@ async def metrics(request: web.Request) -> web.Response:
         pod.metrics.engine_queued.labels(*labels).set(pod.engine.stats.queued)
         pod.metrics.engine_step.labels(*labels).set(pod.engine.stats.step_ms / 1000.0)
         stats = pod.engine.stats
+        pod.metrics.export_busy(labels, stats.busy_ms / 1000.0)
         if stats.step_audio_s > 0 and stats.step_ms > 0:  # a talker: its streams vs playback
             factor = stats.step_audio_s / (stats.step_ms / 1000.0)
             pod.metrics.stream_realtime.labels(*labels).set(factor)

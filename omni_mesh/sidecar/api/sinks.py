@@ -31,6 +31,7 @@ from omni_mesh.sidecar.api.outputs import (
 )
 from omni_mesh.sidecar.api.playback import Playbacks
 from omni_mesh.sidecar.api.time_stretch import SpeechPace
+from omni_mesh.sidecar.api.usage import Usage
 from omni_mesh.sidecar.appkeys import POD
 from omni_mesh.sidecar.errors import (
     ApiError,
@@ -273,12 +274,18 @@ class SpeechEvents:
     content_type = SSE_CONTENT_TYPE
 
     def __init__(
-        self, audio_stage: int, speed: float = 1.0, *, playbacks: Playbacks | None = None
+        self,
+        audio_stage: int,
+        speed: float = 1.0,
+        *,
+        playbacks: Playbacks | None = None,
+        usage: Usage | None = None,
     ) -> None:
         self.audio_stage = audio_stage
         self.pace = SpeechPace(speed)
         self.encodes = speed != 1.0  # stretching is compute: off the event loop
         self.playbacks = playbacks  # the streamed answer's audio SLOs
+        self.usage = usage  # what the request used (the done event's usage.omni)
         self._rate = 24000
 
     def piece(self, chunk: OutputChunk) -> bytes:
@@ -298,7 +305,9 @@ class SpeechEvents:
 
     def tail(self, outputs: list[FinalOutput]) -> bytes:
         rest = self.pace.rest()
-        usage = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
+        usage: dict[str, object] = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
+        if self.usage is not None:
+            usage["omni"] = self.usage.extension()
         done = sse({"type": "speech.audio.done", "usage": usage})
         return self._sent(rest) + done if len(rest) else done
 

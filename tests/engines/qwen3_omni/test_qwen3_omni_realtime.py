@@ -297,8 +297,13 @@ def test_sessions_and_responses_are_counted_in_metrics(sdk: openai.OpenAI, topo:
         assert metric("omni_realtime_sessions", state="idle") == idle + 1
         user_text(conn, "count to three")
         conn.response.create()
-        status = until(conn, "response.done")[-1].response.status
+        done = until(conn, "response.done")[-1].response
+        status = done.status
         assert status in ANSWERED
+        # usage: the thinker's tokens, and each stage's engine seconds and the audio out
+        assert done.usage is not None and done.usage.output_tokens > 0
+        omni = (done.usage.model_extra or {})["omni"]
+        assert min(omni["engine_seconds"].values()) > 0 and omni["audio_out_seconds"] > 0
         assert metric("omni_realtime_responses_total", status=status) >= 1
         assert metric("omni_realtime_responses_total") == responses + 1
         assert metric("omni_realtime_first_audio_seconds_count") == first_audio + 1

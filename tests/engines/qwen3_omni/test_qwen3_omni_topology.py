@@ -22,6 +22,7 @@ from tests.engines.qwen3_omni.omni_reference import (
     audio_messages,
     expected,
     sdk_chat,
+    wav_samples,
 )
 from tests.procs import wait_until
 from tests.sidecar.topology import Topology, answers_while_killing
@@ -73,6 +74,28 @@ def test_chat_equals_the_monolithic_model(topo: Topology, audio_in: bool) -> Non
     assert len(samples) > 1920 * 60  # 63 frames of 80 ms
     # the thinker handed its answer on in chunks while it ran (the talker's stream_input)
     assert fed_chunks(topo) >= before + 3
+
+
+def test_chat_usage_says_what_each_stage_and_the_audio_used(topo: Topology) -> None:
+    """OpenAI's usage (the thinker's tokens) and omni-mesh's ``usage.omni``: each stage's
+    engine seconds attributed to the request, the seconds of audio in (the 1 s tone) and out."""
+    out = client(topo).chat.completions.create(
+        model=PIPELINE,
+        messages=audio_messages(),
+        modalities=["text", "audio"],
+        audio={"voice": "ethan", "format": "wav"},
+        seed=7,
+        max_tokens=8,
+    )
+    usage = out.usage
+    assert usage is not None and usage.prompt_tokens > 0 and usage.completion_tokens == 8
+    omni = (usage.model_extra or {})["omni"]
+    assert set(omni["engine_seconds"]) == {"0", "1", "2"}, omni
+    assert all(seconds > 0 for seconds in omni["engine_seconds"].values()), omni
+    assert omni["audio_in_seconds"] == pytest.approx(1.0, abs=1e-3)
+    assert out.choices[0].message.audio is not None
+    samples = wav_samples(base64.b64decode(out.choices[0].message.audio.data))
+    assert omni["audio_out_seconds"] == pytest.approx(len(samples) / 24000, abs=1e-3)
 
 
 def fed_chunks(topo: Topology) -> float:

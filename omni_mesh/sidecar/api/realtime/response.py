@@ -39,6 +39,7 @@ from omni_mesh.sidecar.api.realtime.config import SessionConfig
 from omni_mesh.sidecar.api.realtime.conversation import Conversation, Item, Part, new_id
 from omni_mesh.sidecar.api.realtime.sender import EventSender
 from omni_mesh.sidecar.api.time_stretch import SpeechPace
+from omni_mesh.sidecar.api.usage import Usage
 from omni_mesh.sidecar.errors import ApiError
 from omni_mesh.sidecar.pod import Pod
 
@@ -94,6 +95,7 @@ class ResponseRun:
         self.error: dict[str, Any] | None = None
         self.stats = ResponseStats()
         self.playback = AudioPlayback(started=time.monotonic())  # its audio SLOs
+        self.usage = Usage()  # what it used (response.done's usage.omni)
         self.tenant = ""  # the response's tenant (its request's), once it runs
         self.transcript: list[str] = []
         self.text_fields: dict[str, Any] = {}
@@ -151,7 +153,9 @@ class ResponseRun:
                 si.final_stages = (self.text_stage,)
             self.tenant = si.tenant
             assembler = ChunkAssembler(self.pod.pipeline)
-            frames = request_frames(self.pod, self.request, si, self.playback.attributes)
+            frames = request_frames(
+                self.pod, self.request, si, self.playback.attributes, self.usage
+            )
             async with contextlib.aclosing(frames) as stream:
                 async for frame in stream:
                     for chunk in assembler.add(frame):
@@ -210,7 +214,12 @@ class ResponseRun:
         p = self.text_fields.get("prompt_tokens")
         c = self.text_fields.get("completion_tokens")
         p, c = (p if isinstance(p, int) else 0), (c if isinstance(c, int) else 0)
-        return {"input_tokens": p, "output_tokens": c, "total_tokens": p + c}
+        return {
+            "input_tokens": p,
+            "output_tokens": c,
+            "total_tokens": p + c,
+            "omni": self.usage.extension(),
+        }
 
     def _part_type(self) -> str:
         return "audio" if self.audio else "text"
