@@ -143,6 +143,10 @@ class StageInput(Struct, kw_only=True):
     # its chunk 0 only, the address of the sender's sidecar, which holds the later chunks
     # for the receiver to pull (``sidecar/hop/input_stream.py``); "" otherwise.
     stream_from: str = ""
+    # Session affinity (``sidecar/hop/affinity.py``): a key (a realtime session, a chat's
+    # session or user, its conversation's start) whose hops go to the same replica of each
+    # stage while it has room, so that one conversation finds its prefix cache; "" = none.
+    affinity: str = ""
 
 
 def is_whole(si: StageInput) -> bool:

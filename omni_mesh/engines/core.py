@@ -466,6 +466,7 @@ class EngineCore:
                     payload=payload(data),
                     priority=si.priority,  # every stage's admission queue orders by them
                     tenant=si.tenant,
+                    affinity=si.affinity,  # the request's hops keep to one replica per stage
                     final_stages=si.final_stages,
                 )
             )

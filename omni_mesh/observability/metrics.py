@@ -274,6 +274,7 @@ SC_ENGINE_QUEUE = "omni_stage_engine_queued"
 SC_ENGINE_STEP = "omni_stage_engine_step_seconds"
 SC_STREAM_REALTIME = "omni_stage_stream_realtime_factor"
 SC_ENGINE_BUSY = "omni_stage_engine_busy_seconds"
+SC_AFFINITY_PICKS = "omni_stage_affinity_picks"
 SC_ENGINE_RUNNING = "omni_stage_engine_running_requests"
 SC_ENGINE_WAITING = "omni_stage_engine_waiting_requests"
 SC_ENGINE_KV_CACHE = "omni_stage_engine_kv_cache_usage"
@@ -380,6 +381,13 @@ class SidecarMetrics:
             SC_ENGINE_STEP,
             "Duration of the engine's last step.",
             ["pipeline", "stage"],
+            registry=registry,
+        )
+        self.affinity_picks = Counter(
+            SC_AFFINITY_PICKS,
+            "Replicas picked for hops with session affinity: home (the session's replica) or "
+            "moved (it was full, ejected or gone: the next with room).",
+            ["pipeline", "from_stage", "to_stage", "outcome"],
             registry=registry,
         )
         self.engine_busy = Counter(

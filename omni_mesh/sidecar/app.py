@@ -181,6 +181,8 @@ def _record_hop(metrics: SidecarMetrics, pipeline: str, si: StageInput, stats: H
         labelled(metrics.hop_retries, *labels).inc(stats.retries)
     for outcome in stats.kv_handoffs:
         labelled(metrics.kv.handoffs, *labels, outcome).inc()
+    for outcome in stats.affinity:
+        labelled(metrics.affinity_picks, *labels, outcome).inc()
 
 
 async def _session_ctx(app: web.Application) -> AsyncIterator[None]:

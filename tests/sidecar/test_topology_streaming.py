@@ -199,6 +199,37 @@ def test_usage_per_stage_adds_up_to_the_engines_busy_time(tts: Topology) -> None
         assert billed == pytest.approx(used[stage], rel=1e-3, abs=1e-5)
 
 
+def test_a_sessions_requests_keep_to_one_replica_of_each_stage(tts: Topology) -> None:
+    """Session affinity (``X-Omni-Session``): every hop of one session goes to the same talker
+    and the same code2wav replica (the API server counts them ``home``); other sessions spread
+    over both."""
+
+    def hops(url: str) -> float:
+        return tts.metric(url, "omni_stage_requests_total", route="hop", outcome="ok")
+
+    def generate(session: str, i: int) -> None:
+        body = {"prompt": f"hello {i}", "seed": i, "voice": "alloy"}
+        status, raw = post_json(
+            tts.api_url + "/v1/generate", body, headers={"X-Omni-Session": session}
+        )
+        assert status == 200, raw
+
+    home = 'omni_stage_affinity_picks_total{from_stage="-1",outcome="home"'
+    picks = tts.metric(tts.api_url, home)
+    before = {url: hops(url) for stage in (0, 1) for url in tts.urls[stage]}
+    for i in range(6):
+        generate("alice", i)
+    grown = {url: hops(url) - before[url] for url in before}
+    talkers = sorted(grown[url] for url in tts.urls[0])
+    decoders = sorted(grown[url] for url in tts.urls[1])  # a hop per talker chunk
+    assert talkers == [0.0, 6.0] and decoders[0] == 0.0 and decoders[1] >= 6.0, grown
+    assert tts.metric(tts.api_url, home) == picks + 6  # the API server's hops to the talker
+    before = {url: hops(url) for url in before}
+    for i in range(12):
+        generate(f"user-{i}", i)
+    assert all(hops(url) > before[url] for url in tts.urls[0])  # 12 sessions use both
+
+
 @pytest.mark.parametrize(
     ("path", "body", "needle"),
     [

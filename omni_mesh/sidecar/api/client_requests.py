@@ -20,6 +20,7 @@ from omni_mesh.observability.tracing import LateAttributes, stage_span
 from omni_mesh.sidecar.admission.admit import admitted
 from omni_mesh.sidecar.admission.facts import admission_facts
 from omni_mesh.sidecar.admission.outcomes import counted
+from omni_mesh.sidecar.api.affinity_keys import affinity_key
 from omni_mesh.sidecar.api.outputs import (
     ChunkAssembler,
     FinalOutput,
@@ -39,10 +40,12 @@ def entry(
     sampling: SamplingParams | None = None,
     *,
     param: str | None = None,
+    affinity: str | None = None,
 ) -> StageInput:
     """The entry stage's input for a client request (a bad prompt → 400 naming ``param``),
-    with its priority class and tenant: the one entry step of the API routes and of
-    ``/v1/run`` on the entry stage."""
+    with its priority class, tenant and session affinity (its ``X-Omni-Session`` header, else
+    the route's ``affinity``: ``affinity_keys.py``): the one entry step of the API routes and
+    of ``/v1/run`` on the entry stage."""
     facts = admission_facts(pod, request)  # read by the shed check already, or now
     priority, tenant, timeout_s = facts.resolve(pod, request.path, prompt.priority)
     try:
@@ -55,7 +58,8 @@ def entry(
         )
     except BadPrompt as exc:
         raise bad_request(str(exc), param) from None
-    return msgspec.structs.replace(si, priority=priority, tenant=tenant)
+    key = affinity_key(request, affinity)
+    return msgspec.structs.replace(si, priority=priority, tenant=tenant, affinity=key)
 
 
 async def request_frames(

@@ -22,6 +22,7 @@ from omni_mesh.configs.pipeline_spec import OutputKind, PipelineSpec
 from omni_mesh.data_plane import wire
 from omni_mesh.data_plane.messages import Prompt, Scalar
 from omni_mesh.data_plane.tensors import tensor_from_array
+from omni_mesh.sidecar.api.affinity_keys import named, prompt_prefix
 from omni_mesh.sidecar.api.choices import choice_prompts, collect_choices, respond_choices
 from omni_mesh.sidecar.api.client_requests import entry, request_frames
 from omni_mesh.sidecar.api.openai_text import finish_reason, sampling_from, usage_of
@@ -157,8 +158,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     text = _TOKEN_PROMPT if token_ids else str(req.prompt)
     prompt = Prompt(prompt=text, seed=req.seed, priority=req.priority)
     streams = []
+    affinity = (
+        named("cache", req.prompt_cache_key) or named("user", req.user) or prompt_prefix(req.prompt)
+    )
     for choice in choice_prompts(prompt, req.n):
-        si = entry(pod, request, choice, sampling, param="prompt")
+        si = entry(pod, request, choice, sampling, param="prompt", affinity=affinity)
         if token_ids is not None:
             ids = np.asarray(token_ids, dtype=np.int64)
             si.payload.tensors = {**si.payload.tensors, "token_ids": tensor_from_array(ids)}

@@ -40,6 +40,10 @@ _StopText = Annotated[str, Meta(min_length=1, max_length=256)]
 Stop = _StopText | Annotated[list[_StopText], Meta(max_length=16)]
 
 
+#: OpenAI's ``prompt_cache_key`` and ``user``: free text a client names a session or user by.
+CacheKey = Annotated[str, Meta(min_length=1, max_length=1024)]
+
+
 class StreamOptions(Struct):
     include_usage: bool = False
 
@@ -64,6 +68,8 @@ class ChatRequest(Struct):
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: PriorityClass | None = None  # admission class; X-Omni-Priority wins over it
+    prompt_cache_key: CacheKey | None = None  # session affinity (affinity_keys.py)
+    user: CacheKey | None = None  # session affinity when no prompt_cache_key
 
 
 class CompletionRequest(Struct):
@@ -90,6 +96,8 @@ class CompletionRequest(Struct):
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: PriorityClass | None = None  # admission class; X-Omni-Priority wins over it
+    prompt_cache_key: CacheKey | None = None  # session affinity (affinity_keys.py)
+    user: CacheKey | None = None  # session affinity when no prompt_cache_key
 
 
 class SpeechRequest(Struct):

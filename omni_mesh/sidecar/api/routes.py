@@ -31,6 +31,7 @@ from omni_mesh.data_plane import media, wire
 from omni_mesh.data_plane.messages import Prompt, SamplingParams
 from omni_mesh.sidecar.api import completions as routes_completions
 from omni_mesh.sidecar.api import images as routes_images
+from omni_mesh.sidecar.api.affinity_keys import conversation_start, named
 from omni_mesh.sidecar.api.chat_answer import ChatEvents, chat_completion
 from omni_mesh.sidecar.api.choices import choice_prompts, collect_choices, respond_choices
 from omni_mesh.sidecar.api.client_requests import collect, entry, request_frames
@@ -265,8 +266,13 @@ async def chat(request: web.Request) -> web.StreamResponse:
     streams = []
     playbacks: Playbacks | None = None  # a streamed answer's audio SLOs, per choice
     usages: list[Usage] = []  # what each choice used
+    affinity = (
+        named("cache", req.prompt_cache_key)
+        or named("user", req.user)
+        or conversation_start(json.loads(messages))
+    )
     for index, choice in enumerate(choice_prompts(prompt, req.n)):
-        si = entry(pod, request, choice, sampling)
+        si = entry(pod, request, choice, sampling, affinity=affinity)
         si.payload.fields = {**si.payload.fields, "messages": messages}
         if not want_audio and text_stage is not None:  # the audio stages need not run
             si.final_stages = (text_stage,)

@@ -41,6 +41,9 @@ class HopStats:
     # A split stage's KV hand-offs: "remote" (prefilled on a prefill replica, the KV pulled by
     # the decode replica) or "local" (no prefill replica could: the decode replica prefilled).
     kv_handoffs: list[str] = field(default_factory=list)
+    # Session affinity (``StageInput.affinity``): "home" (its replica took it) or "moved" (its
+    # replica was full, ejected or gone: the next with room did), per replica picked.
+    affinity: list[str] = field(default_factory=list)
 
     def add_tries(self, other: HopStats) -> None:
         """Count the tries of a call made on a budget of its own (a split stage's prefill)."""

@@ -144,6 +144,7 @@ class HopClient:
                     budget=budget,
                     prefer_same_host=connector.prefers_same_host,
                     stream_type=HOP_FRAMES,
+                    affinity=si.affinity,
                 )
                 # 2) A whole answer: one frame, done.
                 if answer.frames is None:
@@ -260,6 +261,7 @@ class HopClient:
         stream_type: str | None = None,
         prefill: bool = False,
         prefill_tokens: int = 0,
+        affinity: str = "",
     ) -> Answer:
         """POST to ``path`` on a replica of ``stage_id``. A replica failure (connection
         refused/reset, 502/503/504, a timeout before the deadline, an unreadable answer) is
@@ -271,7 +273,8 @@ class HopClient:
         of ``stream_type`` comes back unread (:attr:`Answer.frames`), its replica still
         counted in flight: the caller reads the frames and calls ``router.end``. ``prefill``:
         to a split stage's prefill pool, never waited for (see :meth:`_prefilled`), its
-        ``prefill_tokens`` prompt tokens counted on each replica tried until it answers."""
+        ``prefill_tokens`` prompt tokens counted on each replica tried until it answers.
+        ``affinity``: a session's key (``StageInput.affinity``), its replica first."""
         budget = budget or HopBudget(stage_id, deadline_ms, self.retries)
         busy: set[str] = set()
         sheds: dict[str, float] = {}  # replica → the Retry-After it gave
@@ -280,8 +283,15 @@ class HopClient:
             remaining_s = budget.remaining_s()
             skip = busy | sheds.keys()
             replica = self.router.pick(
-                stage_id, exclude=skip, prefer_same_host=prefer_same_host, prefill=prefill
+                stage_id,
+                exclude=skip,
+                prefer_same_host=prefer_same_host,
+                prefill=prefill,
+                affinity=affinity,
             )
+            if replica is not None and affinity and not prefill:
+                home = self.router.home(stage_id, affinity, prefer_same_host=prefer_same_host)
+                budget.stats.affinity.append("home" if home == replica.instance_id else "moved")
             if replica is None:
                 if sheds:
                     raise _every_replica_shed(stage_id, sheds)

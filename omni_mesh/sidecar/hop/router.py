@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from omni_mesh.sidecar.hop.affinity import ranked, with_room
+
 logger = logging.getLogger(__name__)
 
 
@@ -88,22 +90,46 @@ class Router:
         return out
 
     def pick(
-        self, stage_id: int, *, exclude: set[str], prefer_same_host: bool, prefill: bool = False
+        self,
+        stage_id: int,
+        *,
+        exclude: set[str],
+        prefer_same_host: bool,
+        prefill: bool = False,
+        affinity: str = "",
     ) -> Replica | None:
         """The less loaded of two candidates drawn at random: by requests in flight per unit
-        of capacity, or (``prefill``: a split stage's prefill pool) by prompt tokens queued."""
-        pool = self.candidates(stage_id, exclude, prefill=prefill)
-        if prefer_same_host:
-            local = [r for r in pool if r.host_id == self.host_id]
-            pool = local or pool
+        of capacity, or (``prefill``: a split stage's prefill pool) by prompt tokens queued.
+        With ``affinity`` (a session's key) the session's replica while it has room, else
+        its next one with room (``affinity.py``); the two random ones when all are full."""
+        pool = self._pool(stage_id, exclude, prefer_same_host, prefill)
         if not pool:
             return None
+        if affinity and not prefill:
+            chosen = with_room(affinity, pool, self._load)
+            if chosen is not None:
+                return chosen
         if len(pool) == 1:
             return pool[0]
         a, b = self._rng.sample(pool, 2)
         if prefill:
             return a if self._prefill_load(a) <= self._prefill_load(b) else b
         return a if self._load(a) <= self._load(b) else b
+
+    def home(self, stage_id: int, affinity: str, *, prefer_same_host: bool) -> str:
+        """The instance id of the session's own replica (its first by score, room or not,
+        ejected ones left out); "" when the pool is empty."""
+        pool = self._pool(stage_id, set(), prefer_same_host, False)
+        return ranked(affinity, pool)[0].instance_id if pool else ""
+
+    def _pool(
+        self, stage_id: int, exclude: set[str], prefer_same_host: bool, prefill: bool
+    ) -> list[Replica]:
+        pool = self.candidates(stage_id, exclude, prefill=prefill)
+        if prefer_same_host:
+            local = [r for r in pool if r.host_id == self.host_id]
+            pool = local or pool
+        return pool
 
     def is_split(self, stage_id: int) -> bool:
         """Whether ``stage_id``'s pools are split into prefill and decode (its replicas say

@@ -32,6 +32,7 @@ from aiohttp import web
 from omni_mesh.configs.pipeline_spec import OutputKind
 from omni_mesh.data_plane.messages import Prompt
 from omni_mesh.observability.audio_slo import AudioPlayback
+from omni_mesh.sidecar.api.affinity_keys import named
 from omni_mesh.sidecar.api.client_requests import entry, request_frames
 from omni_mesh.sidecar.api.outputs import ChunkAssembler, OutputChunk, final_stage
 from omni_mesh.sidecar.api.realtime import audio_formats
@@ -54,6 +55,7 @@ class ResponseInput:
     prompt: str
     messages_json: str
     previous_item_id: str | None
+    session_id: str = ""  # the session's: its responses keep to one replica per stage
 
 
 @dataclass
@@ -147,7 +149,8 @@ class ResponseRun:
 
     async def _run(self) -> None:
         try:
-            si = entry(self.pod, self.request, self._prompt())
+            affinity = named("realtime", self.inp.session_id)
+            si = entry(self.pod, self.request, self._prompt(), affinity=affinity)
             si.payload.fields = {**si.payload.fields, "messages": self.inp.messages_json}
             if not self.audio and self.text_stage is not None:  # the audio stages need not run
                 si.final_stages = (self.text_stage,)

@@ -387,7 +387,8 @@ class RealtimeSession:
             self.conversation.items, config.instructions, audio_in=self.pod.pipeline.input_audio
         )
         previous = self.conversation.items[-1].id if self.conversation.items else None
-        inp = ResponseInput(config, prompt, json.dumps(messages, ensure_ascii=False), previous)
+        messages_json = json.dumps(messages, ensure_ascii=False)
+        inp = ResponseInput(config, prompt, messages_json, previous, session_id=self.id)
         self._disarm_idle()
         run = ResponseRun(
             self.pod, self.request, self.sender, self.conversation, inp, on_done=self._done
