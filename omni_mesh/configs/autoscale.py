@@ -92,6 +92,14 @@ class AutoscaleConfig(BaseModel):
         "engine's queue) before its engine starts it, as the replicas report it, to stay under; "
         "null = no target.",
     )
+    target_first_audio_p95_ms: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=MAX_LATENCY_MS,
+        description="p95 time to first audio of the pipeline's streamed audio answers over the "
+        "last 10 s, as its API servers measure it, to stay under by sizing this stage's pool "
+        "(the talker's, say); null = no target.",
+    )
 
     @model_validator(mode="after")
     def _check_bounds(self) -> Self:

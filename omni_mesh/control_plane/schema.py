@@ -142,6 +142,15 @@ ENGINE_OCCUPANCY = "occupancy"
 #: engine's queue) before its engine started them, at least the age of the oldest request still
 #: waiting in its admission queue. ``autoscale: target_queue_wait_ms`` reads it.
 ENGINE_QUEUE_WAIT_MS = "queue_wait_ms"
+#: The ``LoadReport.engine`` figures of an API server's time to first audio over its last few
+#: seconds (a sliding window, ``observability/window_histogram.py``): ``first_audio_le_<s>``,
+#: the streamed audio answers whose first audio bytes left within ``<s>`` seconds of the request
+#: (cumulative, one per bucket bound), and ``first_audio_count``, all of them. A snapshot of the
+#: window, not a change since the previous heartbeat, so a report read in several decisions
+#: counts once in each. ``autoscale: target_first_audio_p95_ms`` reads them from the pipeline's
+#: API servers; sent only while the window holds a sample.
+ENGINE_FIRST_AUDIO_LE = "first_audio_le_"
+ENGINE_FIRST_AUDIO_COUNT = "first_audio_count"
 
 
 class LoadReport(_Request):
@@ -296,6 +305,14 @@ class ScaleInputs(_Response):
     latency_ms: float | None = Field(default=None, description="Estimated queue + step time, ms.")
     queue_wait_ms: float | None = Field(
         default=None, description="Mean queue wait the replicas reported, ms (mean over them)."
+    )
+    first_audio_p95_ms: float | None = Field(
+        default=None,
+        description="p95 time to first audio of the pipeline's API servers' last seconds, ms "
+        "(read only for a pool that targets it; none below the least answers).",
+    )
+    first_audio_samples: int = Field(
+        default=0, description="Answers in the API servers' first-audio windows, together."
     )
     wake_waiting: int = Field(default=0, description="Requests waiting for a stage at zero.")
     standby: int = Field(default=0, description="Warm standby replicas (not in the pool).")

@@ -13,16 +13,21 @@ as a listener plays it:
   gap (one late chunk is one underrun, not one for every chunk after it).
 
 :class:`AudioSloMetrics` records them per pipeline, route and tenant; the request's span carries
-them as ``omni.audio.*`` attributes. Tenants are a bounded label (``tenant_labels.py``).
+them as ``omni.audio.*`` attributes. Tenants are a bounded label (``tenant_labels.py``). It also
+keeps the time to first audio of the last :data:`FIRST_AUDIO_WINDOW_S` seconds, all routes and
+tenants together (:attr:`AudioSloMetrics.first_window`), which the API server's heartbeats carry
+for the autoscaler (``autoscale: target_first_audio_p95_ms``).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from omni_mesh.observability.tenant_labels import TenantLabels
+from omni_mesh.observability.window_histogram import WindowHistogram
 
 SC_AUDIO_FIRST = "omni_api_audio_first_seconds"
 SC_AUDIO_RTF = "omni_api_audio_realtime_factor"
@@ -31,6 +36,8 @@ SC_AUDIO_UNDERRUNS = "omni_api_audio_underruns"
 SC_AUDIO_UNDERRUN_SECONDS = "omni_api_audio_underrun_seconds"
 
 FIRST_AUDIO_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
+#: Seconds of answers the first-audio window holds (what the heartbeats report).
+FIRST_AUDIO_WINDOW_S = 10.0
 RTF_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0, 25.0, 100.0)
 
 
@@ -89,6 +96,8 @@ class AudioSloMetrics:
 
     def __init__(self, registry: CollectorRegistry, tenants: TenantLabels | None = None) -> None:
         self.tenant_label = tenants or TenantLabels()
+        # The last seconds' first audio, every route and tenant (what the heartbeats carry).
+        self.first_window = WindowHistogram(FIRST_AUDIO_BUCKETS, FIRST_AUDIO_WINDOW_S)
         labels = ["pipeline", "route", "tenant"]
         self.first = Histogram(
             SC_AUDIO_FIRST,
@@ -132,6 +141,7 @@ class AudioSloMetrics:
         playback.recorded = True
         labels = (pipeline, route, self.tenant_label(tenant))
         self.first.labels(*labels).observe(playback.first - playback.started)
+        self.first_window.observe(playback.first - playback.started, time.monotonic())
         self.rtf.labels(*labels).observe(playback.realtime_factor or 0.0)
         self.seconds.labels(*labels).inc(playback.audio_s)
         self.underruns.labels(*labels).inc(playback.underruns)

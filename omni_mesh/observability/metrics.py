@@ -64,6 +64,7 @@ CP_STAGE_UTILIZATION = "omni_cp_stage_utilization"
 CP_STAGE_QUEUED = "omni_cp_stage_queued"
 CP_STAGE_LATENCY = "omni_cp_stage_estimated_latency_seconds"
 CP_STAGE_QUEUE_WAIT = "omni_cp_stage_queue_wait_seconds"
+CP_STAGE_FIRST_AUDIO = "omni_cp_stage_first_audio_p95_seconds"
 CP_STAGE_KV_CACHE = "omni_cp_stage_kv_cache_usage"
 CP_SCALE_DECISIONS = "omni_cp_scale_decisions"
 CP_STANDBY_REPLICAS = "omni_cp_standby_replicas"
@@ -213,6 +214,13 @@ class AutoscaleMetrics:
             stage,
             registry=registry,
         )
+        self.first_audio = Gauge(
+            CP_STAGE_FIRST_AUDIO,
+            "p95 time to first audio of the pipeline's streamed audio answers over the last "
+            "seconds, as its API servers measured it (for a stage that targets it).",
+            stage,
+            registry=registry,
+        )
         self.kv_cache = Gauge(
             CP_STAGE_KV_CACHE,
             "Highest KV-cache use (0..1) reported by a ready replica of the stage.",
@@ -249,6 +257,7 @@ class AutoscaleMetrics:
             self.queued,
             self.latency,
             self.queue_wait,
+            self.first_audio,
             self.kv_cache,
             self.standby,
         )

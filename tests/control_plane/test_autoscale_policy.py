@@ -16,6 +16,7 @@ from omni_mesh.configs.deploy import DeployConfigError, StageDeployConfig
 from omni_mesh.configs.loader import load_deploy_config
 from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.control_plane.autoscaling import policy as policy_mod
+from omni_mesh.control_plane.autoscaling.first_audio import MIN_SAMPLES, first_audio_p95
 from omni_mesh.control_plane.autoscaling.policy import (
     MAX_HISTORY,
     decide,
@@ -239,6 +240,56 @@ def test_a_queue_wait_target_asks_for_more_when_the_reported_wait_passes_it() ->
     assert recommend(p, stage_inputs([replica(0, engine=idle)])) == (0, "idle")
 
 
+def first_audio(counts: Mapping[float, int], above: int = 0) -> dict[str, float]:
+    """An API server's reported window: ``counts`` answers per bucket bound (not cumulative)
+    and ``above`` past the last bound."""
+    figures, running = {}, 0
+    for bound, count in sorted(counts.items()):
+        running += count
+        figures[f"first_audio_le_{bound:g}"] = float(running)
+    figures["first_audio_count"] = float(running + above)
+    return figures
+
+
+def test_the_first_audio_p95_merges_the_api_servers_windows() -> None:
+    # Two API servers: 30 answers within 0.2 s on one, 10 between 0.5 and 1 s on the other. The
+    # p95 of the 40 (rank 38) lies in (0.5, 1.0], 8 of its 10: 0.9 s.
+    one = replica(engine=first_audio({0.1: 10, 0.2: 20, 0.5: 0, 1.0: 0}), n=0)
+    two = replica(engine=first_audio({0.1: 0, 0.2: 0, 0.5: 0, 1.0: 10}), n=1)
+    p95_ms, samples = first_audio_p95([one, two])
+    assert samples == 40 and p95_ms == pytest.approx(900.0)
+    # Alone, the first one's p95 is in (0.1, 0.2].
+    assert first_audio_p95([one])[0] == pytest.approx(100.0 + 100.0 * (28.5 - 10) / 20)
+    # Too few answers: no figure (one slow answer of a handful is not a p95).
+    few = replica(engine=first_audio({1.0: MIN_SAMPLES - 1}), n=2)
+    assert first_audio_p95([few]) == (None, MIN_SAMPLES - 1)
+    # A server that reports none (no answer lately, or an older release) adds nothing, and
+    # figures that are not bounds are ignored.
+    old = replica(engine={"running": 1.0}, n=3)
+    odd = replica(engine={**first_audio({0.1: 25}), "first_audio_le_x": 3.0}, n=4)
+    assert first_audio_p95([old]) == (None, 0)
+    assert first_audio_p95([old, odd]) == (pytest.approx(95.0), 25)
+    # Past the last bound: the last bound.
+    slow = replica(engine=first_audio({30.0: 0}, above=30), n=5)
+    assert first_audio_p95([slow]) == (30_000.0, 30)
+
+
+def test_a_first_audio_target_asks_for_more_when_the_p95_passes_it() -> None:
+    busy = {"running": 1.0, "max_num_seqs": 1.0, ENGINE_OCCUPANCY: 1.0}
+    inputs = stage_inputs([replica(2, capacity=1, engine=busy)])
+    assert inputs.first_audio_p95_ms is None  # read by the autoscaler, for pools that target it
+    p = policy(target_utilization=1.0, target_first_audio_p95_ms=250.0)
+    assert recommend(p, inputs) == (1, "within_tolerance")  # no figure: utilization decides
+    late = inputs.model_copy(update={"first_audio_p95_ms": 600.0, "first_audio_samples": 40})
+    assert recommend(p, late) == (3, "first_audio")  # ceil(1 x 600 / 250)
+    assert recommend(policy(target_utilization=1.0), late) == (1, "within_tolerance")
+    met = inputs.model_copy(update={"first_audio_p95_ms": 200.0})
+    assert recommend(p, met) == (1, "within_tolerance")
+    # The windows outlive the load by a few seconds: a stage with no work left is idle.
+    idle = stage_inputs([replica(0, engine={"running": 0.0, ENGINE_OCCUPANCY: 0.0})])
+    assert recommend(p, idle.model_copy(update={"first_audio_p95_ms": 600.0})) == (0, "idle")
+
+
 def test_waiting_requests_wake_a_stage_at_zero() -> None:
     p = policy(min_replicas=0)
     assert recommend(p, ScaleInputs(wake_waiting=1)) == (1, "wake")
@@ -444,6 +495,16 @@ def test_module_has_no_io() -> None:
         ({"scale_up_window_s": -1}, "autoscale.scale_up_window_s", "greater than or equal"),
         ({"max_scale_down_step": 0}, "autoscale.max_scale_down_step", "greater than or equal"),
         ({"target_latency_ms": 0}, "autoscale.target_latency_ms", "greater than 0"),
+        (
+            {"target_first_audio_p95_ms": -5},
+            "autoscale.target_first_audio_p95_ms",
+            "greater than 0",
+        ),
+        (
+            {"target_first_audio_p95_ms": 120_000},
+            "autoscale.target_first_audio_p95_ms",
+            "less than or equal",
+        ),
         ({"bogus": 1}, "autoscale.bogus", "Extra inputs"),
     ],
 )

@@ -1,7 +1,8 @@
 """Autoscaling state in Redis (in-process, the session Redis): only the sweeper-lock holder's
 decisions are stored, a decision made on a policy that changed meanwhile is dropped, a repeated
-PUT keeps the decision, the autoscaler decides every autoscaled stage, and a stored policy leaves
-its unset knobs out (a control plane that predates a knob still reads it)."""
+PUT keeps the decision, the autoscaler decides every autoscaled stage, a stored policy leaves
+its unset knobs out (a control plane that predates a knob still reads it), and a first-audio
+target reads the pipeline's API servers."""
 
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ from omni_mesh.configs.autoscale import AutoscaleConfig
 from omni_mesh.control_plane.autoscaling.autoscaler import Autoscaler, refresh_gauges
 from omni_mesh.control_plane.autoscaling.policy import initial_decision
 from omni_mesh.control_plane.schema import (
+    ENGINE_FIRST_AUDIO_COUNT,
+    ENGINE_FIRST_AUDIO_LE,
     ENGINE_QUEUE_WAIT_MS,
     LoadReport,
     RegisterRequest,
     ScaleInputs,
 )
-from omni_mesh.control_plane.store.instances import InstanceStore
+from omni_mesh.control_plane.store.instances import InstanceStore, StateAction
 from omni_mesh.control_plane.store.keys import KeySchema
 from omni_mesh.observability.metrics import ControlPlaneMetrics
 
@@ -158,3 +161,74 @@ async def test_a_stored_policy_leaves_its_unset_knobs_out(
         assert got is not None and got.policy.target_queue_wait_ms == 200.0
     finally:
         await scale.delete_policy("synthetic", 7)
+
+
+def _window(answers_at: dict[float, int]) -> dict[str, float]:
+    """An API server's first-audio window: ``answers_at`` answers per bucket bound."""
+    figures, running = {}, 0
+    for bound, count in sorted(answers_at.items()):
+        running += count
+        figures[f"{ENGINE_FIRST_AUDIO_LE}{bound:g}"] = float(running)
+    figures[ENGINE_FIRST_AUDIO_COUNT] = float(running)
+    return figures
+
+
+async def test_a_first_audio_target_reads_the_pipelines_api_servers(
+    redis_client: redis.asyncio.Redis,
+) -> None:
+    # tiny-tts: its talker (stage 0) targets a 300 ms first-audio p95. Its API servers are an
+    # --api-only server and a talker pod that serves the API too (label role=api); a headless
+    # talker's figures, an isolated API server's and another pipeline's do not count.
+    store = make_store(redis_client)
+    metrics = ControlPlaneMetrics(CollectorRegistry())
+    autoscaler = Autoscaler(store, store.scale, metrics.autoscale)
+    await redis_client.set(KEYS.sweeper_lock, "holder")
+
+    async def joined(stage: int, port: int, role: str, window: dict[str, float], **kw: str) -> str:
+        reg = await store.register(
+            RegisterRequest(
+                pipeline=kw.get("pipeline", "tiny-tts"), stage_id=stage, capacity=4,
+                address=f"http://127.0.0.1:{port}", labels={"role": role},
+                role="api" if role == "api-only" else "stage",
+            ), stage_ids=(0, 1),
+        )  # fmt: skip
+        engine = {"running": 1.0, "max_num_seqs": 4.0, "occupancy": 2.0, **window}
+        await store.heartbeat(reg.instance_id, LoadReport(in_flight=2, capacity=4, engine=engine))
+        return reg.instance_id
+
+    await joined(0, 9911, "api-only", _window({0.1: 10, 0.5: 5}))
+    await joined(0, 9912, "api", _window({1.0: 10}))
+    await joined(0, 9913, "headless", _window({0.1: 100}))  # not an API server: not read
+    isolated = await joined(0, 9914, "api-only", _window({0.1: 100}))
+    await store.set_state(isolated, StateAction.ISOLATE)
+    await joined(0, 9915, "api-only", _window({0.1: 100}), pipeline="tiny-omni")
+    servers = await store.api_servers("tiny-tts", (0, 1))
+    assert sorted(i.address[-4:] for i in servers) == ["9911", "9912"]
+
+    now = await store.scale.now_ms()
+    target = POLICY.model_copy(
+        update={"scale_up_window_s": 0.0, "target_utilization": 1.0,
+                "target_first_audio_p95_ms": 300.0}
+    )  # fmt: skip
+    await store.scale.put_policy(
+        "tiny-tts", 0, target, initial_decision(target, ScaleInputs(), now)
+    )
+    [decision] = await autoscaler.tick("holder")
+    # 25 answers, rank 23.75 in (0.5, 1.0]: 0.5 + 0.5 x 8.75 / 10 = 0.9375 s; 2 talkers (9912,
+    # 9913 are in the pool) x 937.5 / 300 -> 7, bounded by max_replicas 4.
+    assert decision.inputs.first_audio_samples == 25
+    assert decision.inputs.first_audio_p95_ms == pytest.approx(937.5)
+    assert (decision.recommended, decision.desired, decision.reason) == (4, 4, "first_audio")
+    await refresh_gauges(store.scale, metrics.autoscale)
+    p95 = metrics.registry.get_sample_value(
+        "omni_cp_stage_first_audio_p95_seconds", {"pipeline": "tiny-tts", "stage": "0"}
+    )
+    assert p95 == pytest.approx(0.9375)
+    # A pool that does not target it reads no API server.
+    await store.scale.put_policy(
+        "tiny-tts", 1, POLICY, initial_decision(POLICY, ScaleInputs(), now)
+    )
+    p95s = sorted((d.inputs.first_audio_p95_ms or 0.0) for d in await autoscaler.tick("holder"))
+    assert p95s == [0.0, pytest.approx(937.5)]
+    for stage in (0, 1):
+        await store.scale.delete_policy("tiny-tts", stage)

@@ -1,8 +1,8 @@
-"""What the autoscaling tests through ``omni-up`` with an autoscaled stage 1 of the synthetic
-pipeline share: the deployment (:func:`autoscaled_up`, stopped with SIGTERM and checked for
-leftover processes and shared memory), the stage-1 pool as the control plane and omni-up's
-children show it (:meth:`Up.sample`), and a timeline of it sampled on a thread
-(:class:`Timeline`)."""
+"""What the autoscaling tests through ``omni-up`` with an autoscaled stage (stage 1 of the
+synthetic pipeline unless told otherwise) share: the deployment (:func:`autoscaled_up`, stopped
+with SIGTERM and checked for leftover processes and shared memory), the autoscaled pool as the
+control plane and omni-up's children show it (:meth:`Up.sample`), and a timeline of it sampled
+on a thread (:class:`Timeline`)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ PIPELINE = "synthetic"
 
 @dataclass(frozen=True)
 class Sample:
-    """The stage-1 pool as the control plane and omni-up's children show it at one time."""
+    """The autoscaled pool as the control plane and omni-up's children show it at one time."""
 
     t: float  # seconds since the timeline started
     desired: int
@@ -35,22 +35,33 @@ class Sample:
     utilization: float
     queue_wait_ms: float | None
     pods: int
+    first_audio_p95_ms: float | None = None
 
 
 class Up:
-    def __init__(self, proc: ManagedProcess, port: int, cp_port: int) -> None:
+    def __init__(
+        self,
+        proc: ManagedProcess,
+        port: int,
+        cp_port: int,
+        pipeline: str = PIPELINE,
+        stage: int = 1,
+    ) -> None:
         self.proc = proc
+        self.pipeline = pipeline
+        self.stage = stage
         self.url = f"http://127.0.0.1:{port}"
         self.cp = f"http://127.0.0.1:{cp_port}"
 
     def scale(self) -> dict[str, object]:
-        url = f"{self.cp}/v1/pipelines/{PIPELINE}/stages/1/scale"
+        url = f"{self.cp}/v1/pipelines/{self.pipeline}/stages/{self.stage}/scale"
         with urllib.request.urlopen(url, timeout=2) as resp:
             body: dict[str, object] = json.loads(resp.read())
         return body
 
-    def stage1_pods(self) -> set[int]:
-        """Running stage-1 sidecars among omni-up's children (draining ones included)."""
+    def stage_pods(self) -> set[int]:
+        """Running sidecars of the autoscaled stage among omni-up's children (draining ones
+        included; not the API server)."""
         pid = self.proc.pid
         pods = set()
         for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
@@ -58,8 +69,8 @@ class Up:
                 argv = Path(f"/proc/{child}/cmdline").read_bytes().decode().split("\0")
             except OSError:
                 continue
-            stage1 = "--headless" in argv and argv[argv.index("--stage-id") + 1] == "1"
-            if stage1 and pid_alive(int(child)):
+            ours = "--headless" in argv and argv[argv.index("--stage-id") + 1] == str(self.stage)
+            if ours and pid_alive(int(child)):
                 pods.add(int(child))
         return pods
 
@@ -73,6 +84,7 @@ class Up:
         inputs = decision.get("inputs") or {}
         desired = body.get("desired")
         wait = inputs.get("queue_wait_ms")
+        p95 = inputs.get("first_audio_p95_ms")
         return Sample(
             t=round(t, 2),
             desired=desired if isinstance(desired, int) else -1,
@@ -80,7 +92,8 @@ class Up:
             reason=str(decision.get("reason", "")),
             utilization=float(inputs.get("utilization", 0.0)),
             queue_wait_ms=None if wait is None else float(wait),
-            pods=len(self.stage1_pods()),
+            pods=len(self.stage_pods()),
+            first_audio_p95_ms=None if p95 is None else float(p95),
         )
 
 
@@ -115,28 +128,37 @@ class Timeline:
             key = (s.desired, s.ready, s.pods)
             if key != last:
                 wait = "-" if s.queue_wait_ms is None else f"{s.queue_wait_ms:.0f}"
+                p95 = "-" if s.first_audio_p95_ms is None else f"{s.first_audio_p95_ms:.0f}"
                 out.append(f"t={s.t:.1f}s desired={s.desired} ready={s.ready} pods={s.pods} "
                            f"reason={s.reason} utilization={s.utilization:.2f} "
-                           f"queue_wait_ms={wait}")  # fmt: skip
+                           f"queue_wait_ms={wait} first_audio_p95_ms={p95}")  # fmt: skip
                 last = key
         utilizations = [s.utilization for s in self.samples]
         busy = sum(u > 0 for u in utilizations)
         waits = [s.queue_wait_ms for s in self.samples if s.queue_wait_ms is not None]
+        p95s = [s.first_audio_p95_ms for s in self.samples if s.first_audio_p95_ms is not None]
         out.append(f"utilization: max {max(utilizations, default=0.0):.2f}, above 0 in {busy} "
                    f"of {len(utilizations)} samples; queue_wait_ms: max "
-                   f"{max(waits, default=0.0):.0f}")  # fmt: skip
+                   f"{max(waits, default=0.0):.0f}; first_audio_p95_ms: max "
+                   f"{max(p95s, default=0.0):.0f}")  # fmt: skip
         return "\n".join(out)
 
 
 @contextmanager
-def autoscaled_up(deploy: str, tmp: Path, env: Mapping[str, str] | None = None) -> Iterator[Up]:
-    """``omni-up`` of the synthetic pipeline with the deploy config ``deploy`` (its stage 1
+def autoscaled_up(
+    deploy: str,
+    tmp: Path,
+    env: Mapping[str, str] | None = None,
+    pipeline: str = PIPELINE,
+    stage: int = 1,
+) -> Iterator[Up]:
+    """``omni-up`` of ``pipeline`` with the deploy config ``deploy`` (its ``stage``
     autoscaled) and ``env`` for its children, until the block ends; then SIGTERM, exit 0, no
     process and no shared memory left behind."""
     path = tmp / "deploy.yaml"
     path.write_text(deploy)
     port, cp_port = free_port(), free_port()
-    argv = [sys.executable, "-m", "omni_mesh.launcher.cli", "--pipeline", PIPELINE,
+    argv = [sys.executable, "-m", "omni_mesh.launcher.cli", "--pipeline", pipeline,
             "--port", str(port), "--cp-port", str(cp_port), "--deploy-config", str(path),
             "--drain-timeout", "10"]  # fmt: skip
     before = shm_segments()
@@ -144,7 +166,7 @@ def autoscaled_up(deploy: str, tmp: Path, env: Mapping[str, str] | None = None) 
     try:
         proc.wait_for_output(READY, timeout=90)
         children = descendants(proc.pid)
-        yield Up(proc, port, cp_port)
+        yield Up(proc, port, cp_port, pipeline, stage)
         children |= descendants(proc.pid)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, proc.describe()

@@ -1,7 +1,8 @@
 """What a pod's heartbeats report (``sidecar/admission/load_report.py``): a vLLM engine's own
 counts, every engine's work averaged since the previous heartbeat (``occupancy``) and the
 requests' queue wait (``queue_wait_ms``) in a form a control plane that predates them takes,
-and a split stage's prefill replica's work seen over the heartbeat interval, which vLLM's
+an API server's first audio over its last seconds (``first_audio_le_<s>``), and a split
+stage's prefill replica's work seen over the heartbeat interval, which vLLM's
 counts, read between steps, never show (the prefill pool autoscaling end to end:
 tests/engines/vllm/test_vllm_pd_autoscale.py)."""
 
@@ -14,8 +15,16 @@ import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field
 
-from omni_mesh.control_plane.client import ENGINE_OCCUPANCY, ENGINE_QUEUE_WAIT_MS
+from omni_mesh.control_plane.autoscaling.first_audio import first_audio_p95
+from omni_mesh.control_plane.client import (
+    ENGINE_FIRST_AUDIO_COUNT,
+    ENGINE_OCCUPANCY,
+    ENGINE_QUEUE_WAIT_MS,
+    InstanceInfo,
+    InstanceState,
+)
 from omni_mesh.data_plane.messages import EngineStats, Stats
+from omni_mesh.observability.audio_slo import AudioPlayback
 from omni_mesh.observability.metrics import SidecarMetrics
 from omni_mesh.sidecar.admission.gate import AdmissionGate
 from omni_mesh.sidecar.admission.load_report import load_report
@@ -67,6 +76,8 @@ class FakePod:
         )
     )
     in_flight: int = 0
+    serves_api: bool = False
+    metrics: SidecarMetrics = field(default_factory=lambda: SidecarMetrics(CollectorRegistry()))
 
 
 def vllm_between_steps() -> FakeEngine:
@@ -159,3 +170,33 @@ def test_the_queue_wait_adds_the_admission_queue_and_the_engines() -> None:
     assert report.engine[ENGINE_QUEUE_WAIT_MS] == pytest.approx(400.0 / 2 + 30.0, abs=1.0)
     # Nobody admitted or started since, nobody waits: no wait.
     assert load_report(pod).engine[ENGINE_QUEUE_WAIT_MS] == 0.0  # type: ignore[arg-type]
+
+
+def test_an_api_server_reports_its_first_audio_window_in_a_form_older_control_planes_take() -> None:
+    api_only = FakePod(None, serves_api=True)
+    assert load_report(api_only).engine == {}  # type: ignore[arg-type]  # no answer yet: none
+    now = time.monotonic()
+    for i in range(30):  # 30 answers, their first audio 10..300 ms after their request
+        playback = AudioPlayback(started=now - 1.0)
+        playback.sent(0.08, now - 1.0 + (i + 1) / 100)
+        api_only.metrics.audio.record(playback, "tiny-tts", "/v1/audio/speech", "")
+    first = load_report(api_only)  # type: ignore[arg-type]
+    assert first.engine[ENGINE_FIRST_AUDIO_COUNT] == 30.0
+    assert first.engine["first_audio_le_0.1"] == 10.0 and first.engine["first_audio_le_0.3"] == 30
+    # A snapshot of the window, not a change since the last heartbeat: the next says the same.
+    assert load_report(api_only).engine == first.engine  # type: ignore[arg-type]
+    # What the autoscaler reads from it: the p95 lies in (0.2, 0.3].
+    info = InstanceInfo(
+        instance_id="a", pipeline="tiny-tts", stage_id=0, address="http://127.0.0.1:1",
+        host_id="h", capacity=1, state=InstanceState.HEALTHY, epoch=1, registered_at_ms=0,
+        last_heartbeat_ms=0, heartbeat_age_ms=0, load=first,
+    )  # fmt: skip
+    p95_ms, samples = first_audio_p95([info])
+    assert samples == 30 and p95_ms is not None and 200.0 < p95_ms <= 300.0
+    # Free-form engine figures: a control plane that predates them takes the heartbeat.
+    assert len(first.engine) <= 64
+    before = LoadReportBefore.model_validate_json(first.model_dump_json())
+    assert before.engine[ENGINE_FIRST_AUDIO_COUNT] == 30.0
+    # A pod that does not serve the API (headless) reports none, whatever it holds.
+    headless = FakePod(None, metrics=api_only.metrics)
+    assert ENGINE_FIRST_AUDIO_COUNT not in load_report(headless).engine  # type: ignore[arg-type]

@@ -12,7 +12,11 @@ sizes the other. The prefill pool's gauges carry the stage label ``N/prefill``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
+from omni_mesh.configs.pipeline_spec import UnknownPipelineError
+from omni_mesh.configs.registry import get_pipeline
+from omni_mesh.control_plane.autoscaling.first_audio import first_audio_p95
 from omni_mesh.control_plane.autoscaling.policy import decide, stage_inputs
 from omni_mesh.control_plane.schema import (
     InstanceInfo,
@@ -55,7 +59,7 @@ class Autoscaler:
                 key=lambda i: (i.registered_at_ms, i.epoch),
             )
             inputs = stage_inputs(ready, scale.wake_waiting).model_copy(
-                update={"standby": len(standby)}
+                update={"standby": len(standby), **await self._first_audio(scale)}
             )
             decision = decide(scale.policy, inputs, scale.decision, now_ms).model_copy(
                 update={"leader": token[:8]}
@@ -71,6 +75,19 @@ class Autoscaler:
                     await self._scale.clear_wake(pipeline, stage_id, which)
                 await self._promote(scale, inputs.ready, decision.desired, standby)
         return decisions
+
+    async def _first_audio(self, scale: StageScale) -> dict[str, object]:
+        """The pipeline's first-audio p95 from its API servers' windows, for a pool that
+        targets it (``first_audio.py``); nothing read for the others."""
+        if scale.policy.target_first_audio_p95_ms is None:
+            return {}
+        try:
+            stage_ids: Sequence[int] = sorted(get_pipeline(scale.pipeline).stage_ids)
+        except UnknownPipelineError:  # not registered here: its API-only servers still count
+            stage_ids = [scale.stage_id]
+        servers = await self._store.api_servers(scale.pipeline, stage_ids)
+        p95_ms, samples = first_audio_p95(servers)
+        return {"first_audio_p95_ms": p95_ms, "first_audio_samples": samples}
 
     async def _promote(
         self, scale: StageScale, ready: int, desired: int, standby: list[InstanceInfo]
@@ -100,8 +117,8 @@ class Autoscaler:
         logger.log(
             level,
             "autoscale %s %s desired=%d->%d reason=%s recommended=%d ready=%d "
-            "utilization=%.2f in_flight=%d queued=%d latency_ms=%s queue_wait_ms=%s kv_cache=%s "
-            "wake=%d",
+            "utilization=%.2f in_flight=%d queued=%d latency_ms=%s queue_wait_ms=%s "
+            "first_audio_p95_ms=%s kv_cache=%s wake=%d",
             d.direction.value,
             scale.where,
             d.previous,
@@ -114,6 +131,7 @@ class Autoscaler:
             d.inputs.queued,
             "-" if d.inputs.latency_ms is None else f"{d.inputs.latency_ms:.1f}",
             "-" if d.inputs.queue_wait_ms is None else f"{d.inputs.queue_wait_ms:.1f}",
+            "-" if d.inputs.first_audio_p95_ms is None else f"{d.inputs.first_audio_p95_ms:.1f}",
             "-" if d.inputs.kv_cache_usage is None else f"{d.inputs.kv_cache_usage:.2f}",
             d.inputs.wake_waiting,
         )
@@ -137,6 +155,8 @@ async def refresh_gauges(scale_store: ScaleStore, metrics: AutoscaleMetrics) -> 
             metrics.latency.labels(*labels).set(d.inputs.latency_ms / 1000.0)
         if d.inputs.queue_wait_ms is not None:
             metrics.queue_wait.labels(*labels).set(d.inputs.queue_wait_ms / 1000.0)
+        if d.inputs.first_audio_p95_ms is not None:
+            metrics.first_audio.labels(*labels).set(d.inputs.first_audio_p95_ms / 1000.0)
         if d.inputs.kv_cache_usage is not None:
             metrics.kv_cache.labels(*labels).set(d.inputs.kv_cache_usage)
         metrics.standby.labels(*labels).set(d.inputs.standby)

@@ -19,8 +19,9 @@
    (Kubernetes HPA's rule), unchanged while the mean is within ``target x (1 +- tolerance)``;
    0 when nothing ran, queued or waited (idle); more when the estimated queue + step time
    exceeds ``target_latency_ms``, or the replicas' reported queue wait (mean over them)
-   exceeds ``target_queue_wait_ms``: ``ceil(ready x figure / target)`` where that is more; at
-   least enough for the waiting requests of a stage at zero.
+   exceeds ``target_queue_wait_ms``, or the pipeline's first-audio p95 (its API servers',
+   ``first_audio.py``) exceeds ``target_first_audio_p95_ms``: ``ceil(ready x figure / target)``
+   where that is more; at least enough for the waiting requests of a stage at zero.
 3. **Hysteresis** (:func:`decide`): the desired count rises only to what every recommendation
    of the last ``scale_up_window_s`` asked for (sustained load), falls only to the highest
    recommendation of the last ``scale_down_window_s``, by at most ``max_scale_up_step`` /
@@ -52,6 +53,7 @@ REASON_UTILIZATION = "utilization"
 REASON_TOLERANCE = "within_tolerance"
 REASON_LATENCY = "latency"
 REASON_QUEUE_WAIT = "queue_wait"
+REASON_FIRST_AUDIO = "first_audio"
 REASON_WAKE = "wake"
 REASON_IDLE = "idle"
 REASON_BOUNDS = "bounds"
@@ -151,6 +153,7 @@ def recommend(policy: AutoscaleConfig, inputs: ScaleInputs) -> tuple[int, str]:
     for goal, value, why in (
         (policy.target_latency_ms, inputs.latency_ms, REASON_LATENCY),
         (policy.target_queue_wait_ms, inputs.queue_wait_ms, REASON_QUEUE_WAIT),
+        (policy.target_first_audio_p95_ms, inputs.first_audio_p95_ms, REASON_FIRST_AUDIO),
     ):
         if goal is not None and value is not None and value > goal:
             by_goal = math.ceil(inputs.ready * value / goal - 1e-9)

@@ -28,6 +28,8 @@ from omni_mesh.control_plane.errors import (
     SessionNotFound,
 )
 from omni_mesh.control_plane.schema import (
+    ENGINE_FIRST_AUDIO_COUNT,
+    ENGINE_FIRST_AUDIO_LE,
     ENGINE_OCCUPANCY,
     ENGINE_QUEUE_WAIT_MS,
     KV_ROLE_LABEL,
@@ -58,6 +60,8 @@ from omni_mesh.control_plane.session_schema import (
 )
 
 __all__ = [
+    "ENGINE_FIRST_AUDIO_COUNT",
+    "ENGINE_FIRST_AUDIO_LE",
     "ENGINE_OCCUPANCY",
     "ENGINE_QUEUE_WAIT_MS",
     "KV_ROLE_LABEL",

@@ -345,6 +345,20 @@ class InstanceStore:
             api_servers=tuple(pools[-1]),
         )
 
+    async def api_servers(self, pipeline: str, stage_ids: Sequence[int]) -> list[InstanceInfo]:
+        """The pipeline's live API servers, read atomically: those running no stage
+        (``--api-only``) and the pods of ``stage_ids`` that serve the client API too (label
+        ``role=api``); isolated ones left out."""
+        _, pools = await self._read_pools(
+            pipeline, sorted(set(stage_ids)), healthy_only=False, api_servers=True
+        )
+        serving = [i for pool in pools[:-1] for i in pool if i.labels.get("role") == "api"]
+        return [
+            i
+            for i in (*pools[-1], *serving)
+            if i.state in (InstanceState.HEALTHY, InstanceState.DRAINING)
+        ]
+
     async def pipeline_names(self) -> list[str]:
         return sorted(_text(n) for n in await self.redis.smembers(self.keys.pipelines))
 

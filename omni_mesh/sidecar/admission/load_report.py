@@ -24,11 +24,26 @@ step that computes it, and the engine reads its scheduler's counts between steps
 however busy the replica is, and the prefill pool looked idle under any load short of a queue
 inside vLLM. A prefill hop never waits on a later stage (only its KV goes on), so the time it
 holds a slot is the engine's work and its queue there.
+
+An API server (a pod that serves the client API, with an engine or ``--api-only``) also reports
+its time to first audio over the last seconds (``first_audio_le_<s>``, ``first_audio_count``:
+:data:`~omni_mesh.control_plane.client.ENGINE_FIRST_AUDIO_LE`), a snapshot of its sliding
+window (``observability/window_histogram.py``) while that holds a sample. The autoscaler merges
+the windows of the pipeline's API servers for a pool that sets ``target_first_audio_p95_ms``.
 """
 
 from __future__ import annotations
 
-from omni_mesh.control_plane.client import ENGINE_OCCUPANCY, ENGINE_QUEUE_WAIT_MS, LoadReport
+import time
+
+from omni_mesh.control_plane.client import (
+    ENGINE_FIRST_AUDIO_COUNT,
+    ENGINE_FIRST_AUDIO_LE,
+    ENGINE_OCCUPANCY,
+    ENGINE_QUEUE_WAIT_MS,
+    LoadReport,
+)
+from omni_mesh.observability.window_histogram import WindowHistogram
 from omni_mesh.sidecar.hop.prefill_tokens import PREFILL_TOKENS_QUEUED
 from omni_mesh.sidecar.pod import Pod
 
@@ -61,6 +76,8 @@ def load_report(pod: Pod) -> LoadReport:
         held = pod.gate.mean_in_use()
         engine["running"] = max(engine["running"], held)
         engine[ENGINE_OCCUPANCY] = max(engine[ENGINE_OCCUPANCY], held)
+    if pod.serves_api:
+        engine.update(first_audio_figures(pod.metrics.audio.first_window, time.monotonic()))
     queued = pod.gate.queued if pod.gate is not None else 0
     return LoadReport(
         in_flight=pod.in_flight + queued,  # waiters in the admission queue are load too
@@ -78,3 +95,14 @@ def queue_wait_ms(pod: Pod) -> float:
     admission_s = pod.gate.mean_wait_s() if pod.gate is not None else 0.0
     engine_ms = pod.engine.mean_queue_wait_ms() if pod.engine is not None else 0.0
     return admission_s * 1000.0 + engine_ms
+
+
+def first_audio_figures(window: WindowHistogram, now: float) -> dict[str, float]:
+    """The window's snapshot as engine figures (see the module docstring): nothing while it
+    holds no sample."""
+    cumulative, total = window.snapshot(now)
+    if total == 0:
+        return {}
+    figures = {f"{ENGINE_FIRST_AUDIO_LE}{bound:g}": float(count) for bound, count in cumulative}
+    figures[ENGINE_FIRST_AUDIO_COUNT] = float(total)
+    return figures
