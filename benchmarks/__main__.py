@@ -46,6 +46,7 @@ MODULES = {
     "omni-handoff": "benchmarks.omni_handoff",
     "omni-thinkers": "benchmarks.omni_thinkers",
     "vllm-core": "benchmarks.vllm_core",
+    "service": "benchmarks.service",
 }
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter
 
+from omni_mesh.observability.children import labelled
 from omni_mesh.observability.tenant_labels import TenantLabels
 
 SC_USAGE_ENGINE_SECONDS = "omni_usage_engine_seconds"
@@ -50,11 +51,11 @@ class UsageMetrics:
     ) -> None:
         """One request's usage."""
         name = self.tenants(tenant)
-        self.requests.labels(pipeline, name).inc()
+        labelled(self.requests, pipeline, name).inc()
         for stage, seconds in stage_seconds.items():
             if seconds > 0:
-                self.engine_seconds.labels(pipeline, name, str(stage)).inc(seconds)
+                labelled(self.engine_seconds, pipeline, name, str(stage)).inc(seconds)
         if audio_in_s > 0:
-            self.audio_seconds.labels(pipeline, name, "in").inc(audio_in_s)
+            labelled(self.audio_seconds, pipeline, name, "in").inc(audio_in_s)
         if audio_out_s > 0:
-            self.audio_seconds.labels(pipeline, name, "out").inc(audio_out_s)
+            labelled(self.audio_seconds, pipeline, name, "out").inc(audio_out_s)
