@@ -60,12 +60,28 @@ def tts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
         topo.wait_discovered(1, 2)
         yield topo
     finally:
+        _close_clients()
         topo.close()
     wait_until(lambda: not (shm_segments() - before), 5.0, message=lambda: "shm leaked")
 
 
+_CLIENTS: dict[str, openai.OpenAI] = {}
+
+
 def _client(topo: Topology) -> openai.OpenAI:
-    return openai.OpenAI(base_url=topo.api_url + "/v1", api_key="unused", max_retries=0)
+    """One SDK client per topology, closed with it (a client left to the garbage collector
+    leaves an unclosed socket: a ResourceWarning, an error in this suite)."""
+    sdk = _CLIENTS.get(topo.api_url)
+    if sdk is None:
+        sdk = openai.OpenAI(base_url=topo.api_url + "/v1", api_key="unused", max_retries=0)
+        _CLIENTS[topo.api_url] = sdk
+    return sdk
+
+
+def _close_clients() -> None:
+    for sdk in _CLIENTS.values():
+        sdk.close()
+    _CLIENTS.clear()
 
 
 def generated(topo: Topology, body: dict[str, object]) -> dict[str, dict[str, str]]:
@@ -361,6 +377,7 @@ def test_chat_streams_text_then_audio_through_the_sdk(tmp_path: Path) -> None:
         assert audio_s == pytest.approx(len(pcm) / 2 / 24000)
         assert topo.metric(topo.api_url, "omni_api_audio_first_seconds_count", **labels) == 1
     finally:
+        _close_clients()
         topo.close()
 
 
