@@ -277,6 +277,12 @@ def test_a_manual_turn_in_g711_is_committed_and_answered_in_g711(sdk: openai.Ope
         wave = audio_formats.decode("audio/pcma", out)
         assert len(wave) == len(out) and len(wave) > 8000 // 2  # > 0.5 s at 8 kHz
         assert np.abs(wave.astype(np.int32)).max() > 0
+        # usage: the committed turn's seconds in, the answer's seconds out
+        usage = events[-1].response.usage
+        assert usage is not None
+        omni = (usage.model_extra or {})["omni"]
+        assert omni["audio_in_seconds"] == pytest.approx(len(spoken) / 8000, abs=0.01)
+        assert omni["audio_out_seconds"] > 0.5
     user = next(e.item for e in committed + events if e.type == "conversation.item.done")
     assert (user.role, user.content[0].type) == ("user", "input_audio")
 

@@ -56,6 +56,7 @@ class ResponseInput:
     messages_json: str
     previous_item_id: str | None
     session_id: str = ""  # the session's: its responses keep to one replica per stage
+    audio_in_s: float = 0.0  # the input audio of the conversation the prompt carries (usage)
 
 
 @dataclass
@@ -97,7 +98,7 @@ class ResponseRun:
         self.error: dict[str, Any] | None = None
         self.stats = ResponseStats()
         self.playback = AudioPlayback(started=time.monotonic())  # its audio SLOs
-        self.usage = Usage()  # what it used (response.done's usage.omni)
+        self.usage = Usage(audio_in_s=inp.audio_in_s)  # what it used (response.done's usage)
         self.tenant = ""  # the response's tenant (its request's), once it runs
         self.transcript: list[str] = []
         self.text_fields: dict[str, Any] = {}

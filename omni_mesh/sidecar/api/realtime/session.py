@@ -388,7 +388,17 @@ class RealtimeSession:
         )
         previous = self.conversation.items[-1].id if self.conversation.items else None
         messages_json = json.dumps(messages, ensure_ascii=False)
-        inp = ResponseInput(config, prompt, messages_json, previous, session_id=self.id)
+        audio_ms = sum(
+            part.audio_ms
+            for item in self.conversation.items
+            if item.role == "user"
+            for part in item.parts
+            if part.type == "input_audio" and part.wav is not None
+        )
+        audio_in_s = audio_ms / 1000.0 if self.pod.pipeline.input_audio else 0.0
+        inp = ResponseInput(
+            config, prompt, messages_json, previous, session_id=self.id, audio_in_s=audio_in_s
+        )
         self._disarm_idle()
         run = ResponseRun(
             self.pod, self.request, self.sender, self.conversation, inp, on_done=self._done
