@@ -100,6 +100,14 @@ class AutoscaleConfig(BaseModel):
         "last 10 s, as its API servers measure it, to stay under by sizing this stage's pool "
         "(the talker's, say); null = no target.",
     )
+    target_realtime_factor_p5: float | None = Field(
+        default=None,
+        ge=0.01,
+        le=100.0,
+        description="p5 real-time factor (audio seconds over the wall seconds to the last "
+        "audio bytes) of the pipeline's streamed audio answers over the last 10 s, as its API "
+        "servers measure it, to stay above by sizing this stage's pool; null = no target.",
+    )
 
     @model_validator(mode="after")
     def _check_bounds(self) -> Self:

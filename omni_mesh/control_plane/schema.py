@@ -151,6 +151,11 @@ ENGINE_QUEUE_WAIT_MS = "queue_wait_ms"
 #: API servers; sent only while the window holds a sample.
 ENGINE_FIRST_AUDIO_LE = "first_audio_le_"
 ENGINE_FIRST_AUDIO_COUNT = "first_audio_count"
+#: The same of the answers' real-time factor (audio seconds over the wall seconds from the
+#: request to its last audio bytes): ``rtf_le_<x>`` and ``rtf_count``. ``autoscale:
+#: target_realtime_factor_p5`` reads them.
+ENGINE_RTF_LE = "rtf_le_"
+ENGINE_RTF_COUNT = "rtf_count"
 
 
 class LoadReport(_Request):
@@ -313,6 +318,11 @@ class ScaleInputs(_Response):
     )
     first_audio_samples: int = Field(
         default=0, description="Answers in the API servers' first-audio windows, together."
+    )
+    realtime_factor_p5: float | None = Field(
+        default=None,
+        description="p5 real-time factor of the pipeline's API servers' last seconds (read "
+        "only for a pool that targets it; none below the least answers).",
     )
     wake_waiting: int = Field(default=0, description="Requests waiting for a stage at zero.")
     standby: int = Field(default=0, description="Warm standby replicas (not in the pool).")

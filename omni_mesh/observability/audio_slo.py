@@ -14,9 +14,10 @@ as a listener plays it:
 
 :class:`AudioSloMetrics` records them per pipeline, route and tenant; the request's span carries
 them as ``omni.audio.*`` attributes. Tenants are a bounded label (``tenant_labels.py``). It also
-keeps the time to first audio of the last :data:`FIRST_AUDIO_WINDOW_S` seconds, all routes and
-tenants together (:attr:`AudioSloMetrics.first_window`), which the API server's heartbeats carry
-for the autoscaler (``autoscale: target_first_audio_p95_ms``).
+keeps the time to first audio and the real-time factor of the last :data:`FIRST_AUDIO_WINDOW_S`
+seconds, all routes and tenants together (:attr:`AudioSloMetrics.first_window`,
+:attr:`AudioSloMetrics.rtf_window`), which the API server's heartbeats carry for the autoscaler
+(``autoscale: target_first_audio_p95_ms``, ``target_realtime_factor_p5``).
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class AudioSloMetrics:
         self.tenant_label = tenants or TenantLabels()
         # The last seconds' first audio, every route and tenant (what the heartbeats carry).
         self.first_window = WindowHistogram(FIRST_AUDIO_BUCKETS, FIRST_AUDIO_WINDOW_S)
+        self.rtf_window = WindowHistogram(RTF_BUCKETS, FIRST_AUDIO_WINDOW_S)
         labels = ["pipeline", "route", "tenant"]
         self.first = Histogram(
             SC_AUDIO_FIRST,
@@ -143,6 +145,7 @@ class AudioSloMetrics:
         self.first.labels(*labels).observe(playback.first - playback.started)
         self.first_window.observe(playback.first - playback.started, time.monotonic())
         self.rtf.labels(*labels).observe(playback.realtime_factor or 0.0)
+        self.rtf_window.observe(playback.realtime_factor or 0.0, time.monotonic())
         self.seconds.labels(*labels).inc(playback.audio_s)
         self.underruns.labels(*labels).inc(playback.underruns)
         self.underrun_seconds.labels(*labels).inc(playback.gap_s)

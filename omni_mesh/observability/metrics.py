@@ -65,6 +65,7 @@ CP_STAGE_QUEUED = "omni_cp_stage_queued"
 CP_STAGE_LATENCY = "omni_cp_stage_estimated_latency_seconds"
 CP_STAGE_QUEUE_WAIT = "omni_cp_stage_queue_wait_seconds"
 CP_STAGE_FIRST_AUDIO = "omni_cp_stage_first_audio_p95_seconds"
+CP_STAGE_RTF = "omni_cp_stage_realtime_factor_p5"
 CP_STAGE_KV_CACHE = "omni_cp_stage_kv_cache_usage"
 CP_SCALE_DECISIONS = "omni_cp_scale_decisions"
 CP_STANDBY_REPLICAS = "omni_cp_standby_replicas"
@@ -221,6 +222,13 @@ class AutoscaleMetrics:
             stage,
             registry=registry,
         )
+        self.realtime_factor = Gauge(
+            CP_STAGE_RTF,
+            "p5 real-time factor of the pipeline's streamed audio answers over the last seconds, "
+            "as its API servers measured it (for a stage that targets it).",
+            stage,
+            registry=registry,
+        )
         self.kv_cache = Gauge(
             CP_STAGE_KV_CACHE,
             "Highest KV-cache use (0..1) reported by a ready replica of the stage.",
@@ -258,6 +266,7 @@ class AutoscaleMetrics:
             self.latency,
             self.queue_wait,
             self.first_audio,
+            self.realtime_factor,
             self.kv_cache,
             self.standby,
         )

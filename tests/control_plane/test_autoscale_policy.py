@@ -16,7 +16,11 @@ from omni_mesh.configs.deploy import DeployConfigError, StageDeployConfig
 from omni_mesh.configs.loader import load_deploy_config
 from omni_mesh.configs.registry import get_pipeline
 from omni_mesh.control_plane.autoscaling import policy as policy_mod
-from omni_mesh.control_plane.autoscaling.first_audio import MIN_SAMPLES, first_audio_p95
+from omni_mesh.control_plane.autoscaling.audio_slo import (
+    MIN_SAMPLES,
+    first_audio_p95,
+    realtime_factor_p5,
+)
 from omni_mesh.control_plane.autoscaling.policy import (
     MAX_HISTORY,
     decide,
@@ -290,6 +294,23 @@ def test_a_first_audio_target_asks_for_more_when_the_p95_passes_it() -> None:
     assert recommend(p, idle.model_copy(update={"first_audio_p95_ms": 600.0})) == (0, "idle")
 
 
+def test_a_realtime_factor_target_is_a_floor_on_the_low_quantile() -> None:
+    # 40 answers: 2 made at 0.4-0.5x real time, 38 at 2-3x. The p5 (rank 2) is 0.5.
+    window = {"rtf_le_0.25": 0.0, "rtf_le_0.5": 2.0, "rtf_le_2": 2.0, "rtf_le_3": 40.0,
+              "rtf_count": 40.0}  # fmt: skip
+    assert realtime_factor_p5([replica(engine=window)]) == (pytest.approx(0.5), 40)
+    assert realtime_factor_p5([replica(engine={"rtf_count": 5.0, "rtf_le_3": 5.0})])[0] is None
+    busy = {"running": 1.0, "max_num_seqs": 1.0, ENGINE_OCCUPANCY: 1.0}
+    inputs = stage_inputs([replica(2, capacity=1, engine=busy)])
+    p = policy(target_utilization=1.0, target_realtime_factor_p5=1.2)
+    behind = inputs.model_copy(update={"realtime_factor_p5": 0.5})
+    assert recommend(p, behind) == (3, "realtime_factor")  # ceil(1 x 1.2 / 0.5)
+    ahead = inputs.model_copy(update={"realtime_factor_p5": 2.0})
+    assert recommend(p, ahead) == (1, "within_tolerance")  # above the floor: met
+    assert recommend(p, inputs) == (1, "within_tolerance")  # no figure
+    assert recommend(p, inputs.model_copy(update={"realtime_factor_p5": 0.0}))[0] == 1200
+
+
 def test_waiting_requests_wake_a_stage_at_zero() -> None:
     p = policy(min_replicas=0)
     assert recommend(p, ScaleInputs(wake_waiting=1)) == (1, "wake")
@@ -499,6 +520,11 @@ def test_module_has_no_io() -> None:
             {"target_first_audio_p95_ms": -5},
             "autoscale.target_first_audio_p95_ms",
             "greater than 0",
+        ),
+        (
+            {"target_realtime_factor_p5": 0},
+            "autoscale.target_realtime_factor_p5",
+            "greater than or equal",
         ),
         (
             {"target_first_audio_p95_ms": 120_000},

@@ -163,6 +163,9 @@ async def test_a_stored_policy_leaves_its_unset_knobs_out(
         await scale.delete_policy("synthetic", 7)
 
 
+RTF_WINDOW = {"rtf_le_0.5": 5.0, "rtf_le_2": 25.0, "rtf_count": 25.0}
+
+
 def _window(answers_at: dict[float, int]) -> dict[str, float]:
     """An API server's first-audio window: ``answers_at`` answers per bucket bound."""
     figures, running = {}, 0
@@ -196,7 +199,7 @@ async def test_a_first_audio_target_reads_the_pipelines_api_servers(
         await store.heartbeat(reg.instance_id, LoadReport(in_flight=2, capacity=4, engine=engine))
         return reg.instance_id
 
-    await joined(0, 9911, "api-only", _window({0.1: 10, 0.5: 5}))
+    await joined(0, 9911, "api-only", {**_window({0.1: 10, 0.5: 5}), **RTF_WINDOW})
     await joined(0, 9912, "api", _window({1.0: 10}))
     await joined(0, 9913, "headless", _window({0.1: 100}))  # not an API server: not read
     isolated = await joined(0, 9914, "api-only", _window({0.1: 100}))
@@ -224,6 +227,12 @@ async def test_a_first_audio_target_reads_the_pipelines_api_servers(
         "omni_cp_stage_first_audio_p95_seconds", {"pipeline": "tiny-tts", "stage": "0"}
     )
     assert p95 == pytest.approx(0.9375)
+    # The real-time factor's p5 is read too (rank 1.25, 5 answers in (0, 0.5]: 0.125).
+    assert decision.inputs.realtime_factor_p5 == pytest.approx(0.125)
+    rtf = metrics.registry.get_sample_value(
+        "omni_cp_stage_realtime_factor_p5", {"pipeline": "tiny-tts", "stage": "0"}
+    )
+    assert rtf == pytest.approx(0.125)
     # A pool that does not target it reads no API server.
     await store.scale.put_policy(
         "tiny-tts", 1, POLICY, initial_decision(POLICY, ScaleInputs(), now)

@@ -36,6 +36,7 @@ class Sample:
     queue_wait_ms: float | None
     pods: int
     first_audio_p95_ms: float | None = None
+    realtime_factor_p5: float | None = None
 
 
 class Up:
@@ -85,6 +86,7 @@ class Up:
         desired = body.get("desired")
         wait = inputs.get("queue_wait_ms")
         p95 = inputs.get("first_audio_p95_ms")
+        p5 = inputs.get("realtime_factor_p5")
         return Sample(
             t=round(t, 2),
             desired=desired if isinstance(desired, int) else -1,
@@ -94,6 +96,7 @@ class Up:
             queue_wait_ms=None if wait is None else float(wait),
             pods=len(self.stage_pods()),
             first_audio_p95_ms=None if p95 is None else float(p95),
+            realtime_factor_p5=None if p5 is None else float(p5),
         )
 
 
@@ -129,9 +132,11 @@ class Timeline:
             if key != last:
                 wait = "-" if s.queue_wait_ms is None else f"{s.queue_wait_ms:.0f}"
                 p95 = "-" if s.first_audio_p95_ms is None else f"{s.first_audio_p95_ms:.0f}"
+                p5 = "-" if s.realtime_factor_p5 is None else f"{s.realtime_factor_p5:.2f}"
                 out.append(f"t={s.t:.1f}s desired={s.desired} ready={s.ready} pods={s.pods} "
                            f"reason={s.reason} utilization={s.utilization:.2f} "
-                           f"queue_wait_ms={wait} first_audio_p95_ms={p95}")  # fmt: skip
+                           f"queue_wait_ms={wait} first_audio_p95_ms={p95} "
+                           f"realtime_factor_p5={p5}")  # fmt: skip
                 last = key
         utilizations = [s.utilization for s in self.samples]
         busy = sum(u > 0 for u in utilizations)

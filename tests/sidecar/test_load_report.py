@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field
 
-from omni_mesh.control_plane.autoscaling.first_audio import first_audio_p95
+from omni_mesh.control_plane.autoscaling.audio_slo import first_audio_p95
 from omni_mesh.control_plane.client import (
     ENGINE_FIRST_AUDIO_COUNT,
     ENGINE_OCCUPANCY,
@@ -183,6 +183,8 @@ def test_an_api_server_reports_its_first_audio_window_in_a_form_older_control_pl
     first = load_report(api_only)  # type: ignore[arg-type]
     assert first.engine[ENGINE_FIRST_AUDIO_COUNT] == 30.0
     assert first.engine["first_audio_le_0.1"] == 10.0 and first.engine["first_audio_le_0.3"] == 30
+    # Their real-time factor the same way (0.08 s of audio over 0.01..0.3 s: 23 at most 1x).
+    assert first.engine["rtf_count"] == 30.0 and first.engine["rtf_le_1"] == 23.0
     # A snapshot of the window, not a change since the last heartbeat: the next says the same.
     assert load_report(api_only).engine == first.engine  # type: ignore[arg-type]
     # What the autoscaler reads from it: the p95 lies in (0.2, 0.3].

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from omni_mesh.configs.pipeline_spec import UnknownPipelineError
 from omni_mesh.configs.registry import get_pipeline
-from omni_mesh.control_plane.autoscaling.first_audio import first_audio_p95
+from omni_mesh.control_plane.autoscaling.audio_slo import first_audio_p95, realtime_factor_p5
 from omni_mesh.control_plane.autoscaling.policy import decide, stage_inputs
 from omni_mesh.control_plane.schema import (
     InstanceInfo,
@@ -59,7 +59,7 @@ class Autoscaler:
                 key=lambda i: (i.registered_at_ms, i.epoch),
             )
             inputs = stage_inputs(ready, scale.wake_waiting).model_copy(
-                update={"standby": len(standby), **await self._first_audio(scale)}
+                update={"standby": len(standby), **await self._audio_slo(scale)}
             )
             decision = decide(scale.policy, inputs, scale.decision, now_ms).model_copy(
                 update={"leader": token[:8]}
@@ -76,10 +76,11 @@ class Autoscaler:
                 await self._promote(scale, inputs.ready, decision.desired, standby)
         return decisions
 
-    async def _first_audio(self, scale: StageScale) -> dict[str, object]:
-        """The pipeline's first-audio p95 from its API servers' windows, for a pool that
-        targets it (``first_audio.py``); nothing read for the others."""
-        if scale.policy.target_first_audio_p95_ms is None:
+    async def _audio_slo(self, scale: StageScale) -> dict[str, object]:
+        """The pipeline's first-audio p95 and real-time factor p5 from its API servers'
+        windows, for a pool that targets one (``audio_slo.py``); nothing read for the others."""
+        policy = scale.policy
+        if policy.target_first_audio_p95_ms is None and policy.target_realtime_factor_p5 is None:
             return {}
         try:
             stage_ids: Sequence[int] = sorted(get_pipeline(scale.pipeline).stage_ids)
@@ -87,7 +88,11 @@ class Autoscaler:
             stage_ids = [scale.stage_id]
         servers = await self._store.api_servers(scale.pipeline, stage_ids)
         p95_ms, samples = first_audio_p95(servers)
-        return {"first_audio_p95_ms": p95_ms, "first_audio_samples": samples}
+        return {
+            "first_audio_p95_ms": p95_ms,
+            "first_audio_samples": samples,
+            "realtime_factor_p5": realtime_factor_p5(servers)[0],
+        }
 
     async def _promote(
         self, scale: StageScale, ready: int, desired: int, standby: list[InstanceInfo]
@@ -118,7 +123,7 @@ class Autoscaler:
             level,
             "autoscale %s %s desired=%d->%d reason=%s recommended=%d ready=%d "
             "utilization=%.2f in_flight=%d queued=%d latency_ms=%s queue_wait_ms=%s "
-            "first_audio_p95_ms=%s kv_cache=%s wake=%d",
+            "first_audio_p95_ms=%s rtf_p5=%s kv_cache=%s wake=%d",
             d.direction.value,
             scale.where,
             d.previous,
@@ -132,6 +137,7 @@ class Autoscaler:
             "-" if d.inputs.latency_ms is None else f"{d.inputs.latency_ms:.1f}",
             "-" if d.inputs.queue_wait_ms is None else f"{d.inputs.queue_wait_ms:.1f}",
             "-" if d.inputs.first_audio_p95_ms is None else f"{d.inputs.first_audio_p95_ms:.1f}",
+            "-" if d.inputs.realtime_factor_p5 is None else f"{d.inputs.realtime_factor_p5:.2f}",
             "-" if d.inputs.kv_cache_usage is None else f"{d.inputs.kv_cache_usage:.2f}",
             d.inputs.wake_waiting,
         )
@@ -157,6 +163,8 @@ async def refresh_gauges(scale_store: ScaleStore, metrics: AutoscaleMetrics) -> 
             metrics.queue_wait.labels(*labels).set(d.inputs.queue_wait_ms / 1000.0)
         if d.inputs.first_audio_p95_ms is not None:
             metrics.first_audio.labels(*labels).set(d.inputs.first_audio_p95_ms / 1000.0)
+        if d.inputs.realtime_factor_p5 is not None:
+            metrics.realtime_factor.labels(*labels).set(d.inputs.realtime_factor_p5)
         if d.inputs.kv_cache_usage is not None:
             metrics.kv_cache.labels(*labels).set(d.inputs.kv_cache_usage)
         metrics.standby.labels(*labels).set(d.inputs.standby)

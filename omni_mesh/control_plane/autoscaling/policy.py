@@ -20,8 +20,10 @@
    0 when nothing ran, queued or waited (idle); more when the estimated queue + step time
    exceeds ``target_latency_ms``, or the replicas' reported queue wait (mean over them)
    exceeds ``target_queue_wait_ms``, or the pipeline's first-audio p95 (its API servers',
-   ``first_audio.py``) exceeds ``target_first_audio_p95_ms``: ``ceil(ready x figure / target)``
-   where that is more; at least enough for the waiting requests of a stage at zero.
+   ``audio_slo.py``) exceeds ``target_first_audio_p95_ms``: ``ceil(ready x figure / target)``
+   where that is more; a real-time factor's p5 below ``target_realtime_factor_p5`` likewise asks
+   for ``ceil(ready x target / figure)``; at least enough for the waiting requests of a stage at
+   zero.
 3. **Hysteresis** (:func:`decide`): the desired count rises only to what every recommendation
    of the last ``scale_up_window_s`` asked for (sustained load), falls only to the highest
    recommendation of the last ``scale_down_window_s``, by at most ``max_scale_up_step`` /
@@ -54,6 +56,7 @@ REASON_TOLERANCE = "within_tolerance"
 REASON_LATENCY = "latency"
 REASON_QUEUE_WAIT = "queue_wait"
 REASON_FIRST_AUDIO = "first_audio"
+REASON_REALTIME_FACTOR = "realtime_factor"
 REASON_WAKE = "wake"
 REASON_IDLE = "idle"
 REASON_BOUNDS = "bounds"
@@ -159,6 +162,11 @@ def recommend(policy: AutoscaleConfig, inputs: ScaleInputs) -> tuple[int, str]:
             by_goal = math.ceil(inputs.ready * value / goal - 1e-9)
             if by_goal > replicas:
                 replicas, reason = by_goal, why
+    floor, rtf = policy.target_realtime_factor_p5, inputs.realtime_factor_p5
+    if floor is not None and rtf is not None and rtf < floor:  # a floor: lower is worse
+        by_rtf = math.ceil(inputs.ready * floor / max(rtf, 1e-3) - 1e-9)
+        if by_rtf > replicas:
+            replicas, reason = by_rtf, REASON_REALTIME_FACTOR
     return replicas, reason
 
 

@@ -26,10 +26,12 @@ inside vLLM. A prefill hop never waits on a later stage (only its KV goes on), s
 holds a slot is the engine's work and its queue there.
 
 An API server (a pod that serves the client API, with an engine or ``--api-only``) also reports
-its time to first audio over the last seconds (``first_audio_le_<s>``, ``first_audio_count``:
-:data:`~omni_mesh.control_plane.client.ENGINE_FIRST_AUDIO_LE`), a snapshot of its sliding
-window (``observability/window_histogram.py``) while that holds a sample. The autoscaler merges
-the windows of the pipeline's API servers for a pool that sets ``target_first_audio_p95_ms``.
+its streamed audio answers' time to first audio and real-time factor over the last seconds
+(``first_audio_le_<s>``, ``first_audio_count``, ``rtf_le_<x>``, ``rtf_count``:
+:data:`~omni_mesh.control_plane.client.ENGINE_FIRST_AUDIO_LE`), snapshots of its sliding windows
+(``observability/window_histogram.py``) while they hold a sample. The autoscaler merges the
+windows of the pipeline's API servers for a pool that sets ``target_first_audio_p95_ms`` or
+``target_realtime_factor_p5``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ from omni_mesh.control_plane.client import (
     ENGINE_FIRST_AUDIO_LE,
     ENGINE_OCCUPANCY,
     ENGINE_QUEUE_WAIT_MS,
+    ENGINE_RTF_COUNT,
+    ENGINE_RTF_LE,
     LoadReport,
 )
 from omni_mesh.observability.window_histogram import WindowHistogram
@@ -77,7 +81,9 @@ def load_report(pod: Pod) -> LoadReport:
         engine["running"] = max(engine["running"], held)
         engine[ENGINE_OCCUPANCY] = max(engine[ENGINE_OCCUPANCY], held)
     if pod.serves_api:
-        engine.update(first_audio_figures(pod.metrics.audio.first_window, time.monotonic()))
+        audio, now = pod.metrics.audio, time.monotonic()
+        engine.update(window_figures(audio.first_window, now, ENGINE_FIRST_AUDIO_LE))
+        engine.update(window_figures(audio.rtf_window, now, ENGINE_RTF_LE, ENGINE_RTF_COUNT))
     queued = pod.gate.queued if pod.gate is not None else 0
     return LoadReport(
         in_flight=pod.in_flight + queued,  # waiters in the admission queue are load too
@@ -97,12 +103,17 @@ def queue_wait_ms(pod: Pod) -> float:
     return admission_s * 1000.0 + engine_ms
 
 
-def first_audio_figures(window: WindowHistogram, now: float) -> dict[str, float]:
-    """The window's snapshot as engine figures (see the module docstring): nothing while it
-    holds no sample."""
+def window_figures(
+    window: WindowHistogram,
+    now: float,
+    prefix: str = ENGINE_FIRST_AUDIO_LE,
+    count: str = ENGINE_FIRST_AUDIO_COUNT,
+) -> dict[str, float]:
+    """The window's snapshot as engine figures ``<prefix><bound>`` and ``count`` (see the
+    module docstring): nothing while it holds no sample."""
     cumulative, total = window.snapshot(now)
     if total == 0:
         return {}
-    figures = {f"{ENGINE_FIRST_AUDIO_LE}{bound:g}": float(count) for bound, count in cumulative}
-    figures[ENGINE_FIRST_AUDIO_COUNT] = float(total)
+    figures = {f"{prefix}{bound:g}": float(n) for bound, n in cumulative}
+    figures[count] = float(total)
     return figures
