@@ -21,11 +21,9 @@ import json
 import re
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
-import openai
 import pytest
 
 from omni_mesh.configs.loader import bundled_deploy_path
@@ -38,6 +36,7 @@ from tests.engines.qwen3_omni.omni_reference import (
     expected,
     sdk_chat,
 )
+from tests.launcher.split_thinker import SplitThinker
 from tests.procs import wait_until
 from tests.procs.hops import hop_text, send_hop
 from tests.procs.managed import ManagedProcess
@@ -67,37 +66,19 @@ stages:
 """
 
 
-class Split:
+class Split(SplitThinker):
+    """The split deployment (``tests/launcher/split_thinker.py``'s view) and its talkers."""
+
     def __init__(self, proc: ManagedProcess, url: str) -> None:
-        self.proc = proc
-        self.url = url
-        self.thinkers = stage_pools(proc.stdout, 0, "thinker")
+        super().__init__(proc, url, stage_pools(proc.stdout, 0, "thinker"))
+        self.thinkers = self.pools
         self.talkers = stage_pools(proc.stdout, 1, "talker")[""]
-
-    def metric(self, url: str, line_start: str) -> float:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
-            for line in resp.read().decode().splitlines():
-                if line.startswith(line_start):
-                    return float(line.rsplit(" ", 1)[1])
-        return 0.0
-
-    def kv(self, pool: str, outcome: str) -> float:
-        line = (
-            f'omni_stage_kv_transfers_total{{outcome="{outcome}",pipeline="{PIPELINE}",stage="0"}}'
-        )
-        return sum(self.metric(url, line) for url in self.thinkers[pool])
-
-    def handoffs(self, outcome: str) -> float:
-        return self.metric(
-            self.url, f'omni_stage_kv_handoffs_total{{from_stage="-1",outcome="{outcome}"'
-        )
 
     def fed_chunks(self) -> float:
         return sum(self.metric(url, "omni_stage_input_chunks_total") for url in self.talkers)
 
     def chat(self, messages: list[dict[str, Any]], seed: int, tokens: int) -> Any:
-        with openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0) as sdk:
-            return sdk_chat(sdk, messages, seed, max_tokens=tokens)
+        return sdk_chat(self.client, messages, seed, max_tokens=tokens)
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +88,11 @@ def split(vllm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) ->
     overlay.write_text(OVERLAY.format(bundled=bundled_deploy_path(PIPELINE)))
     with omni_up(PIPELINE, overlay, log_dir, secret=SECRET, timeout_s=240) as (proc, url):
         top = Split(proc, url)
-        assert len(top.thinkers["prefill"]) == 1 and len(top.thinkers["decode"]) == 1
-        yield top
+        try:
+            assert len(top.thinkers["prefill"]) == 1 and len(top.thinkers["decode"]) == 1
+            yield top
+        finally:
+            top.client.close()
 
 
 @pytest.mark.parametrize("audio_in", [False, True], ids=["text-in", "audio-in"])
@@ -121,7 +105,7 @@ def test_the_split_thinker_answers_as_the_monolithic_model(split: Split, audio_i
     assert_same_audio(samples, want_samples)
     assert split.handoffs("remote") == remote + 1  # decoded from the pulled KV
     assert split.fed_chunks() >= chunks + 4  # the answer went on in chunks
-    assert split.kv("decode", "failed") == 0
+    assert split.transfers("decode", "failed") == 0
 
 
 def _input(request_id: str, kv_transfer: str) -> StageInput:
@@ -155,12 +139,12 @@ def test_a_decode_without_its_prompt_rows_prefills_here(split: Split, tamper: st
         del params[ROWS_KEY]
     else:  # the slot holds another prefill's rows now: the read sees another tag
         params[ROWS_KEY]["hold"] = "0" * 32
-    failed = split.kv("decode", "failed")
+    failed = split.transfers("decode", "failed")
     decode = split.thinkers["decode"][0]
     frames = send_hop(decode, _input(f"{tamper}-decode", json.dumps(params)), SECRET)
     assert [f.error for f in frames if f.error] == []
     assert hop_text(frames) == want_text
-    wait_until(lambda: split.kv("decode", "failed") >= failed + 1, 10, interval=0.2)
+    wait_until(lambda: split.transfers("decode", "failed") >= failed + 1, 10, interval=0.2)
 
 
 # Last: the prefill replica is killed (omni-up starts a new one).
