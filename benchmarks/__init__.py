@@ -23,6 +23,7 @@ the same run. Every process a benchmark starts is stopped at its end, also on er
 | omni-handoff | :mod:`benchmarks.omni_handoff` | qwen3-omni first audio vs answer length |
 | omni-thinkers | :mod:`benchmarks.omni_thinkers` | qwen3-omni's thinker: vLLM vs transformers |
 | vllm-core | :mod:`benchmarks.vllm_core` | the vLLM stage's engine path vs LLMEngine alone |
+| image | :mod:`benchmarks.image` | glm-image 1:1 and 1:2 vs GlmImagePipeline one at a time |
 | service | :mod:`benchmarks.service` | session affinity's TTFT gain; the usage accounting's cost |
 """
 
@@ -43,5 +44,6 @@ NAMES = (
     "omni-handoff",
     "omni-thinkers",
     "vllm-core",
+    "image",
     "service",
 )

@@ -1,7 +1,8 @@
 """``python -m benchmarks NAME [--quick] [--reps N] [--profile DIR] [--write-doc FILE]``.
 
 NAME is one of ``hop``, ``handoff``, ``scaling``, ``control-plane``, ``peer``, ``streaming``,
-``autoscale``, ``overload``, ``vllm``, ``omni``, ``realtime``, ``pd``, ``pd-thinker`` or ``all``.
+``autoscale``, ``overload``, ``vllm``, ``omni``, ``realtime``, ``pd``, ``pd-thinker``, ``image``
+(and the others of ``benchmarks.NAMES``) or ``all``.
 ``--write-doc`` replaces the generated part of a markdown file (between the BEGIN/END
 GENERATED markers) with this run's tables, the command and the machine.
 """
@@ -46,6 +47,7 @@ MODULES = {
     "omni-handoff": "benchmarks.omni_handoff",
     "omni-thinkers": "benchmarks.omni_thinkers",
     "vllm-core": "benchmarks.vllm_core",
+    "image": "benchmarks.image",
     "service": "benchmarks.service",
 }
 
