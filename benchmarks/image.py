@@ -16,11 +16,7 @@ real model's default side) at concurrency 1 on omni-mesh 1:2 and the two-thread 
 phase: images per second, latency p50/p99 (to the completed image), first partial image p50,
 and the CPU each omni-mesh stage's engines used.
 
-The stages apart (:func:`stage_costs`, in this process, one torch thread as an engine runs):
-the AR's prior tokens per second (omni-mesh's AR engine with 1 and 8 rows; the pipeline's
-``generate_prior_tokens``) and a DiT step's time (omni-mesh's DiT engine; the pipeline given the
-prior tokens, its whole DiT call over its steps, glyph encoding and VAE decode included in
-both).
+The stages apart: :mod:`benchmarks.image_stages`, in this process, one torch thread.
 
 Targets (ratios of this run): omni-mesh 1:2's images/s at concurrency 8 ≥ 3x the monolith's;
 omni-mesh 1:2's first partial image p50 at concurrency 1 ≤ 0.5x its whole image p50 (at each
@@ -40,11 +36,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from openai import AsyncOpenAI
 
 from benchmarks.common import Options, Report
 from benchmarks.fabric import http_json
+from benchmarks.image_stages import StageCosts, stage_costs
 from benchmarks.measure import Target, md_table, percentile, ratio
 from benchmarks.omni import CpuWatch
 from omni_mesh.configs.loader import bundled_deploy_path
@@ -237,76 +233,6 @@ async def mono_phases(threads: int, plan: Plan, logs: Path) -> list[Phase]:
         proc.terminate(timeout=20)
 
 
-# ---- the stages apart ------------------------------------------------------------------------
-
-
-@dataclass
-class StageCosts:
-    ar_tokens: int  # prior tokens per request (both grids and one more)
-    ar_one: float  # tokens/s, omni-mesh's AR engine, one row
-    ar_eight: float  # tokens/s, omni-mesh's AR engine, eight rows
-    ar_pipe: float  # tokens/s, GlmImagePipeline.generate_prior_tokens
-    dit_step: float  # s per step, omni-mesh's DiT engine (glyphs and decode included)
-    dit_pipe: float  # s per step, GlmImagePipeline given the prior tokens
-    preview: float  # s, one partial image's VAE decode
-
-
-def stage_costs(reps: int) -> StageCosts:
-    """The stages apart, in this process, one torch thread (module docstring)."""
-    from omni_mesh.engines.base import EngineRequest, StageData
-    from omni_mesh.engines.glm_image.inputs import ImageSize
-    from omni_mesh.engines.glm_image.processors import ar_to_dit
-    from tests.engines.glm_image.glm_reference import monolithic
-    from tests.engines.helpers import make_engine
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        ar = make_engine(PIPELINE, 0)
-        dit = make_engine(PIPELINE, 1, steps=STEPS)
-        pipe = monolithic()
-        pipe.set_progress_bar_config(disable=True)
-        tokens = sum(h * w for h, w in ar.tokenize(prompt(0), ImageSize(SIZE, SIZE)).grids) + 1
-
-        def requests(n: int, base: int) -> list[EngineRequest]:
-            fields = {"prompt": prompt(base), "width": SIZE, "height": SIZE}
-            return [
-                EngineRequest(f"r{base + i}", base + i, StageData(dict(fields))) for i in range(n)
-            ]
-
-        def timed(fn: Any) -> float:
-            fn()  # a warm-up
-            times = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            return percentile(times, 50)
-
-        (prior,) = ar.execute(requests(1, 0))
-        ids = prior.output.arrays["prior_token_ids"]
-        dit_in = ar_to_dit(prior.output)
-        upsampled = pipe._upsample_token_ids(torch.from_numpy(ids).reshape(-1), *ids.shape)
-        generator = torch.Generator()
-        one = timed(lambda: ar.execute(requests(1, 0)))
-        eight = timed(lambda: ar.execute(requests(8, 0)))
-        ar_pipe = timed(lambda: pipe.generate_prior_tokens(
-            prompt(0), SIZE, SIZE, generator=generator.manual_seed(0)))  # fmt: skip
-        dit_run = timed(lambda: dit.execute([EngineRequest("d", 0, dit_in)]))
-        dit_pipe = timed(lambda: pipe(
-            prompt(0), height=SIZE, width=SIZE, num_inference_steps=STEPS,
-            prior_token_ids=upsampled, generator=generator.manual_seed(0)))  # fmt: skip
-        latent = torch.zeros(1, int(dit.vae.config.latent_channels), SIZE // 8, SIZE // 8)
-        with torch.inference_mode():
-            preview = timed(lambda: dit.decode(latent, None))
-    finally:
-        torch.set_num_threads(threads)
-    return StageCosts(
-        tokens, tokens / one, 8 * tokens / eight, tokens / ar_pipe, dit_run / STEPS,
-        dit_pipe / STEPS, preview,
-    )  # fmt: skip
-
-
 # ---- the benchmark ---------------------------------------------------------------------------
 
 
@@ -314,7 +240,8 @@ async def bench(opts: Options) -> Report:
     report = Report("image", "image: glm-image on omni-mesh vs GlmImagePipeline one at a time")
     plan = [(1, opts.pick(8, 3), SIZE), (8, opts.pick(32, 8), SIZE)]
     large = [(1, opts.pick(3, 1), LARGE)]  # the target's ratio at the real model's size
-    costs = await asyncio.to_thread(stage_costs, opts.repetitions(3, 1))
+    reps = opts.repetitions(3, 1)
+    costs = await asyncio.to_thread(stage_costs, reps, SIZE, STEPS, prompt)
     logs = Path(tempfile.mkdtemp(prefix="omni-bench-image-"))
     failed = True
     phases: list[Phase] = []
