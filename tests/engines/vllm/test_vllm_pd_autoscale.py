@@ -31,7 +31,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 SEEDS = (11, 12, 13)
 # A few clients put a prefill replica's utilization near 0.03-0.05 (0.5-0.8 of its 16 seqs held
-# on average), a trickle near 0.001: the target lies far from both. The load must stay low for
+# on average), a trickle (one client, 1 s apart) near 0.001: the target lies far from both. (With
+# 0.5 s apart on a machine loaded by two other test runs, a trickle's prefills took long enough to
+# average 0.06 and a third prefill replica was started.) The load must stay low for
 # 8 s before the pool shrinks: on a busy machine the clients' load dipped to the target for
 # 2-3 s, and the second replica was retired while it started.
 POLICY = AutoscaleConfig(
@@ -104,7 +106,7 @@ def test_the_prefill_pool_grows_under_load_and_shrinks_by_draining_when_it_is_go
     drained = re.compile(rf"autoscale stage=0 pool=prefill drained process={name} ")
     retired = re.compile(rf"retired process={name} pid=\d+ exited with code 0")
     with ClientLoad(
-        lambda seed, stream: complete(split, seed, stream=stream), SEEDS, 1, pause_s=0.5
+        lambda seed, stream: complete(split, seed, stream=stream), SEEDS, 1, pause_s=1.0
     ) as trickle:
         wait_until(lambda: retired.search(split.proc.stderr), 90, interval=0.2, message=log)
         time.sleep(1.0)  # requests after the retirement too
