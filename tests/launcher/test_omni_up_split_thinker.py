@@ -64,9 +64,12 @@ def chat(up: SplitThinker, messages: list[dict[str, Any]], seed: int) -> tuple[s
     return sdk_chat(up.client, messages, seed, MAX_TOKENS)
 
 
-def text_chat(up: SplitThinker, seed: int, stream: bool = False) -> str:
-    """A text-only answer (the thinker alone), streamed or not."""
+def text_chat(up: SplitThinker, seed: int, stream: bool = False, user: str | None = None) -> str:
+    """A text-only answer (the thinker alone), streamed or not; ``user`` names its session
+    (one conversation's turns keep to one decode replica: session affinity)."""
     kwargs: dict[str, Any] = {"model": PIPELINE, "messages": TEXT, "seed": seed}
+    if user is not None:
+        kwargs["user"] = user
     if not stream:
         out = up.client.chat.completions.create(max_tokens=MAX_TOKENS, **kwargs)
         return out.choices[0].message.content or ""
@@ -98,8 +101,8 @@ def test_one_prefill_and_two_decode_replicas_answer_as_the_monolithic_model(
         assert text_chat(one_two, seed, stream=True) == want
     calls = 2 * len(SEEDS)
     wait_until(lambda: one_two.transfers("decode", "pulled") >= pulled + calls, 10, interval=0.2)
-    # both decode replicas pulled, from the one prefill replica (the router spreads the
-    # requests; a tie between idle replicas is random, so a few more may be needed)
+    # both decode replicas pulled, from the one prefill replica (one conversation keeps to one
+    # decode replica: the users of these turns differ, and the router spreads their sessions)
     pulled_line = f'omni_stage_kv_transfers_total{{outcome="pulled",pipeline="{PIPELINE}"'
 
     def pulled_by() -> list[float]:
@@ -108,7 +111,8 @@ def test_one_prefill_and_two_decode_replicas_answer_as_the_monolithic_model(
     for seed in range(100, 120):
         if all(n > 0 for n in pulled_by()):
             break
-        assert text_chat(one_two, seed) == expected(TEXT, seed=seed, max_tokens=MAX_TOKENS)[0]
+        want = expected(TEXT, seed=seed, max_tokens=MAX_TOKENS)[0]
+        assert text_chat(one_two, seed, user=f"user-{seed}") == want
         calls += 1
         time.sleep(0.6)  # the pods' next engine stats
     assert all(n > 0 for n in pulled_by()), pulled_by()

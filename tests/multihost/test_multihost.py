@@ -47,11 +47,13 @@ def test_request_path_across_three_hosts(fabric: Fabric) -> None:
     # C -> C stays on the host: shared memory, the hop body carries a handle only
     assert sent_by["s1c"] < delta["s1c"] * 64 * 1024, sent_by
 
-    # the answer is the 3-stage result, the same bytes whichever hosts it crossed
+    # the answer is the 3-stage result, the same outputs whichever hosts it crossed (its
+    # usage, the engine time each stage spent on it, differs run to run)
     status, body = a.run(lambda: http(fabric.api_url + "/v1/generate", {"prompt": "x", "seed": 7}))
     assert status == 200, body[:300]
     again = [a.run(lambda: http(fabric.api_url + "/v1/generate", {"prompt": "x", "seed": 7}))]
-    assert again[0] == (200, body)
+    assert again[0][0] == 200
+    assert json.loads(again[0][1])["outputs"] == json.loads(body)["outputs"]
 
 
 def test_host_cut_off_from_control_plane_keeps_serving_and_rejoins(fabric: Fabric) -> None:

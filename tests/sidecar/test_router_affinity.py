@@ -1,7 +1,8 @@
 """Session affinity in the router (``sidecar/hop/affinity.py``): a session's hops go to one
 replica while it has room, every sender picks the same one from the same pool, sessions spread
-over the replicas, a full replica's sessions spill to their next replica and come back, an
-ejected or departed replica's go elsewhere and only theirs move; and the keys the API server
+over the replicas, a replica past 1.25x the pool's mean load (or at its capacity) spills its
+sessions to their next replica and takes them back, an ejected or departed replica's go
+elsewhere and only theirs move; and the keys the API server
 derives for a request (``sidecar/api/affinity_keys.py``)."""
 
 from __future__ import annotations
@@ -55,23 +56,43 @@ def test_sessions_spread_over_the_replicas() -> None:
     assert min(counts.values()) > 50, counts  # 100 each on average
 
 
-def test_a_full_replica_spills_its_sessions_to_their_next_and_takes_them_back() -> None:
-    pools = FakePools(*(replica(f"r{i}", capacity=2) for i in range(3)))
+def test_a_busy_replica_spills_its_sessions_to_their_next_and_takes_them_back() -> None:
+    pools = FakePools(*(replica(f"r{i}", capacity=8) for i in range(3)))
     (router,) = routers(pools, 1)
     key = "busy-session"
-    home, second = (r.instance_id for r in ranked(key, list(pools.replicas(1)))[:2])
+    home, second, third = (r.instance_id for r in ranked(key, list(pools.replicas(1))))
     assert pick(router, key) == home
-    router.begin(home)
-    router.begin(home)  # full: 2 of 2 in flight
+    router.begin(home)  # 1 in flight there, none elsewhere: past 1.25x the mean with one more
     assert pick(router, key) == second
-    router.end(home)
+    router.begin(second)
+    router.begin(third)  # the mean rose to 1: its replica has room again
     assert pick(router, key) == home
-    # full by its own report (other senders' traffic) counts too
+    # its own report (every sender's traffic) counts as much as this sender's
+    for r in (second, third):
+        router.end(r)
+    router.end(home)
     pools.pools[1] = [
-        replica(r.instance_id, capacity=2, reported=2 if r.instance_id == home else 0)
+        replica(r.instance_id, capacity=8, reported=5 if r.instance_id == home else 0)
         for r in pools.replicas(1)
     ]
     assert pick(router, key) == second
+
+
+def test_a_replica_at_capacity_takes_no_more_of_its_sessions() -> None:
+    pools = FakePools(replica("r0", capacity=1), replica("r1", capacity=1), replica("r2"))
+    (router,) = routers(pools, 1)
+    key = next(
+        f"k{i}"
+        for i in range(100)
+        if ranked(f"k{i}", list(pools.replicas(1)))[0].instance_id == "r0"
+    )
+    router.begin("r1")
+    router.begin("r2")
+    router.begin("r2")
+    assert pick(router, key) == "r0"  # under the bound (ceil(1.25 * 4 / 3) = 2) and capacity
+    router.begin("r0")
+    router.begin("r2")  # the mean rises; r0 is at its capacity of 1 all the same
+    assert pick(router, key) != "r0"
 
 
 def test_when_every_replica_is_full_the_less_loaded_of_two_takes_it() -> None:

@@ -4,15 +4,18 @@ Rendezvous hashing: every replica of the pool gets a score ``hash(key, instance_
 session's replica is the one with the highest score. Every sender (each API server, each stage's
 sidecar) sees the same pools from the control plane, so they all pick the same replica for a
 key without sharing a table; a replica that joins or leaves moves only the sessions that score
-highest on it. Bounded load: a hop goes to the first replica in score order that has room
-(requests in flight, this sender's or its own report, below its capacity), so one busy session
-cannot pile onto a full replica; a full, ejected or departed replica's sessions go to their
-next replica, and come back when it has room again.
+highest on it. Bounded load (consistent hashing with bounded loads, Mirrokni et al.): a hop goes
+to the first replica in score order that has room, i.e. whose requests in flight (this sender's
+or its own report) would stay within :data:`SLACK` times the pool's mean with this one counted,
+and under its capacity. A session (or many sharing one key) cannot pile onto its replica while
+the others idle: past 1.25x the mean its hops go to its next replica, and come back when there
+is room again; so does every session of a full, ejected or departed replica.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
@@ -36,10 +39,23 @@ def ranked(key: str, replicas: Sequence[R]) -> list[R]:
     return sorted(replicas, key=lambda r: score(key, r.instance_id), reverse=True)
 
 
-def with_room(key: str, replicas: Sequence[R], load: Callable[[R], float]) -> R | None:
-    """The session's replica with room (``load`` below 1: in flight under capacity), in its
-    order of preference; None when every one is full."""
+#: How far above the pool's mean load a session's replica may go before its hops move on.
+SLACK = 1.25
+
+
+def with_room(
+    key: str,
+    replicas: Sequence[R],
+    in_flight: Callable[[R], int],
+    capacity: Callable[[R], int],
+) -> R | None:
+    """The session's replica with room (module docstring), in its order of preference; None
+    when every one is full."""
+    counts = [in_flight(r) for r in replicas]
+    bound = math.ceil(SLACK * (sum(counts) + 1) / max(1, len(replicas)))
+    by_id = {id(r): n for r, n in zip(replicas, counts, strict=True)}
     for replica in ranked(key, replicas):
-        if load(replica) < 1.0:
+        n = by_id[id(replica)]
+        if n + 1 <= bound and n < capacity(replica):
             return replica
     return None

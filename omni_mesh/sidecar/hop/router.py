@@ -106,7 +106,7 @@ class Router:
         if not pool:
             return None
         if affinity and not prefill:
-            chosen = with_room(affinity, pool, self._load)
+            chosen = with_room(affinity, pool, self._in_flight_at, lambda r: max(1, r.capacity))
             if chosen is not None:
                 return chosen
         if len(pool) == 1:
@@ -135,6 +135,10 @@ class Router:
         """Whether ``stage_id``'s pools are split into prefill and decode (its replicas say
         so when they register): a hop there goes to a prefill replica first."""
         return any(r.kv_role for r in self.pools.replicas(stage_id))
+
+    def _in_flight_at(self, r: Replica) -> int:
+        """Requests in flight at ``r``: ours (exact, fresh) or its report (every sender's)."""
+        return max(self._in_flight.get(r.instance_id, 0), r.reported_in_flight)
 
     def _load(self, r: Replica) -> float:
         # What we have in flight there is exact and fresh; what it reported (at most one
