@@ -123,9 +123,11 @@ def test_the_prefill_pool_grows_under_load_and_shrinks_by_draining_when_it_is_go
     assert role_and_state(status, url) == () and status.count("headless/decode") == 1, status
 
     # Every answer was decoded from KV pulled from a prefill replica; the decode pool never
-    # changed (not autoscaled); nothing else was started.
+    # changed (not autoscaled). (A third prefill replica may start after the second retired: with
+    # the suite's other worker busy, the trickle's prefills held 0.03 of the replica on average,
+    # above this test's 0.01 target; the pool's growing and draining are asserted above.)
     calls = len(load.results) + len(trickle.results)
     wait_until(lambda: kv_metric(split, "decode", "pulled") >= calls, 10, interval=0.2)
     assert handoffs(split, "remote") == calls and handoffs(split, "local") == 0
     assert kv_metric(split, "decode", "failed") == 0
-    assert "stage0-llm-decode-1" not in stderr and "stage0-llm-prefill-2" not in stderr
+    assert "stage0-llm-decode-1" not in stderr
