@@ -58,10 +58,7 @@ OVERLAY = """\
 base_config: {bundled}
 stages:
   - stage_id: 0
-    max_model_len: 1024
-    dtype: float32
-    engine_extras: {{model: tiny-qwen3-omni, max_tokens: 32, backend: vllm, talker_chunk_tokens: 2}}
-    engine_args: {{block_size: 32, kv_cache_memory_bytes: 268435456}}
+    engine_extras: {{backend: vllm, talker_chunk_tokens: 2}}
     prefill: {{num_replicas: 1}}
 """
 

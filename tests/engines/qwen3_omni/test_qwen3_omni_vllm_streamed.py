@@ -32,15 +32,13 @@ pytestmark = [
 PIPELINE = "qwen3-omni"
 TEXT = [{"role": "user", "content": "tell me about the sea"}]
 
-#: The bundled deploy config (async_chunk on), the thinker on vLLM (fp32, a small KV cache).
+#: The bundled deploy config (async_chunk on; its thinker settings: fp32, a small KV cache), the
+#: thinker on vLLM whether or not auto would pick it.
 OVERLAY = """\
 base_config: {bundled}
 stages:
   - stage_id: 0
-    max_model_len: 1024
-    dtype: float32
-    engine_extras: {{model: tiny-qwen3-omni, max_tokens: 32, backend: vllm, talker_chunk_tokens: 2}}
-    engine_args: {{block_size: 32, kv_cache_memory_bytes: 268435456}}
+    engine_extras: {{backend: vllm, talker_chunk_tokens: 2}}
 """
 
 

@@ -36,16 +36,14 @@ PIPELINE = "qwen3-omni"
 TEXT = [{"role": "user", "content": "hello, who are you?"}]
 
 
-#: The bundled deploy config, whole hand-offs, the thinker on vLLM (fp32, a small KV cache).
+#: The bundled deploy config (its thinker settings: fp32, a small KV cache), whole hand-offs,
+#: the thinker on vLLM whether or not auto would pick it.
 OVERLAY = """\
 base_config: {bundled}
 async_chunk: false
 stages:
   - stage_id: 0
-    max_model_len: 1024
-    dtype: float32
-    engine_extras: {{model: tiny-qwen3-omni, max_tokens: 32, backend: vllm}}
-    engine_args: {{block_size: 32, kv_cache_memory_bytes: 268435456}}
+    engine_extras: {{backend: vllm}}
 """
 
 
