@@ -41,8 +41,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -56,9 +55,9 @@ from omni_mesh.data_plane.messages import (
     Tensor,
     is_whole,
     opens_input_stream,
-    streams_out,
     transfer_key,
 )
+from omni_mesh.engines.admitted import AdmittedStream, share_step
 from omni_mesh.engines.base import (
     EngineContext,
     EngineInputError,
@@ -82,37 +81,6 @@ ArrayReader = Callable[[Tensor], np.ndarray]
 ArrayWriter = Callable[[np.ndarray, str], Tensor]
 
 
-@dataclass(eq=False)
-class _Stream:
-    """One admitted input and the engine's stream of results for it."""
-
-    si: StageInput
-    results: Iterator[EngineResult | None]  # None: nothing this step (the engine batches itself)
-    queue_ms: float  # the input's wait before admission, reported on its first output
-    emitted: int = 0  # results turned into outputs so far
-    forwarded: int = 0  # of which built next-stage inputs (``EngineResult.forward``)
-    fed: FedRequest | None = None  # a streamed input's request, its later chunks merged
-    used_ms: float = 0.0  # its share of the steps since its last output (StageOutput.used_ms)
-    whole: bool = field(init=False)  # its answer may stream (a whole input, or a streamed one)
-
-    def __post_init__(self) -> None:
-        self.whole = streams_out(self.si)  # (read several times per output: kept)
-
-    @property
-    def next_chunk(self) -> int:
-        """The chunk index the stream's next output gets (the chunk numbering rule)."""
-        return self.emitted if self.whole else self.si.chunk
-
-    def close(self) -> None:
-        close = getattr(self.results, "close", None)
-        if close is None:
-            return
-        try:
-            close()
-        except Exception:  # a stream that fails to close must not take the engine down
-            logger.exception("closing a stream failed request_id=%s", self.si.request_id)
-
-
 class EngineCore:
     """Runs one stage's engine over batches; pure logic, testable in-process."""
 
@@ -133,7 +101,7 @@ class EngineCore:
         self._join = join_assembler(pipeline, stage)  # None unless this stage is a join
         # Each downstream stage and every stage after it (StageInput.final_stages).
         self._leads_to = {s.stage_id: _reachable(pipeline, s.stage_id) for s in self.downstream}
-        self._running: list[_Stream] = []
+        self._running: list[AdmittedStream] = []
         # Later chunks of streamed inputs that came before their first chunk was admitted.
         self._early = EarlyChunks()
 
@@ -211,7 +179,7 @@ class EngineCore:
         opened = iter(self._open(fresh, read))
         slots = [next(opened) if slot is None else slot for slot in resolved]
         earlier = self._running
-        streams = earlier + [s for s in slots if isinstance(s, _Stream)]
+        streams = earlier + [s for s in slots if isinstance(s, AdmittedStream)]
         results = self._advance_all(streams)
         engine_ms = (time.monotonic() - t0) * 1000.0
         # 3) Build outputs and next-stage inputs; keep the streams that have more to give.
@@ -227,7 +195,7 @@ class EngineCore:
                 self._running.append(stream)
             else:
                 stream.close()
-        self._share(streams, produced, started)
+        share_step(streams, produced, started)
         outputs += [(s.si, produced[id(s)]) for s in earlier if id(s) in produced]
         outputs += [
             slot if isinstance(slot, tuple) else (slot.si, produced[id(slot)])
@@ -237,20 +205,6 @@ class EngineCore:
         return outputs
 
     # ---- helpers -------------------------------------------------------------------------
-
-    @staticmethod
-    def _share(streams: list[_Stream], produced: dict[int, StageOutput], started: float) -> None:
-        """Usage: the step's whole time (its outputs built and written too) shared among the
-        requests it advanced; each output carries its request's shares since its previous one
-        (``StageOutput.used_ms``)."""
-        if not streams:
-            return
-        share = (time.monotonic() - started) * 1000.0 / len(streams)
-        for stream in streams:
-            stream.used_ms += share
-            out = produced.get(id(stream))
-            if out is not None:
-                out.used_ms, stream.used_ms = stream.used_ms, 0.0
 
     def _expire(self, now_ms: float) -> list[tuple[StageInput, StageOutput]]:
         """Close the running streams whose deadline passed; answer each with the reason."""
@@ -269,7 +223,7 @@ class EngineCore:
 
     def _open(
         self, fresh: list[tuple[StageInput, EngineRequest, float]], read: ArrayReader
-    ) -> list[tuple[StageInput, StageOutput] | _Stream]:
+    ) -> list[tuple[StageInput, StageOutput] | AdmittedStream]:
         """One stream per request (or, when the engine refuses the batch, one error each)."""
         if not fresh:
             return []
@@ -289,9 +243,9 @@ class EngineCore:
             )
             message = f"{type(exc).__name__}: {exc}"
             return [(si, self._error(si, "engine_error", message)) for si, _, _ in fresh]
-        streams: list[tuple[StageInput, StageOutput] | _Stream] = []
+        streams: list[tuple[StageInput, StageOutput] | AdmittedStream] = []
         for (si, request, queue_ms), it in zip(fresh, iterators, strict=True):
-            stream = _Stream(si, it, queue_ms)
+            stream = AdmittedStream(si, it, queue_ms)
             if request.streamed_input:
                 fed = stream.fed = FedRequest(request)
                 for early in self._early.pop(transfer_key(si)):
@@ -299,7 +253,9 @@ class EngineCore:
             streams.append(stream)
         return streams
 
-    def _advance_all(self, streams: list[_Stream]) -> list[EngineResult | StageOutput | None]:
+    def _advance_all(
+        self, streams: list[AdmittedStream]
+    ) -> list[EngineResult | StageOutput | None]:
         if not streams:
             return []
         try:
@@ -310,7 +266,7 @@ class EngineCore:
             return [self._error(s.si, "engine_error", message, s.next_chunk) for s in streams]
         return [self._advance(stream) for stream in streams]
 
-    def _advance(self, stream: _Stream) -> EngineResult | StageOutput | None:
+    def _advance(self, stream: AdmittedStream) -> EngineResult | StageOutput | None:
         """The stream's next result (None: none this step), or the error that ends it (as
         data, for it alone)."""
         si, chunk = stream.si, stream.next_chunk
@@ -342,7 +298,7 @@ class EngineCore:
 
     def _emit(
         self,
-        stream: _Stream,
+        stream: AdmittedStream,
         result: EngineResult | StageOutput,
         write: ArrayWriter,
         engine_ms: float,

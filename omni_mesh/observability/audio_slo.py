@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from omni_mesh.observability.tenant_labels import TenantLabels
 from omni_mesh.observability.window_histogram import WindowHistogram
@@ -35,6 +35,7 @@ SC_AUDIO_RTF = "omni_api_audio_realtime_factor"
 SC_AUDIO_SECONDS = "omni_api_audio_seconds"
 SC_AUDIO_UNDERRUNS = "omni_api_audio_underruns"
 SC_AUDIO_UNDERRUN_SECONDS = "omni_api_audio_underrun_seconds"
+SC_STREAM_REALTIME = "omni_stage_stream_realtime_factor"
 
 FIRST_AUDIO_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 #: Seconds of answers the first-audio window holds (what the heartbeats report).
@@ -133,6 +134,15 @@ class AudioSloMetrics:
             SC_AUDIO_UNDERRUN_SECONDS,
             "Silence a listener heard in playback underruns (the gaps, summed).",
             labels,
+            registry=registry,
+        )
+        # A stage pod's, per stage: an audio-frame stage (a talker) against real time.
+        self.stream_realtime = Gauge(
+            SC_STREAM_REALTIME,
+            "An audio-frame stage (a talker): the audio seconds its last step made for each "
+            "running stream over that step's duration (below 1: its streams fall behind "
+            "playback).",
+            ["pipeline", "stage"],
             registry=registry,
         )
 

@@ -15,10 +15,13 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from omni_mesh.observability.audio_slo import AudioSloMetrics
+from omni_mesh.observability.autoscale_metrics import AutoscaleMetrics
 from omni_mesh.observability.gc_metrics import ProcessGcMetrics
 from omni_mesh.observability.kv_metrics import KvMetrics
 from omni_mesh.observability.tenant_labels import TenantLabels
 from omni_mesh.observability.usage_metrics import UsageMetrics
+
+__all__ = ["AutoscaleMetrics", "ControlPlaneMetrics", "SidecarMetrics"]
 
 # Latency buckets (seconds) for in-cluster HTTP APIs: 0.5 ms .. 10 s.
 HTTP_LATENCY_BUCKETS: tuple[float, ...] = (
@@ -56,21 +59,6 @@ CP_SWEEPER_LEADER = "omni_cp_sweeper_leader"
 CP_SWEEP_DURATION = "omni_cp_sweep_duration_seconds"
 CP_REQUEST_DURATION = "omni_cp_http_request_duration_seconds"
 CP_SESSIONS = "omni_cp_sessions"
-# Autoscaling (gauges refreshed from Redis on scrape: every omni-cp serves the same values).
-CP_DESIRED_REPLICAS = "omni_cp_desired_replicas"
-CP_RECOMMENDED_REPLICAS = "omni_cp_recommended_replicas"
-CP_READY_REPLICAS = "omni_cp_ready_replicas"
-CP_STAGE_UTILIZATION = "omni_cp_stage_utilization"
-CP_STAGE_QUEUED = "omni_cp_stage_queued"
-CP_STAGE_LATENCY = "omni_cp_stage_estimated_latency_seconds"
-CP_STAGE_QUEUE_WAIT = "omni_cp_stage_queue_wait_seconds"
-CP_STAGE_FIRST_AUDIO = "omni_cp_stage_first_audio_p95_seconds"
-CP_STAGE_RTF = "omni_cp_stage_realtime_factor_p5"
-CP_STAGE_KV_CACHE = "omni_cp_stage_kv_cache_usage"
-CP_SCALE_DECISIONS = "omni_cp_scale_decisions"
-CP_STANDBY_REPLICAS = "omni_cp_standby_replicas"
-CP_STANDBY_PROMOTIONS = "omni_cp_standby_promotions"
-
 # Label values of the "state" label (mirrors control_plane.schema.InstanceState).
 CP_INSTANCE_STATES: tuple[str, ...] = ("healthy", "standby", "isolated", "draining")
 
@@ -167,111 +155,6 @@ class ControlPlaneMetrics:
         self.autoscale = AutoscaleMetrics(registry)
 
 
-class AutoscaleMetrics:
-    """Autoscaling figures of one ``omni-cp``: the last decision per stage and its inputs."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        stage = ["pipeline", "stage"]
-        self.desired = Gauge(
-            CP_DESIRED_REPLICAS,
-            "Replicas the autoscaling policy wants for the stage (last decision).",
-            stage,
-            registry=registry,
-        )
-        self.recommended = Gauge(
-            CP_RECOMMENDED_REPLICAS,
-            "Replicas the stage's load alone asks for, before windows, steps and cooldown.",
-            stage,
-            registry=registry,
-        )
-        self.ready = Gauge(
-            CP_READY_REPLICAS,
-            "Healthy replicas of an autoscaled stage when it was last decided.",
-            stage,
-            registry=registry,
-        )
-        self.utilization = Gauge(
-            CP_STAGE_UTILIZATION,
-            "Mean load per ready replica over its capacity (what the policy compares to target).",
-            stage,
-            registry=registry,
-        )
-        self.queued = Gauge(
-            CP_STAGE_QUEUED,
-            "Requests waiting in the engines of an autoscaled stage.",
-            stage,
-            registry=registry,
-        )
-        self.latency = Gauge(
-            CP_STAGE_LATENCY,
-            "Estimated queue + step time of a new request at the stage (engine figures).",
-            stage,
-            registry=registry,
-        )
-        self.queue_wait = Gauge(
-            CP_STAGE_QUEUE_WAIT,
-            "Mean time requests waited at the stage's replicas before their engines started "
-            "them, as the replicas last reported it (mean over them).",
-            stage,
-            registry=registry,
-        )
-        self.first_audio = Gauge(
-            CP_STAGE_FIRST_AUDIO,
-            "p95 time to first audio of the pipeline's streamed audio answers over the last "
-            "seconds, as its API servers measured it (for a stage that targets it).",
-            stage,
-            registry=registry,
-        )
-        self.realtime_factor = Gauge(
-            CP_STAGE_RTF,
-            "p5 real-time factor of the pipeline's streamed audio answers over the last seconds, "
-            "as its API servers measured it (for a stage that targets it).",
-            stage,
-            registry=registry,
-        )
-        self.kv_cache = Gauge(
-            CP_STAGE_KV_CACHE,
-            "Highest KV-cache use (0..1) reported by a ready replica of the stage.",
-            stage,
-            registry=registry,
-        )
-        self.decisions = Counter(
-            CP_SCALE_DECISIONS,
-            "Autoscaling decisions made by this omni-cp (lock holder) by direction and reason.",
-            [*stage, "direction", "reason"],
-            registry=registry,
-        )
-        self.standby = Gauge(
-            CP_STANDBY_REPLICAS,
-            "Warm standby replicas of an autoscaled stage (not routed to) when it was last "
-            "decided.",
-            stage,
-            registry=registry,
-        )
-        self.promotions = Counter(
-            CP_STANDBY_PROMOTIONS,
-            "Standby replicas this omni-cp (lock holder) promoted into their stage's pool.",
-            stage,
-            registry=registry,
-        )
-
-    def stage_gauges(self) -> tuple[Gauge, ...]:
-        """Every per-stage gauge (cleared and set again on each scrape)."""
-        return (
-            self.desired,
-            self.recommended,
-            self.ready,
-            self.utilization,
-            self.queued,
-            self.latency,
-            self.queue_wait,
-            self.first_audio,
-            self.realtime_factor,
-            self.kv_cache,
-            self.standby,
-        )
-
-
 # ==============================================================================================
 # Data plane / sidecar / engines: sections appended below by their owners.
 # ==============================================================================================
@@ -290,8 +173,6 @@ SC_HANDOFF_BYTES = "omni_stage_handoff_bytes"
 SC_HANDOFF_DURATION = "omni_stage_handoff_duration_seconds"
 SC_ENGINE_QUEUE = "omni_stage_engine_queued"
 SC_ENGINE_STEP = "omni_stage_engine_step_seconds"
-SC_STREAM_REALTIME = "omni_stage_stream_realtime_factor"
-SC_ENGINE_BUSY = "omni_stage_engine_busy_seconds"
 SC_AFFINITY_PICKS = "omni_stage_affinity_picks"
 SC_ENGINE_RUNNING = "omni_stage_engine_running_requests"
 SC_ENGINE_WAITING = "omni_stage_engine_waiting_requests"
@@ -408,21 +289,6 @@ class SidecarMetrics:
             ["pipeline", "from_stage", "to_stage", "outcome"],
             registry=registry,
         )
-        self.engine_busy = Counter(
-            SC_ENGINE_BUSY,
-            "The engine's stepping time (what usage's engine seconds are shares of).",
-            ["pipeline", "stage"],
-            registry=registry,
-        )
-        self._busy_exported = 0.0  # the engine's busy total at the last scrape
-        self.stream_realtime = Gauge(
-            SC_STREAM_REALTIME,
-            "An audio-frame stage (a talker): the audio seconds its last step made for each "
-            "running stream over that step's duration (below 1: its streams fall behind "
-            "playback).",
-            ["pipeline", "stage"],
-            registry=registry,
-        )
         # A model engine with its own scheduler (vLLM) reports these (Stats.engine).
         self.engine_running = Gauge(
             SC_ENGINE_RUNNING,
@@ -533,11 +399,3 @@ class SidecarMetrics:
             buckets=STAGE_LATENCY_BUCKETS,
             registry=registry,
         )
-
-    def export_busy(self, labels: tuple[str, str], busy_s: float) -> None:
-        """Add what the engine's busy total grew by since the last scrape (an engine that
-        restarted counts from zero again)."""
-        last, self._busy_exported = self._busy_exported, busy_s
-        grown = busy_s - last if busy_s >= last else busy_s
-        if grown > 0:
-            self.engine_busy.labels(*labels).inc(grown)

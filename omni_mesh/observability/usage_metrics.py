@@ -14,6 +14,7 @@ from omni_mesh.observability.tenant_labels import TenantLabels
 SC_USAGE_ENGINE_SECONDS = "omni_usage_engine_seconds"
 SC_USAGE_AUDIO_SECONDS = "omni_usage_audio_seconds"
 SC_USAGE_REQUESTS = "omni_usage_requests"
+SC_ENGINE_BUSY = "omni_stage_engine_busy_seconds"
 
 
 class UsageMetrics:
@@ -40,6 +41,22 @@ class UsageMetrics:
             ["pipeline", "tenant"],
             registry=registry,
         )
+        # A stage pod's: its engine's stepping time, what the requests' shares add up to.
+        self.engine_busy = Counter(
+            SC_ENGINE_BUSY,
+            "The engine's stepping time (what usage's engine seconds are shares of).",
+            ["pipeline", "stage"],
+            registry=registry,
+        )
+        self._busy_exported = 0.0  # the engine's busy total at the last scrape
+
+    def export_busy(self, labels: tuple[str, str], busy_s: float) -> None:
+        """Add what the engine's busy total grew by since the last scrape (an engine that
+        restarted counts from zero again)."""
+        last, self._busy_exported = self._busy_exported, busy_s
+        grown = busy_s - last if busy_s >= last else busy_s
+        if grown > 0:
+            self.engine_busy.labels(*labels).inc(grown)
 
     def record(
         self,

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from omni_mesh.control_plane.schema import ScalePolicyRequest, ScaleStatus
-from omni_mesh.observability.metrics import CP_DESIRED_REPLICAS
+from omni_mesh.observability.autoscale_metrics import CP_DESIRED_REPLICAS
 from tests.k8s.keda_schema import SCALED_OBJECT
 from tests.procs import start_control_plane
 

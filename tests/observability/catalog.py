@@ -15,7 +15,14 @@ import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
-from omni_mesh.observability import audio_slo, gc_metrics, kv_metrics, metrics, usage_metrics
+from omni_mesh.observability import (
+    audio_slo,
+    autoscale_metrics,
+    gc_metrics,
+    kv_metrics,
+    metrics,
+    usage_metrics,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 OBS = REPO / "omni_mesh" / "observability"
@@ -81,11 +88,12 @@ def catalogue() -> dict[str, Series]:
 
 
 def declared_names() -> set[str]:
-    """The metric-name constants of ``metrics.py``, ``gc_metrics.py``, ``kv_metrics.py``,
-    ``audio_slo.py`` and ``usage_metrics.py`` (every ``omni_*`` string constant)."""
+    """The metric-name constants of ``metrics.py`` and the modules beside it that hold a
+    component's series (every ``omni_*`` string constant)."""
+    modules = (metrics, autoscale_metrics, gc_metrics, kv_metrics, audio_slo, usage_metrics)
     return {
         value
-        for module in (metrics, gc_metrics, kv_metrics, audio_slo, usage_metrics)
+        for module in modules
         for name, value in vars(module).items()
         if name.isupper() and isinstance(value, str) and value.startswith("omni_")
     }

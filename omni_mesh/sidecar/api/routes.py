@@ -332,10 +332,10 @@ async def metrics(request: web.Request) -> web.Response:
         pod.metrics.engine_queued.labels(*labels).set(pod.engine.stats.queued)
         pod.metrics.engine_step.labels(*labels).set(pod.engine.stats.step_ms / 1000.0)
         stats = pod.engine.stats
-        pod.metrics.export_busy(labels, stats.busy_ms / 1000.0)
+        pod.metrics.usage.export_busy(labels, stats.busy_ms / 1000.0)
         if stats.step_audio_s > 0 and stats.step_ms > 0:  # a talker: its streams vs playback
             factor = stats.step_audio_s / (stats.step_ms / 1000.0)
-            pod.metrics.stream_realtime.labels(*labels).set(factor)
+            pod.metrics.audio.stream_realtime.labels(*labels).set(factor)
         model = pod.engine.stats.engine  # a model engine with its own scheduler (vLLM)
         if model is not None:
             pod.metrics.engine_running.labels(*labels).set(model.running)
